@@ -1,0 +1,32 @@
+// `pipewright bench --suite kernels`: achieved GFLOP/s of a gpt-small training step (forward,
+// backward, optimizer; one BLAS thread) against single-thread OpenBLAS sgemm.
+#ifndef PIPEWRIGHT_BENCH_KERNEL_SUITE_H_
+#define PIPEWRIGHT_BENCH_KERNEL_SUITE_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace pipewright::bench {
+
+struct BenchRow {
+  std::string name;
+  double seconds = 0;      // median time of one repetition
+  double gflops_per_s = 0;
+  double flops = 0;        // per repetition
+};
+
+struct KernelSuiteResult {
+  std::vector<BenchRow> rows;
+  double sgemm_gflops_per_s = 0;  // best single-thread sgemm among the reference shapes
+  double step_gflops_per_s = 0;
+  double fraction_of_sgemm = 0;
+};
+
+// `repetitions` timed runs after one warm-up for each row.
+absl::StatusOr<KernelSuiteResult> RunKernelSuite(int repetitions);
+
+}  // namespace pipewright::bench
+
+#endif  // PIPEWRIGHT_BENCH_KERNEL_SUITE_H_

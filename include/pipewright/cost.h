@@ -1,0 +1,35 @@
+// Cost of one layer for one micro-batch: what the partitioner balances and the memory model
+// adds up. All counts are for a micro-batch of shape (micro_batch_size, seq_len).
+#ifndef PIPEWRIGHT_COST_H_
+#define PIPEWRIGHT_COST_H_
+
+#include <cstdint>
+
+namespace pipewright {
+
+struct MicroBatchShape {
+  int64_t batch = 1;    // sequences per micro-batch
+  int64_t seq_len = 1;  // tokens per sequence
+  int64_t tokens() const { return batch * seq_len; }
+};
+
+struct Cost {
+  int64_t params = 0;            // trainable parameters
+  double forward_flops = 0;      // multiply-add = 2 FLOPs
+  double backward_flops = 0;     // input + weight gradients
+  int64_t activation_bytes = 0;  // bytes the layer saves between forward and backward
+  int64_t output_bytes = 0;      // bytes of the layer's output (what a stage boundary sends)
+
+  Cost& operator+=(const Cost& o) {
+    params += o.params;
+    forward_flops += o.forward_flops;
+    backward_flops += o.backward_flops;
+    activation_bytes += o.activation_bytes;
+    output_bytes = o.output_bytes;  // a sequence's output is its last part's output
+    return *this;
+  }
+};
+
+}  // namespace pipewright
+
+#endif  // PIPEWRIGHT_COST_H_

@@ -1,0 +1,111 @@
+// Layer: the unit of work a pipeline stage runs. The backward is split in two, as zero-bubble
+// schedules need:
+//   Forward(x)          -> y, keeping in `saved` what the backward needs
+//   BackwardInput(dy)   -> dx = dL/dx, keeping in `saved` what the weight gradient needs
+//   BackwardWeight()    -> dL/dW ACCUMULATED (+=) into each Parameter::grad, then frees `saved`
+// Backward() = BackwardInput then BackwardWeight. One `Saved` per micro-batch in flight, so a
+// stage may hold several micro-batches' activations at once (1F1B warm-up).
+//
+// Parameters are created and initialised by LayerSpec::Create from (seed, global layer index),
+// so a layer has bit-identical weights whichever pipeline stage instantiates it.
+#ifndef PIPEWRIGHT_LAYER_H_
+#define PIPEWRIGHT_LAYER_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "pipewright/cost.h"
+#include "pipewright/tensor.h"
+
+namespace pipewright {
+
+struct Parameter {
+  std::string name;           // global, stable: "blocks.3.attn.qkv.weight"
+  Tensor value;               // f32 master weights
+  Tensor grad;                // f32, same shape; accumulated across micro-batches
+  bool weight_decay = true;   // false for biases, LayerNorm and embeddings' positions
+};
+
+// What one layer keeps between the passes of one micro-batch. Composite layers nest.
+struct Saved {
+  std::vector<Tensor> tensors;
+  std::vector<Saved> children;
+  void Clear() {
+    tensors.clear();
+    children.clear();
+  }
+  bool empty() const { return tensors.empty() && children.empty(); }
+  int64_t bytes() const;
+};
+
+// Per-call context: where to allocate outputs, and the targets for a loss layer.
+struct LayerContext {
+  Allocator* allocator = nullptr;  // nullptr = DefaultCpuAllocator()
+  const Tensor* targets = nullptr; // [B, T] i32 next tokens; loss layers only
+};
+
+class Layer {
+ public:
+  virtual ~Layer() = default;
+  virtual absl::string_view kind() const = 0;
+
+  virtual absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx,
+                                         Saved* saved) = 0;
+  virtual absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
+                                               Saved* saved) = 0;
+  virtual absl::Status BackwardWeight(const LayerContext& ctx, Saved* saved) = 0;
+  absl::StatusOr<Tensor> Backward(const Tensor& dy, const LayerContext& ctx, Saved* saved);
+
+  // Trainable parameters in a fixed order (the layer keeps ownership).
+  virtual std::vector<Parameter*> Parameters() { return {}; }
+};
+
+struct InitContext {
+  uint64_t seed = 0;
+  int layer_index = 0;     // global index in the LayerGraph
+  std::string name;        // the node's name, prefix of every parameter name
+  int num_blocks = 1;      // transformer depth, for GPT-2's residual-projection scaling
+  Allocator* allocator = nullptr;
+};
+
+// Describes a layer without allocating it: configuration, cost, and a factory.
+class LayerSpec {
+ public:
+  virtual ~LayerSpec() = default;
+  virtual std::string kind() const = 0;
+  // Cost for one micro-batch; `input_bytes` is the previous layer's output_bytes (what
+  // width-agnostic layers such as GELU and the loss are sized by).
+  virtual Cost GetCost(const MicroBatchShape& shape, int64_t input_bytes) const = 0;
+  virtual absl::StatusOr<std::unique_ptr<Layer>> Create(const InitContext& init) const = 0;
+  // Shape configuration as "key=value,..." for fingerprints and model files.
+  virtual std::string Config() const = 0;
+};
+
+using LayerSpecPtr = std::shared_ptr<const LayerSpec>;
+
+// Built-in layer kinds. Activations are [B, T, C] f32; token inputs/targets are [B, T] i32.
+namespace layers {
+LayerSpecPtr Linear(int64_t in, int64_t out, bool bias = true);
+LayerSpecPtr Gelu();
+LayerSpecPtr LayerNorm(int64_t dim, float eps = 1e-5f);
+// Linear(dim, hidden) -> GELU -> Linear(hidden, dim)
+LayerSpecPtr Mlp(int64_t dim, int64_t hidden);
+// qkv Linear(dim, 3 dim) -> causal multi-head attention -> proj Linear(dim, dim)
+LayerSpecPtr CausalSelfAttention(int64_t dim, int64_t heads);
+// Pre-LN GPT-2 block: x + attn(ln_1(x)), then h + mlp(ln_2(h)).
+LayerSpecPtr TransformerBlock(int64_t dim, int64_t heads);
+// tokens [B, T] i32 -> wte[token] + wpe[t]
+LayerSpecPtr Embedding(int64_t vocab, int64_t max_seq, int64_t dim);
+// Linear(dim, vocab) without bias, untied from the embedding.
+LayerSpecPtr LmHead(int64_t dim, int64_t vocab);
+// logits [B, T, V] + ctx.targets -> [1] mean cross-entropy over tokens
+LayerSpecPtr CrossEntropyLoss();
+}  // namespace layers
+
+}  // namespace pipewright
+
+#endif  // PIPEWRIGHT_LAYER_H_

@@ -1,0 +1,104 @@
+// Staging a model: a ModelBuilder adds named layer nodes in order and yields a LayerGraph with
+// per-layer costs. Any contiguous range [begin, end) of a LayerGraph can be instantiated alone
+// as a Stage: no rank ever allocates the whole model.
+//
+//   ModelBuilder b("my-gpt", {.batch = 4, .seq_len = 64});
+//   b.Add("embed", layers::Embedding(256, 64, 128));
+//   for (int i = 0; i < 6; ++i) b.Add(absl::StrCat("blocks.", i), layers::TransformerBlock(128, 4));
+//   b.Add("ln_f", layers::LayerNorm(128)).Add("lm_head", layers::LmHead(128, 256));
+//   b.Add("loss", layers::CrossEntropyLoss());
+//   PW_ASSIGN_OR_RETURN(LayerGraph graph, b.Build());
+//   PW_ASSIGN_OR_RETURN(auto stage, graph.Instantiate(2, 5, /*seed=*/7));
+#ifndef PIPEWRIGHT_MODEL_H_
+#define PIPEWRIGHT_MODEL_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "pipewright/cost.h"
+#include "pipewright/layer.h"
+
+namespace pipewright {
+
+struct LayerNode {
+  std::string name;
+  LayerSpecPtr spec;
+  Cost cost;  // for the graph's micro-batch shape
+};
+
+// The layers [begin, end) of a graph, instantiated with their global names and weights.
+class Stage {
+ public:
+  Stage(int begin, std::vector<std::string> names, std::vector<std::unique_ptr<Layer>> layers);
+  int begin() const { return begin_; }
+  int end() const { return begin_ + static_cast<int>(layers_.size()); }
+  int size() const { return static_cast<int>(layers_.size()); }
+  Layer& layer(int i) { return *layers_[i]; }
+  const std::string& name(int i) const { return names_[i]; }
+  std::vector<Parameter*> Parameters();
+
+  // One micro-batch through every layer; `saved` gets one entry per layer.
+  absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx,
+                                 std::vector<Saved>* saved);
+  absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
+                                       std::vector<Saved>* saved);
+  absl::Status BackwardWeight(const LayerContext& ctx, std::vector<Saved>* saved);
+
+ private:
+  int begin_;
+  std::vector<std::string> names_;
+  std::vector<std::unique_ptr<Layer>> layers_;
+};
+
+class LayerGraph {
+ public:
+  const std::string& name() const { return name_; }
+  const MicroBatchShape& shape() const { return shape_; }
+  int num_layers() const { return static_cast<int>(nodes_.size()); }
+  const LayerNode& node(int i) const { return nodes_[i]; }
+  const std::vector<LayerNode>& nodes() const { return nodes_; }
+  Cost TotalCost() const;
+  // Number of transformer blocks (for GPT-2's residual-projection init scaling).
+  int num_blocks() const { return num_blocks_; }
+  // Instantiates layers [begin, end) only. Errors on an empty or out-of-range range.
+  absl::StatusOr<std::unique_ptr<Stage>> Instantiate(int begin, int end, uint64_t seed,
+                                                     Allocator* allocator = nullptr) const;
+  // Stable digest of names, kinds and configs: "sha256-like" hex of a 64-bit FNV-1a pair.
+  std::string Fingerprint() const;
+
+ private:
+  friend class ModelBuilder;
+  std::string name_;
+  MicroBatchShape shape_;
+  std::vector<LayerNode> nodes_;
+  int num_blocks_ = 1;
+};
+
+class ModelBuilder {
+ public:
+  ModelBuilder(std::string name, MicroBatchShape shape);
+  // Appends a node. Names must be unique and non-empty (checked at Build).
+  ModelBuilder& Add(std::string name, LayerSpecPtr spec);
+  absl::StatusOr<LayerGraph> Build() const;
+
+ private:
+  std::string name_;
+  MicroBatchShape shape_;
+  std::vector<std::pair<std::string, LayerSpecPtr>> nodes_;
+};
+
+// Presets: "mlp", "gpt-tiny", "gpt-small". `micro_batch_size` 0 keeps the preset's default.
+struct GptConfig {
+  int64_t layers = 4, hidden = 64, heads = 4, seq = 32, vocab = 256;
+};
+absl::StatusOr<LayerGraph> GptModel(const std::string& name, const GptConfig& config,
+                                    int64_t micro_batch_size);
+absl::StatusOr<LayerGraph> PresetModel(absl::string_view preset, int64_t micro_batch_size);
+std::vector<std::string> PresetNames();
+
+}  // namespace pipewright
+
+#endif  // PIPEWRIGHT_MODEL_H_

@@ -1,0 +1,133 @@
+// Concrete built-in layers (internal; users go through the LayerSpec factories in layer.h).
+#ifndef PIPEWRIGHT_RUNTIME_LAYERS_LAYERS_INTERNAL_H_
+#define PIPEWRIGHT_RUNTIME_LAYERS_LAYERS_INTERNAL_H_
+
+#include <memory>
+#include <vector>
+
+#include "pipewright/layer.h"
+
+namespace pipewright::internal {
+
+std::vector<int64_t> WithLastDim(const std::vector<int64_t>& shape, int64_t last);
+
+// y = x W^T + b with W [out, in] row-major (PyTorch nn.Linear layout).
+class LinearLayer final : public Layer {
+ public:
+  LinearLayer(const InitContext& init, int64_t in, int64_t out, bool bias, float std);
+  absl::string_view kind() const override { return "linear"; }
+  absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
+  absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
+                                       Saved* saved) override;
+  absl::Status BackwardWeight(const LayerContext& ctx, Saved* saved) override;
+  std::vector<Parameter*> Parameters() override;
+
+ private:
+  int64_t in_, out_;
+  bool has_bias_;
+  Parameter weight_, bias_;
+};
+
+class GeluLayer final : public Layer {
+ public:
+  absl::string_view kind() const override { return "gelu"; }
+  absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
+  absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
+                                       Saved* saved) override;
+  absl::Status BackwardWeight(const LayerContext&, Saved*) override { return absl::OkStatus(); }
+};
+
+class LayerNormLayer final : public Layer {
+ public:
+  LayerNormLayer(const InitContext& init, int64_t dim, float eps);
+  absl::string_view kind() const override { return "layernorm"; }
+  absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
+  absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
+                                       Saved* saved) override;
+  absl::Status BackwardWeight(const LayerContext& ctx, Saved* saved) override;
+  std::vector<Parameter*> Parameters() override { return {&gamma_, &beta_}; }
+
+ private:
+  int64_t dim_;
+  float eps_;
+  Parameter gamma_, beta_;
+};
+
+class EmbeddingLayer final : public Layer {
+ public:
+  EmbeddingLayer(const InitContext& init, int64_t vocab, int64_t max_seq, int64_t dim);
+  absl::string_view kind() const override { return "embedding"; }
+  absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
+  absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
+                                       Saved* saved) override;
+  absl::Status BackwardWeight(const LayerContext& ctx, Saved* saved) override;
+  std::vector<Parameter*> Parameters() override { return {&wte_, &wpe_}; }
+
+ private:
+  int64_t vocab_, max_seq_, dim_;
+  Parameter wte_, wpe_;
+};
+
+// Mean token cross-entropy of logits against ctx.targets; output [1]. The incoming gradient
+// dy[0] scales the result (the engine passes 1 / micro-batches).
+class CrossEntropyLayer final : public Layer {
+ public:
+  absl::string_view kind() const override { return "cross_entropy"; }
+  absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
+  absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
+                                       Saved* saved) override;
+  absl::Status BackwardWeight(const LayerContext&, Saved*) override { return absl::OkStatus(); }
+};
+
+// Children applied in order; its Saved has one child per sub-layer.
+class SequentialLayer : public Layer {
+ public:
+  SequentialLayer(std::string kind, std::vector<std::unique_ptr<Layer>> children)
+      : kind_(std::move(kind)), children_(std::move(children)) {}
+  absl::string_view kind() const override { return kind_; }
+  absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
+  absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
+                                       Saved* saved) override;
+  absl::Status BackwardWeight(const LayerContext& ctx, Saved* saved) override;
+  std::vector<Parameter*> Parameters() override;
+
+ private:
+  std::string kind_;
+  std::vector<std::unique_ptr<Layer>> children_;
+};
+
+// The attention core: qkv [B, T, 3C] -> [B, T, C], no parameters.
+class AttentionCoreLayer final : public Layer {
+ public:
+  AttentionCoreLayer(int64_t dim, int64_t heads) : dim_(dim), heads_(heads) {}
+  absl::string_view kind() const override { return "attention_core"; }
+  absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
+  absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
+                                       Saved* saved) override;
+  absl::Status BackwardWeight(const LayerContext&, Saved*) override { return absl::OkStatus(); }
+
+ private:
+  int64_t dim_, heads_;
+};
+
+// Pre-LN GPT-2 block: h = x + attn(ln_1(x)); out = h + mlp(ln_2(h)).
+class TransformerBlockLayer final : public Layer {
+ public:
+  TransformerBlockLayer(const InitContext& init, int64_t dim, int64_t heads);
+  absl::string_view kind() const override { return "transformer_block"; }
+  absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
+  absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
+                                       Saved* saved) override;
+  absl::Status BackwardWeight(const LayerContext& ctx, Saved* saved) override;
+  std::vector<Parameter*> Parameters() override;
+
+ private:
+  std::unique_ptr<Layer> ln_1_, attn_, ln_2_, mlp_;
+};
+
+std::unique_ptr<Layer> MakeMlp(const InitContext& init, int64_t dim, int64_t hidden);
+std::unique_ptr<Layer> MakeAttention(const InitContext& init, int64_t dim, int64_t heads);
+
+}  // namespace pipewright::internal
+
+#endif  // PIPEWRIGHT_RUNTIME_LAYERS_LAYERS_INTERNAL_H_

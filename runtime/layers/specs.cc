@@ -1,0 +1,205 @@
+// LayerSpecs: configuration, analytic cost per micro-batch, and factories for built-in layers.
+#include <functional>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "runtime/layers/layer_util.h"
+#include "runtime/layers/layers_internal.h"
+
+namespace pipewright {
+namespace {
+
+using internal::Child;
+constexpr int64_t kF32 = 4;
+
+Cost LinearCost(int64_t n, int64_t in, int64_t out, bool bias) {
+  Cost c;
+  c.params = in * out + (bias ? out : 0);
+  c.forward_flops = 2.0 * n * in * out;
+  c.backward_flops = 4.0 * n * in * out;
+  c.activation_bytes = n * in * kF32;
+  c.output_bytes = n * out * kF32;
+  return c;
+}
+Cost GeluCost(int64_t n, int64_t dim) {
+  Cost c;
+  c.forward_flops = 10.0 * n * dim;
+  c.backward_flops = 14.0 * n * dim;
+  c.activation_bytes = n * dim * kF32;
+  c.output_bytes = n * dim * kF32;
+  return c;
+}
+Cost LayerNormCost(int64_t n, int64_t dim) {
+  Cost c;
+  c.params = 2 * dim;
+  c.forward_flops = 8.0 * n * dim;
+  c.backward_flops = 14.0 * n * dim;
+  c.activation_bytes = (n * dim + 2 * n) * kF32;
+  c.output_bytes = n * dim * kF32;
+  return c;
+}
+Cost AttentionCoreCost(const MicroBatchShape& s, int64_t dim, int64_t heads) {
+  Cost c;
+  double b = s.batch, t = s.seq_len;
+  c.forward_flops = 4.0 * b * t * t * dim + 5.0 * b * heads * t * t;
+  c.backward_flops = 8.0 * b * t * t * dim + 8.0 * b * heads * t * t;
+  c.activation_bytes = (s.tokens() * 3 * dim + s.batch * heads * s.seq_len * s.seq_len) * kF32;
+  c.output_bytes = s.tokens() * dim * kF32;
+  return c;
+}
+Cost MlpCost(int64_t n, int64_t dim, int64_t hidden) {
+  Cost c = LinearCost(n, dim, hidden, true);
+  c += GeluCost(n, hidden);
+  c += LinearCost(n, hidden, dim, true);
+  return c;
+}
+Cost AttentionCost(const MicroBatchShape& s, int64_t dim, int64_t heads) {
+  Cost c = LinearCost(s.tokens(), dim, 3 * dim, true);
+  c += AttentionCoreCost(s, dim, heads);
+  c += LinearCost(s.tokens(), dim, dim, true);
+  return c;
+}
+
+template <typename Fn>
+class SimpleSpec final : public LayerSpec {
+ public:
+  SimpleSpec(std::string kind, std::string config, std::function<Cost(const MicroBatchShape&, int64_t)> cost,
+             Fn make)
+      : kind_(std::move(kind)), config_(std::move(config)), cost_(std::move(cost)),
+        make_(std::move(make)) {}
+  std::string kind() const override { return kind_; }
+  Cost GetCost(const MicroBatchShape& shape, int64_t input_bytes) const override {
+    return cost_(shape, input_bytes);
+  }
+  std::string Config() const override { return config_; }
+  absl::StatusOr<std::unique_ptr<Layer>> Create(const InitContext& init) const override {
+    return make_(init);
+  }
+
+ private:
+  std::string kind_, config_;
+  std::function<Cost(const MicroBatchShape&, int64_t)> cost_;
+  Fn make_;
+};
+
+template <typename Fn>
+LayerSpecPtr MakeSpec(std::string kind, std::string config,
+                      std::function<Cost(const MicroBatchShape&, int64_t)> cost, Fn make) {
+  return std::make_shared<SimpleSpec<Fn>>(std::move(kind), std::move(config), std::move(cost),
+                                          std::move(make));
+}
+
+}  // namespace
+
+namespace layers {
+
+LayerSpecPtr Linear(int64_t in, int64_t out, bool bias) {
+  PW_CHECK(in > 0 && out > 0);
+  return MakeSpec(
+      "linear", absl::StrFormat("in=%d,out=%d,bias=%d", in, out, bias ? 1 : 0),
+      [=](const MicroBatchShape& s, int64_t) { return LinearCost(s.tokens(), in, out, bias); },
+      [=](const InitContext& init) -> std::unique_ptr<Layer> {
+        return std::make_unique<internal::LinearLayer>(init, in, out, bias, 0.02f);
+      });
+}
+
+LayerSpecPtr Gelu() {
+  return MakeSpec(
+      "gelu", "", [](const MicroBatchShape&, int64_t in_bytes) { return GeluCost(in_bytes / kF32, 1); },
+      [](const InitContext&) -> std::unique_ptr<Layer> {
+        return std::make_unique<internal::GeluLayer>();
+      });
+}
+
+LayerSpecPtr LayerNorm(int64_t dim, float eps) {
+  PW_CHECK(dim > 0);
+  return MakeSpec(
+      "layernorm", absl::StrFormat("dim=%d,eps=%g", dim, eps),
+      [=](const MicroBatchShape& s, int64_t) { return LayerNormCost(s.tokens(), dim); },
+      [=](const InitContext& init) -> std::unique_ptr<Layer> {
+        return std::make_unique<internal::LayerNormLayer>(init, dim, eps);
+      });
+}
+
+LayerSpecPtr Mlp(int64_t dim, int64_t hidden) {
+  PW_CHECK(dim > 0 && hidden > 0);
+  return MakeSpec(
+      "mlp", absl::StrFormat("dim=%d,hidden=%d", dim, hidden),
+      [=](const MicroBatchShape& s, int64_t) { return MlpCost(s.tokens(), dim, hidden); },
+      [=](const InitContext& init) { return internal::MakeMlp(init, dim, hidden); });
+}
+
+LayerSpecPtr CausalSelfAttention(int64_t dim, int64_t heads) {
+  PW_CHECK(dim > 0 && heads > 0 && dim % heads == 0);
+  return MakeSpec(
+      "causal_self_attention", absl::StrFormat("dim=%d,heads=%d", dim, heads),
+      [=](const MicroBatchShape& s, int64_t) { return AttentionCost(s, dim, heads); },
+      [=](const InitContext& init) { return internal::MakeAttention(init, dim, heads); });
+}
+
+LayerSpecPtr TransformerBlock(int64_t dim, int64_t heads) {
+  PW_CHECK(dim > 0 && heads > 0 && dim % heads == 0);
+  return MakeSpec(
+      "transformer_block", absl::StrFormat("dim=%d,heads=%d", dim, heads),
+      [=](const MicroBatchShape& s, int64_t) {
+        int64_t n = s.tokens();
+        Cost c = LayerNormCost(n, dim);
+        c += AttentionCost(s, dim, heads);
+        c += LayerNormCost(n, dim);
+        c += MlpCost(n, dim, 4 * dim);
+        c.forward_flops += 2.0 * n * dim;  // the two residual adds
+        c.backward_flops += 2.0 * n * dim;
+        return c;
+      },
+      [=](const InitContext& init) -> std::unique_ptr<Layer> {
+        return std::make_unique<internal::TransformerBlockLayer>(init, dim, heads);
+      });
+}
+
+LayerSpecPtr Embedding(int64_t vocab, int64_t max_seq, int64_t dim) {
+  PW_CHECK(vocab > 0 && max_seq > 0 && dim > 0);
+  return MakeSpec(
+      "embedding", absl::StrFormat("vocab=%d,max_seq=%d,dim=%d", vocab, max_seq, dim),
+      [=](const MicroBatchShape& s, int64_t) {
+        Cost c;
+        c.params = (vocab + max_seq) * dim;
+        c.forward_flops = 1.0 * s.tokens() * dim;
+        c.backward_flops = 2.0 * s.tokens() * dim;
+        c.activation_bytes = s.tokens() * 4;
+        c.output_bytes = s.tokens() * dim * kF32;
+        return c;
+      },
+      [=](const InitContext& init) -> std::unique_ptr<Layer> {
+        return std::make_unique<internal::EmbeddingLayer>(init, vocab, max_seq, dim);
+      });
+}
+
+LayerSpecPtr LmHead(int64_t dim, int64_t vocab) {
+  PW_CHECK(dim > 0 && vocab > 0);
+  return MakeSpec(
+      "lm_head", absl::StrFormat("dim=%d,vocab=%d", dim, vocab),
+      [=](const MicroBatchShape& s, int64_t) { return LinearCost(s.tokens(), dim, vocab, false); },
+      [=](const InitContext& init) -> std::unique_ptr<Layer> {
+        return std::make_unique<internal::LinearLayer>(init, dim, vocab, false, 0.02f);
+      });
+}
+
+LayerSpecPtr CrossEntropyLoss() {
+  return MakeSpec(
+      "cross_entropy", "",
+      [](const MicroBatchShape& s, int64_t in_bytes) {
+        Cost c;
+        double logits = static_cast<double>(in_bytes) / kF32;
+        c.forward_flops = 5.0 * logits;
+        c.backward_flops = 3.0 * logits;
+        c.activation_bytes = in_bytes + s.tokens() * 4;
+        c.output_bytes = kF32;
+        return c;
+      },
+      [](const InitContext&) -> std::unique_ptr<Layer> {
+        return std::make_unique<internal::CrossEntropyLayer>();
+      });
+}
+
+}  // namespace layers
+}  // namespace pipewright

@@ -1,0 +1,168 @@
+// Composite layers: sequential containers, causal self-attention, the GPT-2 block.
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu/cpu_kernels.h"
+#include "runtime/layers/layer_util.h"
+#include "runtime/layers/layers_internal.h"
+
+namespace pipewright::internal {
+
+namespace {
+// GPT-2 scales the init of projections that write into the residual stream by 1/sqrt(2 L).
+float ResidualStd(const InitContext& init) {
+  return 0.02f / std::sqrt(2.0f * static_cast<float>(std::max(1, init.num_blocks)));
+}
+
+Tensor AddTensors(const Tensor& a, const Tensor& b, const LayerContext& ctx) {
+  Tensor out = Tensor::Empty(a.shape(), DType::kF32, Alloc(ctx));
+  cpu::Add(a.data<float>(), b.data<float>(), out.data<float>(), a.numel());
+  return out;
+}
+}  // namespace
+
+absl::StatusOr<Tensor> SequentialLayer::Forward(const Tensor& x, const LayerContext& ctx,
+                                                Saved* saved) {
+  saved->Clear();
+  saved->children.resize(children_.size());
+  Tensor h = x;
+  for (size_t i = 0; i < children_.size(); ++i) {
+    PW_ASSIGN_OR_RETURN(h, children_[i]->Forward(h, ctx, &saved->children[i]));
+  }
+  return h;
+}
+
+absl::StatusOr<Tensor> SequentialLayer::BackwardInput(const Tensor& dy, const LayerContext& ctx,
+                                                      Saved* saved) {
+  if (saved->children.size() != children_.size()) {
+    return absl::FailedPreconditionError(absl::StrCat(kind_, ": backward without forward"));
+  }
+  Tensor g = dy;
+  for (size_t i = children_.size(); i-- > 0;) {
+    PW_ASSIGN_OR_RETURN(g, children_[i]->BackwardInput(g, ctx, &saved->children[i]));
+  }
+  return g;
+}
+
+absl::Status SequentialLayer::BackwardWeight(const LayerContext& ctx, Saved* saved) {
+  if (saved->children.size() != children_.size()) {
+    return absl::FailedPreconditionError(absl::StrCat(kind_, ": BackwardWeight without forward"));
+  }
+  for (size_t i = children_.size(); i-- > 0;) {
+    PW_RETURN_IF_ERROR(children_[i]->BackwardWeight(ctx, &saved->children[i]));
+  }
+  saved->Clear();
+  return absl::OkStatus();
+}
+
+std::vector<Parameter*> SequentialLayer::Parameters() {
+  std::vector<Parameter*> out;
+  for (auto& c : children_) {
+    for (Parameter* p : c->Parameters()) out.push_back(p);
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+absl::StatusOr<Tensor> AttentionCoreLayer::Forward(const Tensor& x, const LayerContext& ctx,
+                                                   Saved* saved) {
+  if (!x.defined() || x.rank() != 3 || x.dim(2) != 3 * dim_ || x.dtype() != DType::kF32) {
+    return absl::InvalidArgumentError(absl::StrCat("attention: expected qkv [B, T, ", 3 * dim_,
+                                                   "] f32, got ", x.ShapeString()));
+  }
+  int64_t B = x.dim(0), T = x.dim(1);
+  Tensor out = Tensor::Empty({B, T, dim_}, DType::kF32, Alloc(ctx));
+  Tensor probs = Tensor::Empty({B, heads_, T, T}, DType::kF32, Alloc(ctx));
+  cpu::AttentionForward(x.data<float>(), out.data<float>(), probs.data<float>(), B, T, dim_,
+                        heads_);
+  saved->tensors = {x, probs};
+  return out;
+}
+
+absl::StatusOr<Tensor> AttentionCoreLayer::BackwardInput(const Tensor& dy, const LayerContext& ctx,
+                                                         Saved* saved) {
+  if (saved->tensors.size() != 2) return absl::FailedPreconditionError("attention: no forward");
+  const Tensor& qkv = saved->tensors[0];
+  int64_t B = qkv.dim(0), T = qkv.dim(1);
+  Tensor dqkv = Tensor::Empty(qkv.shape(), DType::kF32, Alloc(ctx));
+  Tensor scratch = Tensor::Empty({T, T}, DType::kF32, Alloc(ctx));
+  cpu::AttentionBackward(dy.data<float>(), qkv.data<float>(), saved->tensors[1].data<float>(),
+                         dqkv.data<float>(), scratch.data<float>(), B, T, dim_, heads_);
+  saved->Clear();
+  return dqkv;
+}
+
+std::unique_ptr<Layer> MakeMlp(const InitContext& init, int64_t dim, int64_t hidden) {
+  std::vector<std::unique_ptr<Layer>> c;
+  c.push_back(std::make_unique<LinearLayer>(Child(init, "fc"), dim, hidden, true, 0.02f));
+  c.push_back(std::make_unique<GeluLayer>());
+  c.push_back(
+      std::make_unique<LinearLayer>(Child(init, "proj"), hidden, dim, true, ResidualStd(init)));
+  return std::make_unique<SequentialLayer>("mlp", std::move(c));
+}
+
+std::unique_ptr<Layer> MakeAttention(const InitContext& init, int64_t dim, int64_t heads) {
+  std::vector<std::unique_ptr<Layer>> c;
+  c.push_back(std::make_unique<LinearLayer>(Child(init, "qkv"), dim, 3 * dim, true, 0.02f));
+  c.push_back(std::make_unique<AttentionCoreLayer>(dim, heads));
+  c.push_back(
+      std::make_unique<LinearLayer>(Child(init, "proj"), dim, dim, true, ResidualStd(init)));
+  return std::make_unique<SequentialLayer>("causal_self_attention", std::move(c));
+}
+
+// ---------------------------------------------------------------------------------------------
+TransformerBlockLayer::TransformerBlockLayer(const InitContext& init, int64_t dim, int64_t heads)
+    : ln_1_(std::make_unique<LayerNormLayer>(Child(init, "ln_1"), dim, 1e-5f)),
+      attn_(MakeAttention(Child(init, "attn"), dim, heads)),
+      ln_2_(std::make_unique<LayerNormLayer>(Child(init, "ln_2"), dim, 1e-5f)),
+      mlp_(MakeMlp(Child(init, "mlp"), dim, 4 * dim)) {}
+
+absl::StatusOr<Tensor> TransformerBlockLayer::Forward(const Tensor& x, const LayerContext& ctx,
+                                                      Saved* saved) {
+  saved->Clear();
+  saved->children.resize(4);
+  PW_ASSIGN_OR_RETURN(Tensor a, ln_1_->Forward(x, ctx, &saved->children[0]));
+  PW_ASSIGN_OR_RETURN(Tensor b, attn_->Forward(a, ctx, &saved->children[1]));
+  Tensor h = AddTensors(x, b, ctx);
+  PW_ASSIGN_OR_RETURN(Tensor c, ln_2_->Forward(h, ctx, &saved->children[2]));
+  PW_ASSIGN_OR_RETURN(Tensor d, mlp_->Forward(c, ctx, &saved->children[3]));
+  cpu::AddInPlace(d.data<float>(), h.data<float>(), d.numel());
+  return d;
+}
+
+absl::StatusOr<Tensor> TransformerBlockLayer::BackwardInput(const Tensor& dy,
+                                                            const LayerContext& ctx,
+                                                            Saved* saved) {
+  if (saved->children.size() != 4) {
+    return absl::FailedPreconditionError("transformer_block: backward without forward");
+  }
+  PW_ASSIGN_OR_RETURN(Tensor dc, mlp_->BackwardInput(dy, ctx, &saved->children[3]));
+  PW_ASSIGN_OR_RETURN(Tensor dh, ln_2_->BackwardInput(dc, ctx, &saved->children[2]));
+  cpu::AddInPlace(dh.data<float>(), dy.data<float>(), dh.numel());
+  PW_ASSIGN_OR_RETURN(Tensor da, attn_->BackwardInput(dh, ctx, &saved->children[1]));
+  PW_ASSIGN_OR_RETURN(Tensor dx, ln_1_->BackwardInput(da, ctx, &saved->children[0]));
+  cpu::AddInPlace(dx.data<float>(), dh.data<float>(), dx.numel());
+  return dx;
+}
+
+absl::Status TransformerBlockLayer::BackwardWeight(const LayerContext& ctx, Saved* saved) {
+  if (saved->children.size() != 4) {
+    return absl::FailedPreconditionError("transformer_block: BackwardWeight without forward");
+  }
+  PW_RETURN_IF_ERROR(mlp_->BackwardWeight(ctx, &saved->children[3]));
+  PW_RETURN_IF_ERROR(ln_2_->BackwardWeight(ctx, &saved->children[2]));
+  PW_RETURN_IF_ERROR(attn_->BackwardWeight(ctx, &saved->children[1]));
+  PW_RETURN_IF_ERROR(ln_1_->BackwardWeight(ctx, &saved->children[0]));
+  saved->Clear();
+  return absl::OkStatus();
+}
+
+std::vector<Parameter*> TransformerBlockLayer::Parameters() {
+  std::vector<Parameter*> out;
+  for (Layer* l : {ln_1_.get(), attn_.get(), ln_2_.get(), mlp_.get()}) {
+    for (Parameter* p : l->Parameters()) out.push_back(p);
+  }
+  return out;
+}
+
+}  // namespace pipewright::internal

@@ -1,0 +1,36 @@
+// Subcommands of the `pipewright` CLI. Each Register* adds a CLI11 subcommand whose callback
+// stores the exit code in *exit_code: 0 success, 2 bad input, 1 runtime failure.
+#ifndef PIPEWRIGHT_TOOLS_COMMANDS_H_
+#define PIPEWRIGHT_TOOLS_COMMANDS_H_
+
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "absl/status/status.h"
+
+namespace pipewright::tools {
+
+void RegisterTrain(CLI::App& app, int* exit_code);
+void RegisterEval(CLI::App& app, int* exit_code);
+void RegisterBench(CLI::App& app, int* exit_code);
+
+// Prints "pipewright: <message>" on stderr and returns the exit code for `status`:
+// 2 for InvalidArgument / NotFound / FailedPrecondition / OutOfRange / Unimplemented, 1 otherwise.
+int ReportError(const absl::Status& status);
+
+// Terminal progress bar ("[#####.....] 12/60 ..."), drawn only when stdout is a terminal.
+class ProgressBar {
+ public:
+  ProgressBar(int64_t total, bool enabled);
+  void Update(int64_t done, const std::string& text);
+  void Finish();
+
+ private:
+  int64_t total_;
+  bool enabled_;
+};
+
+}  // namespace pipewright::tools
+
+#endif  // PIPEWRIGHT_TOOLS_COMMANDS_H_

@@ -1,0 +1,44 @@
+// The pipewright command-line program. Usage errors exit 2, runtime failures 1.
+#include <cstdio>
+
+#include "tools/commands.h"
+
+namespace pipewright::tools {
+
+int ReportError(const absl::Status& status) {
+  std::fprintf(stderr, "pipewright: %s\n", std::string(status.message()).c_str());
+  switch (status.code()) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kNotFound:
+    case absl::StatusCode::kFailedPrecondition:
+    case absl::StatusCode::kOutOfRange:
+    case absl::StatusCode::kUnimplemented:
+    case absl::StatusCode::kAlreadyExists:
+      return 2;
+    default:
+      return 1;
+  }
+}
+
+}  // namespace pipewright::tools
+
+int main(int argc, char** argv) {
+  CLI::App app{"pipewright: pipeline-parallel model-sharding runtime"};
+  app.require_subcommand(1);
+  int exit_code = 0;
+  pipewright::tools::RegisterTrain(app, &exit_code);
+  pipewright::tools::RegisterEval(app, &exit_code);
+  pipewright::tools::RegisterBench(app, &exit_code);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "pipewright: %s\n", e.what());
+    std::fprintf(stderr, "run 'pipewright --help' for usage\n");
+    return 2;
+  }
+  return exit_code;
+}
