@@ -22,6 +22,7 @@ struct TrainFlags {
   int pp = 1, dp = 1, chunks = 1;
   std::string schedule = "1f1b", recompute = "none", plan, trace;
   int64_t micro_batches = 4, micro_batch_size = 0, steps = 60, warmup = 5, base_batch = 32;
+  int64_t stop_after = 0;
   uint64_t seed = 1;
   float lr = 3e-3f, clip = 1.0f, weight_decay = 0.1f, min_lr_ratio = 0.1f;
   std::string lr_scaling = "none", optimizer = "adamw", data = "synthetic";
@@ -42,6 +43,7 @@ absl::Status CheckFlags(const TrainFlags& f) {
   if (f.micro_batches < 1) return absl::InvalidArgumentError("--micro-batches must be >= 1");
   if (f.micro_batch_size < 0) return absl::InvalidArgumentError("--micro-batch-size must be >= 1");
   if (f.steps < 0) return absl::InvalidArgumentError("--steps must be >= 0");
+  if (f.stop_after < 0) return absl::InvalidArgumentError("--stop-after must be >= 0");
   if (!(f.lr > 0) || !std::isfinite(f.lr)) return absl::InvalidArgumentError("--lr must be > 0");
   if (f.warmup < 0) return absl::InvalidArgumentError("--warmup must be >= 0");
   if (f.base_batch < 1) return absl::InvalidArgumentError("--base-batch must be >= 1");
@@ -113,7 +115,7 @@ int RunTrain(const TrainFlags& f) {
   double total_time = 0, data_wait = 0;
   int64_t first_step = t.step();
   absl::Time start = absl::Now();
-  while (t.step() < f.steps) {
+  while (t.step() < f.steps && (f.stop_after == 0 || t.step() - first_step < f.stop_after)) {
     auto r = t.Step();
     if (!r.ok()) {
       bar.Finish();
@@ -188,6 +190,8 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
   cmd->add_option("--recompute", f->recompute, "Activation recomputation: none|full");
   cmd->add_option("--plan", f->plan, "Partition plan JSON");
   cmd->add_option("--steps", f->steps, "Total optimizer steps (a resumed run continues to it)");
+  cmd->add_option("--stop-after", f->stop_after,
+                  "Stop after this many steps in this run (the LR schedule still spans --steps)");
   cmd->add_option("--data", f->data, "synthetic, or a text file (byte-level tokens)");
   cmd->add_option("--seed", f->seed, "Seed for weights and data");
   cmd->add_option("--lr", f->lr, "Peak learning rate for --base-batch sequences");

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "kernels/cpu/cpu_kernels.h"
+#include "kernels/cpu/fast_math.h"
 
 namespace pipewright::cpu {
 
@@ -25,12 +26,9 @@ void AttentionForward(const float* qkv, float* out, float* probs, int B, int T, 
         float* row = p + static_cast<size_t>(i) * T;
         float mx = row[0];
         for (int j = 1; j <= i; ++j) mx = row[j] > mx ? row[j] : mx;
+        for (int j = 0; j <= i; ++j) row[j] = FastExp(row[j] - mx);  // vectorises
         float sum = 0.0f;
-        for (int j = 0; j <= i; ++j) {
-          const float e = std::exp(row[j] - mx);
-          row[j] = e;
-          sum += e;
-        }
+        for (int j = 0; j <= i; ++j) sum += row[j];
         const float inv = 1.0f / sum;
         for (int j = 0; j <= i; ++j) row[j] *= inv;
         for (int j = i + 1; j < T; ++j) row[j] = 0.0f;

@@ -2,6 +2,7 @@
 #include <cmath>
 
 #include "kernels/cpu/cpu_kernels.h"
+#include "kernels/cpu/fast_math.h"
 
 namespace pipewright::cpu {
 namespace {
@@ -39,7 +40,7 @@ void GeluForward(const float* x, float* y, size_t n) {
   for (size_t i = 0; i < n; ++i) {
     const float v = x[i];
     const float u = kSqrt2OverPi * (v + kGeluCoeff * v * v * v);
-    y[i] = 0.5f * v * (1.0f + std::tanh(u));
+    y[i] = 0.5f * v * (1.0f + FastTanh(u));
   }
 }
 
@@ -47,7 +48,7 @@ void GeluBackward(const float* x, const float* dy, float* dx, size_t n) {
   for (size_t i = 0; i < n; ++i) {
     const float v = x[i];
     const float u = kSqrt2OverPi * (v + kGeluCoeff * v * v * v);
-    const float t = std::tanh(u);
+    const float t = FastTanh(u);
     const float du = kSqrt2OverPi * (1.0f + 3.0f * kGeluCoeff * v * v);
     const float grad = 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du;
     dx[i] = dy[i] * grad;

@@ -3,6 +3,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "runtime/layers/layer_util.h"
 #include "runtime/layers/layers_internal.h"
@@ -54,6 +55,19 @@ absl::StatusOr<int64_t> CheckRows(const Tensor& x, int64_t cols, absl::string_vi
   return x.numel() / cols;
 }
 
+absl::Status CheckGradShape(const Tensor& dy, const std::vector<int64_t>& expected,
+                            absl::string_view what) {
+  // Same element count and last dimension (a reshaped gradient is fine; a smaller one would
+  // make the weight-gradient kernels read past its end).
+  if (!dy.defined() || dy.dtype() != DType::kF32 || dy.numel() != NumElements(expected) ||
+      dy.dim(-1) != expected.back()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: expected an f32 gradient like the output [%s], got %s", what, absl::StrJoin(expected, ", "),
+        dy.defined() ? dy.ShapeString() : std::string("no tensor")));
+  }
+  return absl::OkStatus();
+}
+
 std::vector<int64_t> WithLastDim(const std::vector<int64_t>& shape, int64_t last) {
   std::vector<int64_t> s = shape;
   s.back() = last;
@@ -86,6 +100,8 @@ absl::StatusOr<Tensor> LinearLayer::BackwardInput(const Tensor& dy, const LayerC
                                                   Saved* saved) {
   PW_ASSIGN_OR_RETURN(int64_t rows, CheckRows(dy, out_, "linear backward"));
   if (saved->tensors.size() != 1) return absl::FailedPreconditionError("linear: no forward saved");
+  PW_RETURN_IF_ERROR(
+      CheckGradShape(dy, WithLastDim(saved->tensors[0].shape(), out_), "linear backward"));
   Tensor dx = Tensor::Empty(WithLastDim(dy.shape(), in_), DType::kF32, Alloc(ctx));
   cpu::Gemm(false, false, rows, in_, out_, 1.0f, dy.data<float>(), out_,
             weight_.value.data<float>(), in_, 0.0f, dx.data<float>(), in_);
@@ -160,6 +176,7 @@ absl::StatusOr<Tensor> LayerNormLayer::BackwardInput(const Tensor& dy, const Lay
                                                      Saved* saved) {
   PW_ASSIGN_OR_RETURN(int64_t rows, CheckRows(dy, dim_, "layernorm backward"));
   if (saved->tensors.size() != 3) return absl::FailedPreconditionError("layernorm: no forward");
+  PW_RETURN_IF_ERROR(CheckGradShape(dy, saved->tensors[0].shape(), "layernorm backward"));
   Tensor dx = Tensor::Empty(dy.shape(), DType::kF32, Alloc(ctx));
   cpu::LayerNormBackwardInput(saved->tensors[0].data<float>(), gamma_.value.data<float>(),
                               saved->tensors[1].data<float>(), saved->tensors[2].data<float>(),
@@ -221,6 +238,9 @@ absl::StatusOr<Tensor> EmbeddingLayer::Forward(const Tensor& x, const LayerConte
 absl::StatusOr<Tensor> EmbeddingLayer::BackwardInput(const Tensor& dy, const LayerContext& ctx,
                                                      Saved* saved) {
   if (saved->tensors.size() != 1) return absl::FailedPreconditionError("embedding: no forward");
+  const Tensor& tokens = saved->tensors[0];
+  PW_RETURN_IF_ERROR(
+      CheckGradShape(dy, {tokens.dim(0), tokens.dim(1), dim_}, "embedding backward"));
   saved->tensors.push_back(dy);
   return Tensor();  // token inputs have no gradient
 }
@@ -270,6 +290,9 @@ absl::StatusOr<Tensor> CrossEntropyLayer::Forward(const Tensor& x, const LayerCo
 absl::StatusOr<Tensor> CrossEntropyLayer::BackwardInput(const Tensor& dy, const LayerContext& ctx,
                                                         Saved* saved) {
   if (saved->tensors.size() != 2) return absl::FailedPreconditionError("loss: no forward saved");
+  if (dy.defined() && (dy.dtype() != DType::kF32 || dy.numel() != 1)) {
+    return absl::InvalidArgumentError("loss backward: expected an f32 [1] gradient scale");
+  }
   const Tensor& logits = saved->tensors[0];
   const Tensor& targets = saved->tensors[1];
   int64_t vocab = logits.dim(-1), rows = targets.numel();

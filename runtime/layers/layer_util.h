@@ -23,6 +23,9 @@ void InitConstant(Parameter& p, float value);
 
 // Checks x is f32 with last dimension `cols`; returns the number of rows.
 absl::StatusOr<int64_t> CheckRows(const Tensor& x, int64_t cols, absl::string_view what);
+// Checks an incoming gradient is f32 with the forward output's element count and last dim.
+absl::Status CheckGradShape(const Tensor& dy, const std::vector<int64_t>& expected,
+                            absl::string_view what);
 
 inline InitContext Child(const InitContext& init, absl::string_view local) {
   InitContext c = init;

@@ -84,6 +84,7 @@ absl::StatusOr<Tensor> AttentionCoreLayer::BackwardInput(const Tensor& dy, const
   if (saved->tensors.size() != 2) return absl::FailedPreconditionError("attention: no forward");
   const Tensor& qkv = saved->tensors[0];
   int64_t B = qkv.dim(0), T = qkv.dim(1);
+  PW_RETURN_IF_ERROR(CheckGradShape(dy, {B, T, dim_}, "attention backward"));
   Tensor dqkv = Tensor::Empty(qkv.shape(), DType::kF32, Alloc(ctx));
   Tensor scratch = Tensor::Empty({T, T}, DType::kF32, Alloc(ctx));
   cpu::AttentionBackward(dy.data<float>(), qkv.data<float>(), saved->tensors[1].data<float>(),

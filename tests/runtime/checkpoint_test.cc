@@ -13,6 +13,8 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+
+#include "tests/test_util.h"
 #include <nlohmann/json.hpp>
 
 namespace pipewright {
@@ -21,23 +23,7 @@ namespace {
 namespace fs = std::filesystem;
 
 // A fresh, empty directory per test, removed afterwards.
-class CheckpointTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    root_ = fs::path(::testing::TempDir()) /
-            ("pw_ckpt_" + std::to_string(::getpid()) + "_" + info->name());
-    fs::remove_all(root_);
-    ASSERT_TRUE(fs::create_directories(root_));
-  }
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(root_, ec);
-  }
-  std::string Path(const std::string& name) const { return (root_ / name).string(); }
-
-  fs::path root_;
-};
+class CheckpointTest : public testing_util::ScratchDirTest {};
 
 std::string ReadBytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

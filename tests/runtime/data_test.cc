@@ -1,0 +1,245 @@
+#include "pipewright/data.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tests/test_util.h"
+
+namespace pipewright {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::vector<int32_t> SampleOf(const Dataset& d, int64_t index, int64_t seq_len) {
+  std::vector<int32_t> out(seq_len + 1, -7);
+  d.Sample(index, seq_len, out.data());
+  return out;
+}
+
+std::vector<int32_t> Row(const Tensor& t, int64_t b) {
+  const int32_t* p = t.data<int32_t>() + b * t.dim(1);
+  return std::vector<int32_t>(p, p + t.dim(1));
+}
+
+TEST(SyntheticTest, DeterministicPerSeedAndIndex) {
+  auto a = SyntheticDataset(5), b = SyntheticDataset(5), c = SyntheticDataset(6);
+  EXPECT_FALSE(a->Describe().empty());
+  int differ_seed = 0, differ_index = 0;
+  for (int64_t i = 0; i < 20; ++i) {
+    EXPECT_EQ(SampleOf(*a, i, 24), SampleOf(*b, i, 24));
+    EXPECT_EQ(SampleOf(*a, i, 24), SampleOf(*a, i, 24));  // no hidden state
+    differ_seed += SampleOf(*a, i, 24) != SampleOf(*c, i, 24);
+    differ_index += SampleOf(*a, i, 24) != SampleOf(*a, i + 1, 24);
+  }
+  EXPECT_GE(differ_seed, 15);
+  EXPECT_GE(differ_index, 15);
+  // Order of calls does not matter.
+  auto late = SampleOf(*a, 1000, 24);
+  auto d = SyntheticDataset(5);
+  EXPECT_EQ(SampleOf(*d, 1000, 24), late);
+  // A shorter window is a prefix of a longer one.
+  auto s8 = SampleOf(*a, 3, 8), s24 = SampleOf(*a, 3, 24);
+  EXPECT_TRUE(std::equal(s8.begin(), s8.end(), s24.begin()));
+}
+
+TEST(SyntheticTest, LettersAndPeriodic) {
+  auto d = SyntheticDataset(1);
+  std::vector<int> periods_seen(9, 0);
+  for (int64_t i = 0; i < 200; ++i) {
+    auto s = SampleOf(*d, i, 32);
+    for (int32_t t : s) {
+      ASSERT_GE(t, 'a');
+      ASSERT_LE(t, 'p');
+    }
+    int found = 0;
+    for (int p = 2; p <= 8 && !found; ++p) {
+      bool ok = true;
+      for (size_t t = p; t < s.size(); ++t) ok &= s[t] == s[t - p];
+      if (ok) found = p;
+    }
+    ASSERT_NE(found, 0) << "sample " << i << " is not periodic with period 2..8";
+    ++periods_seen[found];
+  }
+  int distinct = 0;
+  for (int c : periods_seen) distinct += c > 0;
+  EXPECT_GE(distinct, 4);  // the period varies between samples
+}
+
+TEST(BatchTest, IndependentOfLayoutAndShifted) {
+  auto d = SyntheticDataset(11);
+  const int64_t T = 16;
+  BatchLayout four{.micro_batches = 4, .micro_batch_size = 2, .seq_len = T, .replicas = 1};
+  BatchLayout one{.micro_batches = 1, .micro_batch_size = 8, .seq_len = T, .replicas = 1};
+  EXPECT_EQ(four.global_batch(), 8);
+  EXPECT_EQ(one.global_batch(), 8);
+  StepBatch a = MakeStepBatch(*d, four, 0, 0);
+  StepBatch b = MakeStepBatch(*d, one, 0, 0);
+  EXPECT_EQ(a.step, 0);
+  ASSERT_EQ(a.inputs.size(), 4u);
+  ASSERT_EQ(a.targets.size(), 4u);
+  ASSERT_EQ(b.inputs.size(), 1u);
+  EXPECT_EQ(a.inputs[0].shape(), (std::vector<int64_t>{2, T}));
+  EXPECT_EQ(a.inputs[0].dtype(), DType::kI32);
+  EXPECT_EQ(b.inputs[0].shape(), (std::vector<int64_t>{8, T}));
+  for (int64_t g = 0; g < 8; ++g) {
+    EXPECT_EQ(Row(a.inputs[g / 2], g % 2), Row(b.inputs[0], g)) << g;
+    EXPECT_EQ(Row(a.targets[g / 2], g % 2), Row(b.targets[0], g)) << g;
+    auto s = SampleOf(*d, g, T);
+    EXPECT_EQ(Row(b.inputs[0], g), std::vector<int32_t>(s.begin(), s.end() - 1));
+    EXPECT_EQ(Row(b.targets[0], g), std::vector<int32_t>(s.begin() + 1, s.end()));
+    // Targets are the inputs shifted by one.
+    auto in = Row(b.inputs[0], g), tg = Row(b.targets[0], g);
+    for (int64_t t = 0; t + 1 < T; ++t) EXPECT_EQ(tg[t], in[t + 1]);
+  }
+  // Step 1 continues at global sample 8.
+  StepBatch a1 = MakeStepBatch(*d, four, 1, 0);
+  StepBatch b1 = MakeStepBatch(*d, one, 1, 0);
+  EXPECT_EQ(a1.step, 1);
+  auto s8 = SampleOf(*d, 8, T);
+  EXPECT_EQ(Row(a1.inputs[0], 0), std::vector<int32_t>(s8.begin(), s8.end() - 1));
+  EXPECT_EQ(Row(b1.inputs[0], 0), Row(a1.inputs[0], 0));
+  auto s15 = SampleOf(*d, 15, T);
+  EXPECT_EQ(Row(a1.inputs[3], 1), std::vector<int32_t>(s15.begin(), s15.end() - 1));
+  EXPECT_NE(Row(a1.inputs[0], 0), Row(a.inputs[0], 0));
+}
+
+TEST(BatchTest, SampleIndexWithReplicas) {
+  BatchLayout l{.micro_batches = 2, .micro_batch_size = 3, .seq_len = 4, .replicas = 2};
+  EXPECT_EQ(l.global_batch(), 12);
+  EXPECT_EQ(l.SampleIndex(0, 0, 0, 0), 0);
+  EXPECT_EQ(l.SampleIndex(0, 0, 1, 2), 5);
+  EXPECT_EQ(l.SampleIndex(0, 1, 0, 0), 6);
+  EXPECT_EQ(l.SampleIndex(2, 1, 1, 2), 24 + 11);
+  auto d = SyntheticDataset(2);
+  StepBatch r1 = MakeStepBatch(*d, l, 2, 1);
+  auto s = SampleOf(*d, 24 + 6, 4);
+  EXPECT_EQ(Row(r1.inputs[0], 0), std::vector<int32_t>(s.begin(), s.end() - 1));
+}
+
+class TextDataTest : public testing_util::ScratchDirTest {
+ protected:
+  std::string Write(const std::string& name, const std::string& text) {
+    std::string path = Path(name);
+    std::ofstream(path, std::ios::binary) << text;
+    return path;
+  }
+};
+
+TEST_F(TextDataTest, WindowsAreSubstrings) {
+  std::string text;
+  for (int i = 0; i < 40; ++i) text += "The quick brown fox " + std::to_string(i) + " jumps. ";
+  text += "\xff\x80";  // high bytes are tokens 255 and 128, not negative
+  std::string path = Write("corpus.txt", text);
+  const int64_t T = 16;
+  auto d = OpenTextDataset(path, T, 3);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_NE((*d)->Describe().find(std::to_string(text.size())), std::string::npos);
+  std::set<std::string> distinct;
+  for (int64_t i = 0; i < 300; ++i) {
+    auto s = SampleOf(**d, i, T);
+    std::string window;
+    for (int32_t t : s) {
+      ASSERT_GE(t, 0);
+      ASSERT_LT(t, 256);
+      window.push_back(static_cast<char>(t));
+    }
+    ASSERT_NE(text.find(window), std::string::npos) << "sample " << i;
+    distinct.insert(window);
+  }
+  EXPECT_GT(distinct.size(), 100u);
+  // Deterministic per (seed, index); the seed moves the windows.
+  auto again = OpenTextDataset(path, T, 3);
+  auto other = OpenTextDataset(path, T, 4);
+  ASSERT_TRUE(again.ok() && other.ok());
+  int same = 0;
+  for (int64_t i = 0; i < 20; ++i) {
+    EXPECT_EQ(SampleOf(**d, i, T), SampleOf(**again, i, T));
+    same += SampleOf(**d, i, T) == SampleOf(**other, i, T);
+  }
+  EXPECT_LT(same, 5);
+  // Through OpenDataset, too.
+  auto via = OpenDataset(path, T, 3);
+  ASSERT_TRUE(via.ok());
+  EXPECT_EQ(SampleOf(**via, 7, T), SampleOf(**d, 7, T));
+}
+
+TEST_F(TextDataTest, SmallestFileCoversEveryByte) {
+  // seq_len + 2 bytes is the minimum; both windows must stay inside the file.
+  std::string path = Write("min.txt", "abcdef");  // 6 bytes, seq_len 4
+  auto d = OpenTextDataset(path, 4, 1);
+  ASSERT_TRUE(d.ok()) << d.status();
+  for (int64_t i = 0; i < 50; ++i) {
+    auto s = SampleOf(**d, i, 4);
+    std::string w;
+    for (int32_t t : s) w.push_back(static_cast<char>(t));
+    EXPECT_TRUE(w == "abcde" || w == "bcdef") << w;
+  }
+}
+
+TEST_F(TextDataTest, ShortAndMissingFiles) {
+  std::string path = Write("short.txt", "abcde");  // seq_len 4 needs 6 bytes
+  auto s = OpenTextDataset(path, 4, 1);
+  EXPECT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  auto empty = OpenTextDataset(Write("empty.txt", ""), 4, 1);
+  EXPECT_FALSE(empty.ok());
+  auto missing = OpenTextDataset((root_ / "nope.txt").string(), 4, 1);
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  auto via = OpenDataset((root_ / "nope.txt").string(), 4, 1);
+  EXPECT_EQ(via.status().code(), absl::StatusCode::kNotFound);
+  auto synth = OpenDataset("synthetic", 4, 1);
+  ASSERT_TRUE(synth.ok());
+  EXPECT_EQ(SampleOf(**synth, 2, 4), SampleOf(*SyntheticDataset(1), 2, 4));
+}
+
+void ExpectSameBatch(const StepBatch& a, const StepBatch& b) {
+  EXPECT_EQ(a.step, b.step);
+  ASSERT_EQ(a.inputs.size(), b.inputs.size());
+  for (size_t j = 0; j < a.inputs.size(); ++j) {
+    for (int64_t r = 0; r < a.inputs[j].dim(0); ++r) {
+      EXPECT_EQ(Row(a.inputs[j], r), Row(b.inputs[j], r));
+      EXPECT_EQ(Row(a.targets[j], r), Row(b.targets[j], r));
+    }
+  }
+}
+
+TEST(DataLoaderTest, YieldsConsecutiveStepsLikeMakeStepBatch) {
+  std::shared_ptr<const Dataset> d = SyntheticDataset(9);
+  BatchLayout l{.micro_batches = 2, .micro_batch_size = 3, .seq_len = 8, .replicas = 1};
+  DataLoader loader(d, l, 0, /*first_step=*/5, /*prefetch=*/2);
+  for (int64_t step = 5; step < 12; ++step) {
+    StepBatch b = loader.Next();
+    EXPECT_EQ(b.step, step);
+    ExpectSameBatch(b, MakeStepBatch(*d, l, step, 0));
+  }
+  EXPECT_GE(absl::ToDoubleSeconds(loader.wait_time()), 0.0);
+}
+
+TEST(DataLoaderTest, DestructsWithBatchesQueued) {
+  std::shared_ptr<const Dataset> d = SyntheticDataset(9);
+  BatchLayout l{.micro_batches = 2, .micro_batch_size = 2, .seq_len = 8, .replicas = 1};
+  for (int prefetch : {1, 4}) {
+    auto loader = std::make_unique<DataLoader>(d, l, 0, 0, prefetch);
+    StepBatch b = loader->Next();
+    EXPECT_EQ(b.step, 0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // let the queue fill
+    loader.reset();  // must join without hanging
+  }
+  { DataLoader never_used(d, l, 0, 3, 2); }
+  SUCCEED();
+}
+
+}  // namespace
+}  // namespace pipewright

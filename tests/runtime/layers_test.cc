@@ -1,0 +1,572 @@
+// Finite-difference gradient checks and behavioural tests for every built-in layer.
+#include "pipewright/layer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "pipewright/model.h"
+#include "pipewright/tensor.h"
+
+namespace pipewright {
+namespace {
+
+constexpr int64_t kB = 2, kT = 4, kC = 8, kH = 2, kV = 11;
+
+std::unique_ptr<Layer> Make(const LayerSpecPtr& spec, const std::string& name, uint64_t seed = 3,
+                            int index = 0, int num_blocks = 2) {
+  auto r = spec->Create(InitContext{seed, index, name, num_blocks, nullptr});
+  EXPECT_TRUE(r.ok()) << r.status();
+  return r.ok() ? *std::move(r) : nullptr;
+}
+
+Tensor RandomTensor(std::vector<int64_t> shape, std::mt19937& rng, float std = 1.0f) {
+  std::normal_distribution<float> d(0.0f, std);
+  Tensor t = Tensor::Empty(std::move(shape));
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = d(rng);
+  return t;
+}
+
+Tensor RandomTokens(int64_t B, int64_t T, int64_t vocab, std::mt19937& rng) {
+  std::uniform_int_distribution<int32_t> d(0, static_cast<int32_t>(vocab - 1));
+  Tensor t = Tensor::Empty({B, T}, DType::kI32);
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<int32_t>()[i] = d(rng);
+  return t;
+}
+
+// Replaces every parameter with random values of a useful magnitude, so that no gradient is
+// tiny by construction (the default init has std 0.02 and LayerNorm starts at gamma=1, beta=0,
+// which would let a wrong gradient pass the absolute tolerance).
+void RandomizeParameters(Layer& layer, std::mt19937& rng, float std = 0.5f) {
+  std::normal_distribution<float> d(0.0f, std);
+  for (Parameter* p : layer.Parameters()) {
+    for (int64_t i = 0; i < p->value.numel(); ++i) p->value.data<float>()[i] = d(rng);
+  }
+}
+
+struct Case {
+  Case(std::string l, LayerSpecPtr s, Tensor in, Tensor t = Tensor())
+      : label(std::move(l)), spec(std::move(s)), x(std::move(in)), targets(std::move(t)) {}
+  std::string label;
+  LayerSpecPtr spec;
+  Tensor x;                   // f32 activations or i32 tokens
+  Tensor targets;             // for the loss layer
+  bool is_loss = false;
+  bool input_grad = true;     // false for token inputs
+};
+
+// Scalar objective: sum(y * R) in double, or the loss itself.
+double Objective(Layer& layer, const Case& c, const Tensor& probe) {
+  LayerContext ctx;
+  ctx.targets = c.targets.defined() ? &c.targets : nullptr;
+  Saved saved;
+  auto y = layer.Forward(c.x, ctx, &saved);
+  EXPECT_TRUE(y.ok()) << y.status();
+  if (!y.ok()) return 0;
+  if (c.is_loss) return y->data<float>()[0];
+  double s = 0;
+  for (int64_t i = 0; i < y->numel(); ++i) {
+    s += static_cast<double>(y->data<float>()[i]) * probe.data<float>()[i];
+  }
+  return s;
+}
+
+std::vector<int64_t> SampleIndices(int64_t n, std::mt19937& rng, int count = 20) {
+  std::vector<int64_t> idx;
+  if (n <= count) {
+    for (int64_t i = 0; i < n; ++i) idx.push_back(i);
+    return idx;
+  }
+  std::uniform_int_distribution<int64_t> d(0, n - 1);
+  for (int i = 0; i < count; ++i) idx.push_back(d(rng));
+  return idx;
+}
+
+// Central difference of the objective w.r.t. element i of `t` (perturbed in place).
+double Numeric(Layer& layer, const Case& c, const Tensor& probe, Tensor& t, int64_t i) {
+  float* v = t.data<float>() + i;
+  const float orig = *v;
+  const float h = 1e-2f * std::max(1.0f, std::fabs(orig));
+  *v = orig + h;
+  const float hp = *v - orig;  // the step actually taken in f32
+  double lp = Objective(layer, c, probe);
+  *v = orig - h;
+  const float hm = orig - *v;
+  double lm = Objective(layer, c, probe);
+  *v = orig;
+  return (lp - lm) / (static_cast<double>(hp) + hm);
+}
+
+bool Close(double a, double n) {
+  return std::fabs(a - n) <= 2e-2 * std::max({1.0, std::fabs(a), std::fabs(n)});
+}
+
+void CheckGradients(Case c) {
+  SCOPED_TRACE(c.label);
+  std::mt19937 rng(1234);
+  auto layer = Make(c.spec, "layer");
+  ASSERT_NE(layer, nullptr);
+  RandomizeParameters(*layer, rng);
+
+  LayerContext ctx;
+  ctx.targets = c.targets.defined() ? &c.targets : nullptr;
+  Saved saved;
+  auto y = layer->Forward(c.x, ctx, &saved);
+  ASSERT_TRUE(y.ok()) << y.status();
+  Tensor probe;
+  if (c.is_loss) {
+    ASSERT_EQ(y->numel(), 1);
+    probe = Tensor::FromVector({1}, {1.0f});
+  } else {
+    probe = RandomTensor(y->shape(), rng);
+  }
+  for (Parameter* p : layer->Parameters()) {
+    for (float g : p->grad.ToVector()) ASSERT_EQ(g, 0.0f) << p->name << ": grads must start at 0";
+  }
+  auto dx = layer->BackwardInput(probe, ctx, &saved);
+  ASSERT_TRUE(dx.ok()) << dx.status();
+  ASSERT_TRUE(layer->BackwardWeight(ctx, &saved).ok());
+  EXPECT_TRUE(saved.empty()) << "BackwardWeight must free the saved activations";
+
+  int checked = 0;
+  double max_abs_numeric = 0;
+  if (c.input_grad) {
+    ASSERT_TRUE(dx->defined());
+    ASSERT_EQ(dx->shape(), c.x.shape());
+    Tensor dx_copy = dx->Clone();
+    for (int64_t i : SampleIndices(c.x.numel(), rng)) {
+      double a = dx_copy.data<float>()[i];
+      double n = Numeric(*layer, c, probe, c.x, i);
+      EXPECT_TRUE(Close(a, n)) << "input[" << i << "]: analytic " << a << " numeric " << n;
+      max_abs_numeric = std::max(max_abs_numeric, std::fabs(n));
+      ++checked;
+    }
+  } else {
+    EXPECT_FALSE(dx->defined());
+  }
+  for (Parameter* p : layer->Parameters()) {
+    ASSERT_EQ(p->grad.shape(), p->value.shape()) << p->name;
+    Tensor g = p->grad.Clone();
+    double max_param_numeric = 0;
+    for (int64_t i : SampleIndices(p->value.numel(), rng)) {
+      double a = g.data<float>()[i];
+      double n = Numeric(*layer, c, probe, p->value, i);
+      EXPECT_TRUE(Close(a, n)) << p->name << "[" << i << "]: analytic " << a << " numeric " << n;
+      max_param_numeric = std::max(max_param_numeric, std::fabs(n));
+      ++checked;
+    }
+    // The check is only meaningful when gradients are not negligible.
+    EXPECT_GT(max_param_numeric, 1e-2) << p->name << " has a vanishing gradient";
+  }
+  if (c.input_grad) {
+    EXPECT_GT(max_abs_numeric, 1e-2) << "input gradient vanishes";
+  }
+  EXPECT_GT(checked, 0);
+}
+
+Tensor Act(std::mt19937& rng, int64_t last = kC) { return RandomTensor({kB, kT, last}, rng); }
+
+TEST(LayerGradTest, LinearWithBias) {
+  std::mt19937 rng(1);
+  CheckGradients({"linear", layers::Linear(kC, 6, true), Act(rng)});
+}
+
+TEST(LayerGradTest, LinearWithoutBias) {
+  std::mt19937 rng(2);
+  auto spec = layers::Linear(kC, 6, false);
+  auto layer = Make(spec, "fc");
+  ASSERT_EQ(layer->Parameters().size(), 1u);
+  CheckGradients({"linear-nobias", spec, Act(rng)});
+}
+
+TEST(LayerGradTest, Gelu) {
+  std::mt19937 rng(3);
+  CheckGradients({"gelu", layers::Gelu(), Act(rng)});
+}
+
+TEST(LayerGradTest, LayerNorm) {
+  std::mt19937 rng(4);
+  CheckGradients({"layernorm", layers::LayerNorm(kC), Act(rng)});
+}
+
+TEST(LayerGradTest, Mlp) {
+  std::mt19937 rng(5);
+  CheckGradients({"mlp", layers::Mlp(kC, 16), Act(rng)});
+}
+
+TEST(LayerGradTest, CausalSelfAttention) {
+  std::mt19937 rng(6);
+  CheckGradients({"attention", layers::CausalSelfAttention(kC, kH), Act(rng)});
+}
+
+TEST(LayerGradTest, TransformerBlock) {
+  std::mt19937 rng(7);
+  CheckGradients({"block", layers::TransformerBlock(kC, kH), Act(rng)});
+}
+
+TEST(LayerGradTest, EmbeddingWeightsOnly) {
+  std::mt19937 rng(8);
+  Case c{"embedding", layers::Embedding(kV, kT, kC), RandomTokens(kB, kT, kV, rng)};
+  c.input_grad = false;
+  CheckGradients(c);
+}
+
+TEST(LayerGradTest, LmHead) {
+  std::mt19937 rng(9);
+  CheckGradients({"lm_head", layers::LmHead(kC, kV), Act(rng)});
+}
+
+TEST(LayerGradTest, CrossEntropyLoss) {
+  std::mt19937 rng(10);
+  Case c{"loss", layers::CrossEntropyLoss(), RandomTensor({kB, kT, kV}, rng, 2.0f),
+         RandomTokens(kB, kT, kV, rng)};
+  c.is_loss = true;
+  CheckGradients(c);
+}
+
+TEST(LayerTest, CrossEntropyValueMatchesReference) {
+  // Two rows, vocab 3: mean of -log softmax at the target.
+  Tensor logits = Tensor::FromVector({1, 2, 3}, {1, 2, 3, 0, 0, 0});
+  Tensor targets = Tensor::FromVectorI32({1, 2}, {2, 0});
+  auto layer = Make(layers::CrossEntropyLoss(), "loss");
+  LayerContext ctx;
+  ctx.targets = &targets;
+  Saved saved;
+  auto y = layer->Forward(logits, ctx, &saved);
+  ASSERT_TRUE(y.ok()) << y.status();
+  double l0 = -3 + std::log(std::exp(1.0) + std::exp(2.0) + std::exp(3.0));
+  double l1 = std::log(3.0);
+  EXPECT_NEAR(y->data<float>()[0], (l0 + l1) / 2, 1e-5);
+  // dy scales the gradient (the engine passes 1 / micro-batches).
+  auto dx = layer->BackwardInput(Tensor::FromVector({1}, {0.5f}), ctx, &saved);
+  ASSERT_TRUE(dx.ok()) << dx.status();
+  // d/dlogit[1][0] = 0.5 * (1/3 - 1) / 2 rows
+  EXPECT_NEAR(dx->data<float>()[3], 0.5 * (1.0 / 3 - 1) / 2, 1e-6);
+}
+
+// Every layer with parameters, with a matching input.
+struct Built {
+  LayerSpecPtr spec;
+  Tensor x;
+  Tensor targets;
+};
+
+std::vector<Built> AllLayers(std::mt19937& rng) {
+  std::vector<Built> out;
+  out.push_back({layers::Linear(kC, 6, true), Act(rng), {}});
+  out.push_back({layers::Linear(kC, 6, false), Act(rng), {}});
+  out.push_back({layers::LayerNorm(kC), Act(rng), {}});
+  out.push_back({layers::Mlp(kC, 16), Act(rng), {}});
+  out.push_back({layers::CausalSelfAttention(kC, kH), Act(rng), {}});
+  out.push_back({layers::TransformerBlock(kC, kH), Act(rng), {}});
+  out.push_back({layers::Embedding(kV, kT, kC), RandomTokens(kB, kT, kV, rng), {}});
+  out.push_back({layers::LmHead(kC, kV), Act(rng), {}});
+  return out;
+}
+
+TEST(LayerTest, SplitBackwardEqualsBackward) {
+  std::mt19937 rng(20);
+  for (Built& b : AllLayers(rng)) {
+    SCOPED_TRACE(b.spec->kind());
+    auto l1 = Make(b.spec, "n"), l2 = Make(b.spec, "n");
+    std::mt19937 r1(5), r2(5);
+    RandomizeParameters(*l1, r1);
+    RandomizeParameters(*l2, r2);
+    LayerContext ctx;
+    Saved s1, s2;
+    auto y1 = l1->Forward(b.x, ctx, &s1);
+    auto y2 = l2->Forward(b.x, ctx, &s2);
+    ASSERT_TRUE(y1.ok() && y2.ok());
+    Tensor probe = RandomTensor(y1->shape(), rng);
+    auto dx1 = l1->BackwardInput(probe, ctx, &s1);
+    ASSERT_TRUE(dx1.ok()) << dx1.status();
+    ASSERT_TRUE(l1->BackwardWeight(ctx, &s1).ok());
+    auto dx2 = l2->Backward(probe, ctx, &s2);
+    ASSERT_TRUE(dx2.ok()) << dx2.status();
+    ASSERT_EQ(dx1->defined(), dx2->defined());
+    if (dx1->defined()) {
+      EXPECT_EQ(dx1->ToVector(), dx2->ToVector());
+    }
+    auto p1 = l1->Parameters(), p2 = l2->Parameters();
+    ASSERT_EQ(p1.size(), p2.size());
+    ASSERT_FALSE(p1.empty());
+    for (size_t i = 0; i < p1.size(); ++i) {
+      EXPECT_EQ(p1[i]->name, p2[i]->name);
+      EXPECT_EQ(p1[i]->grad.ToVector(), p2[i]->grad.ToVector()) << p1[i]->name;
+    }
+  }
+}
+
+TEST(LayerTest, WeightGradsAccumulate) {
+  std::mt19937 rng(21);
+  for (Built& b : AllLayers(rng)) {
+    SCOPED_TRACE(b.spec->kind());
+    auto layer = Make(b.spec, "n");
+    LayerContext ctx;
+    Tensor probe;
+    std::vector<std::vector<float>> once;
+    for (int pass = 0; pass < 2; ++pass) {
+      Saved s;
+      auto y = layer->Forward(b.x, ctx, &s);
+      ASSERT_TRUE(y.ok()) << y.status();
+      if (pass == 0) probe = RandomTensor(y->shape(), rng);
+      ASSERT_TRUE(layer->Backward(probe, ctx, &s).ok());
+      if (pass == 0) {
+        for (Parameter* p : layer->Parameters()) once.push_back(p->grad.ToVector());
+      }
+    }
+    auto params = layer->Parameters();
+    ASSERT_EQ(params.size(), once.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      std::vector<float> twice = params[i]->grad.ToVector();
+      bool nonzero = false;
+      for (size_t k = 0; k < twice.size(); ++k) {
+        EXPECT_NEAR(twice[k], 2.0f * once[i][k], 1e-5f * std::max(1.0f, std::fabs(twice[k])))
+            << params[i]->name << "[" << k << "]";
+        nonzero |= once[i][k] != 0.0f;
+      }
+      EXPECT_TRUE(nonzero) << params[i]->name;
+    }
+  }
+}
+
+TEST(LayerTest, SeveralMicroBatchesInFlight) {
+  // 1F1B keeps several micro-batches' activations: F(x1) F(x2) B(x2) B(x1) must give the same
+  // gradients as F(x1) B(x1) F(x2) B(x2).
+  std::mt19937 rng(22);
+  auto spec = layers::TransformerBlock(kC, kH);
+  Tensor x1 = Act(rng), x2 = Act(rng), r1 = Act(rng), r2 = Act(rng);
+  auto a = Make(spec, "blk"), b = Make(spec, "blk");
+  LayerContext ctx;
+  Saved sa1, sa2;
+  ASSERT_TRUE(a->Forward(x1, ctx, &sa1).ok());
+  ASSERT_TRUE(a->Forward(x2, ctx, &sa2).ok());
+  auto da2 = a->Backward(r2, ctx, &sa2);
+  auto da1 = a->Backward(r1, ctx, &sa1);
+  ASSERT_TRUE(da1.ok() && da2.ok());
+  Saved sb;
+  ASSERT_TRUE(b->Forward(x1, ctx, &sb).ok());
+  auto db1 = b->Backward(r1, ctx, &sb);
+  ASSERT_TRUE(b->Forward(x2, ctx, &sb).ok());
+  auto db2 = b->Backward(r2, ctx, &sb);
+  ASSERT_TRUE(db1.ok() && db2.ok());
+  EXPECT_EQ(da1->ToVector(), db1->ToVector());
+  EXPECT_EQ(da2->ToVector(), db2->ToVector());
+  auto pa = a->Parameters(), pb = b->Parameters();
+  for (size_t i = 0; i < pa.size(); ++i) {
+    std::vector<float> ga = pa[i]->grad.ToVector(), gb = pb[i]->grad.ToVector();
+    for (size_t k = 0; k < ga.size(); ++k) {
+      EXPECT_NEAR(ga[k], gb[k], 1e-6f * std::max(1.0f, std::fabs(ga[k]))) << pa[i]->name;
+    }
+  }
+}
+
+std::map<std::string, std::vector<float>> ParamValues(Stage& s) {
+  std::map<std::string, std::vector<float>> out;
+  for (Parameter* p : s.Parameters()) out[p->name] = p->value.ToVector();
+  return out;
+}
+
+absl::StatusOr<LayerGraph> SmallGpt() {
+  return GptModel("small", {.layers = 3, .hidden = kC, .heads = kH, .seq = kT, .vocab = kV}, kB);
+}
+
+TEST(LayerInitTest, GlobalIndexInitIndependentOfStage) {
+  auto graph = SmallGpt();
+  ASSERT_TRUE(graph.ok()) << graph.status();
+  const int n = graph->num_layers();
+  auto whole = graph->Instantiate(0, n, 42);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  auto all = ParamValues(**whole);
+  for (int k = 1; k < n; ++k) {
+    auto part = graph->Instantiate(k, n, 42);
+    ASSERT_TRUE(part.ok()) << part.status();
+    EXPECT_EQ((*part)->begin(), k);
+    auto values = ParamValues(**part);
+    for (auto& [name, v] : values) {
+      ASSERT_TRUE(all.count(name)) << name;
+      EXPECT_EQ(v, all[name]) << name << " differs when the stage starts at " << k;
+    }
+  }
+  // A single middle layer alone, too.
+  auto mid = graph->Instantiate(2, 3, 42);
+  ASSERT_TRUE(mid.ok());
+  auto values = ParamValues(**mid);
+  ASSERT_FALSE(values.empty());
+  for (auto& [name, v] : values) EXPECT_EQ(v, all[name]) << name;
+}
+
+TEST(LayerInitTest, SeedsAndNamesChangeWeights) {
+  auto graph = SmallGpt();
+  ASSERT_TRUE(graph.ok());
+  auto a = graph->Instantiate(0, graph->num_layers(), 1);
+  auto b = graph->Instantiate(0, graph->num_layers(), 2);
+  auto a2 = graph->Instantiate(0, graph->num_layers(), 1);
+  ASSERT_TRUE(a.ok() && b.ok() && a2.ok());
+  auto va = ParamValues(**a), vb = ParamValues(**b), va2 = ParamValues(**a2);
+  EXPECT_EQ(va, va2);
+  EXPECT_NE(va["embed.wte.weight"], vb["embed.wte.weight"]);
+  EXPECT_NE(va["blocks.1.attn.qkv.weight"], vb["blocks.1.attn.qkv.weight"]);
+  // Different blocks get different weights from the same seed.
+  EXPECT_NE(va["blocks.0.attn.qkv.weight"], va["blocks.1.attn.qkv.weight"]);
+  // Same (seed, name) through the spec factory directly gives the same values.
+  auto l1 = Make(layers::Linear(kC, kC), "x", 9, 0);
+  auto l2 = Make(layers::Linear(kC, kC), "x", 9, 5);
+  auto l3 = Make(layers::Linear(kC, kC), "y", 9, 0);
+  EXPECT_EQ(l1->Parameters()[0]->value.ToVector(), l2->Parameters()[0]->value.ToVector());
+  EXPECT_NE(l1->Parameters()[0]->value.ToVector(), l3->Parameters()[0]->value.ToVector());
+  // The default init is small and nonzero.
+  std::vector<float> w = l1->Parameters()[0]->value.ToVector();
+  double ss = 0;
+  for (float v : w) ss += v * v;
+  double std = std::sqrt(ss / w.size());
+  EXPECT_GT(std, 0.01);
+  EXPECT_LT(std, 0.04);
+  EXPECT_EQ(l1->Parameters()[1]->value.ToVector(), std::vector<float>(kC, 0.0f));  // bias
+}
+
+TEST(LayerErrorTest, LinearWrongLastDim) {
+  auto layer = Make(layers::Linear(kC, 4), "fc");
+  std::mt19937 rng(30);
+  Saved s;
+  auto y = layer->Forward(RandomTensor({kB, kT, kC + 1}, rng), {}, &s);
+  EXPECT_FALSE(y.ok());
+  EXPECT_EQ(y.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(layer->Forward(Tensor(), {}, &s).ok());
+  EXPECT_FALSE(layer->Forward(Tensor::Zeros({kB, kC}, DType::kI32), {}, &s).ok());
+}
+
+TEST(LayerErrorTest, EmbeddingBadTokens) {
+  auto layer = Make(layers::Embedding(kV, kT, kC), "embed");
+  Saved s;
+  EXPECT_FALSE(layer->Forward(Tensor::FromVectorI32({1, 2}, {0, static_cast<int32_t>(kV)}), {}, &s)
+                   .ok());
+  EXPECT_FALSE(layer->Forward(Tensor::FromVectorI32({1, 2}, {-1, 0}), {}, &s).ok());
+  // Longer than max_seq.
+  auto longer = layer->Forward(Tensor::Zeros({1, kT + 1}, DType::kI32), {}, &s);
+  EXPECT_FALSE(longer.ok());
+  EXPECT_EQ(longer.status().code(), absl::StatusCode::kInvalidArgument);
+  // f32 instead of tokens, wrong rank.
+  EXPECT_FALSE(layer->Forward(Tensor::Zeros({1, 2}), {}, &s).ok());
+  EXPECT_FALSE(layer->Forward(Tensor::Zeros({2}, DType::kI32), {}, &s).ok());
+  // A valid call still works afterwards.
+  auto ok = layer->Forward(Tensor::FromVectorI32({1, 2}, {0, static_cast<int32_t>(kV - 1)}), {}, &s);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->shape(), (std::vector<int64_t>{1, 2, kC}));
+}
+
+TEST(LayerErrorTest, LossWithoutOrWithBadTargets) {
+  auto layer = Make(layers::CrossEntropyLoss(), "loss");
+  std::mt19937 rng(31);
+  Tensor logits = RandomTensor({kB, kT, kV}, rng);
+  Saved s;
+  auto none = layer->Forward(logits, {}, &s);
+  EXPECT_FALSE(none.ok());
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kInvalidArgument);
+  Tensor wrong_count = Tensor::Zeros({kB, kT + 1}, DType::kI32);
+  LayerContext ctx;
+  ctx.targets = &wrong_count;
+  EXPECT_FALSE(layer->Forward(logits, ctx, &s).ok());
+  Tensor out_of_vocab = Tensor::Zeros({kB, kT}, DType::kI32);
+  out_of_vocab.data<int32_t>()[3] = kV;
+  ctx.targets = &out_of_vocab;
+  EXPECT_FALSE(layer->Forward(logits, ctx, &s).ok());
+}
+
+TEST(LayerErrorTest, BackwardBeforeForward) {
+  std::mt19937 rng(32);
+  std::vector<LayerSpecPtr> specs = {
+      layers::Linear(kC, kC),        layers::Linear(kC, kC, false), layers::Gelu(),
+      layers::LayerNorm(kC),         layers::Mlp(kC, 16),           layers::CausalSelfAttention(kC, kH),
+      layers::TransformerBlock(kC, kH), layers::Embedding(kV, kT, kC), layers::LmHead(kC, kC),
+      layers::CrossEntropyLoss()};
+  for (const LayerSpecPtr& spec : specs) {
+    SCOPED_TRACE(spec->kind());
+    auto layer = Make(spec, "n");
+    Saved s;
+    Tensor dy = spec->kind() == "cross_entropy" ? Tensor::FromVector({1}, {1.0f}) : Act(rng);
+    auto dx = layer->BackwardInput(dy, {}, &s);
+    EXPECT_FALSE(dx.ok());
+    EXPECT_FALSE(layer->Backward(dy, {}, &s).ok());
+    if (!layer->Parameters().empty()) {
+      absl::Status w = layer->BackwardWeight({}, &s);
+      EXPECT_FALSE(w.ok());
+    }
+  }
+}
+
+TEST(LayerErrorTest, BackwardWeightBeforeBackwardInput) {
+  std::mt19937 rng(33);
+  for (const LayerSpecPtr& spec : {layers::Linear(kC, kC), layers::LayerNorm(kC), layers::Mlp(kC, 16),
+                                   layers::TransformerBlock(kC, kH)}) {
+    SCOPED_TRACE(spec->kind());
+    auto layer = Make(spec, "n");
+    Saved s;
+    ASSERT_TRUE(layer->Forward(Act(rng), {}, &s).ok());
+    EXPECT_FALSE(layer->BackwardWeight({}, &s).ok());
+    for (Parameter* p : layer->Parameters()) {
+      for (float g : p->grad.ToVector()) ASSERT_EQ(g, 0.0f) << p->name;
+    }
+  }
+}
+
+TEST(LayerErrorTest, BackwardWithMismatchedGradientShape) {
+  // A dy that does not match the forward's output must be an error, not an out-of-bounds read.
+  std::mt19937 rng(34);
+  for (const LayerSpecPtr& spec : {layers::Linear(kC, kC), layers::LayerNorm(kC), layers::Gelu(),
+                                   layers::CausalSelfAttention(kC, kH), layers::Mlp(kC, 16),
+                                   layers::TransformerBlock(kC, kH)}) {
+    SCOPED_TRACE(spec->kind());
+    auto layer = Make(spec, "n");
+    Saved s;
+    ASSERT_TRUE(layer->Forward(Act(rng), {}, &s).ok());
+    EXPECT_FALSE(layer->BackwardInput(RandomTensor({1, kT, kC}, rng), {}, &s).ok());
+  }
+  auto emb = Make(layers::Embedding(kV, kT, kC), "e");
+  Saved s;
+  ASSERT_TRUE(emb->Forward(RandomTokens(kB, kT, kV, rng), {}, &s).ok());
+  EXPECT_FALSE(emb->BackwardInput(RandomTensor({1, kT, kC}, rng), {}, &s).ok());
+
+  auto loss = Make(layers::CrossEntropyLoss(), "loss");
+  Tensor targets = RandomTokens(kB, kT, kV, rng);
+  LayerContext ctx;
+  ctx.targets = &targets;
+  Saved ls;
+  ASSERT_TRUE(loss->Forward(RandomTensor({kB, kT, kV}, rng), ctx, &ls).ok());
+  EXPECT_FALSE(loss->BackwardInput(Tensor::Zeros({0}), ctx, &ls).ok());
+  EXPECT_TRUE(loss->BackwardInput(Tensor::FromVector({1}, {1.0f}), ctx, &ls).ok());
+}
+
+TEST(LayerSpecTest, KindsConfigsAndCosts) {
+  MicroBatchShape shape{kB, kT};
+  EXPECT_EQ(layers::Linear(kC, 6)->kind(), "linear");
+  EXPECT_NE(layers::Linear(kC, 6)->Config(), layers::Linear(kC, 7)->Config());
+  EXPECT_NE(layers::Linear(kC, 6, true)->Config(), layers::Linear(kC, 6, false)->Config());
+  EXPECT_EQ(layers::Linear(kC, 6)->GetCost(shape, 0).params, kC * 6 + 6);
+  EXPECT_EQ(layers::Linear(kC, 6, false)->GetCost(shape, 0).params, kC * 6);
+  EXPECT_EQ(layers::LayerNorm(kC)->GetCost(shape, 0).params, 2 * kC);
+  EXPECT_EQ(layers::Embedding(kV, kT, kC)->GetCost(shape, 0).params, (kV + kT) * kC);
+  EXPECT_EQ(layers::TransformerBlock(kC, kH)->GetCost(shape, 0).params, 12 * kC * kC + 13 * kC);
+  EXPECT_EQ(layers::CrossEntropyLoss()->GetCost(shape, 1000).output_bytes, 4);
+  // Parameter counts from the cost equal the instantiated parameters.
+  for (const LayerSpecPtr& spec :
+       {layers::Linear(kC, 6), layers::LayerNorm(kC), layers::Mlp(kC, 16),
+        layers::CausalSelfAttention(kC, kH), layers::TransformerBlock(kC, kH),
+        layers::Embedding(kV, kT, kC), layers::LmHead(kC, kV)}) {
+    auto layer = Make(spec, "n");
+    int64_t n = 0;
+    for (Parameter* p : layer->Parameters()) n += p->value.numel();
+    EXPECT_EQ(n, spec->GetCost(shape, 0).params) << spec->kind();
+  }
+}
+
+}  // namespace
+}  // namespace pipewright
