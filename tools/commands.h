@@ -14,6 +14,7 @@ namespace pipewright::tools {
 void RegisterTrain(CLI::App& app, int* exit_code);
 void RegisterEval(CLI::App& app, int* exit_code);
 void RegisterBench(CLI::App& app, int* exit_code);
+void RegisterSimulate(CLI::App& app, int* exit_code);
 
 // Prints "pipewright: <message>" on stderr and returns the exit code for `status`:
 // 2 for InvalidArgument / NotFound / FailedPrecondition / OutOfRange / Unimplemented, 1 otherwise.

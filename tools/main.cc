@@ -29,6 +29,7 @@ int main(int argc, char** argv) {
   pipewright::tools::RegisterTrain(app, &exit_code);
   pipewright::tools::RegisterEval(app, &exit_code);
   pipewright::tools::RegisterBench(app, &exit_code);
+  pipewright::tools::RegisterSimulate(app, &exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

@@ -193,3 +193,65 @@ TEST(Cli, TrainsOnTextFile) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(CliSimulate, OneFOneBMatchesPaper) {
+  Result r = RunCli("simulate --schedule 1f1b --stages 4 --micro-batches 8 --cost-f 1 --cost-b 2 "
+                    "--json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_DOUBLE_EQ(j["makespan"].get<double>(), 33.0);
+  EXPECT_NEAR(j["bubble_fraction"].get<double>(), 3.0 / 11.0, 1e-12);
+  ASSERT_EQ(j["ranks"].size(), 4u);
+  for (int i = 0; i < 4; ++i) EXPECT_DOUBLE_EQ(j["ranks"][i]["peak_inflight"].get<double>(), 4 - i);
+}
+
+TEST(CliSimulate, InterleavedAndZbH1) {
+  Result r = RunCli("simulate --schedule interleaved --chunks 2 --stages 4 --micro-batches 8 "
+                    "--cost-f 1 --cost-b 2 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NEAR(nlohmann::json::parse(r.out)["bubble_fraction"].get<double>(), 3.0 / 19.0, 1e-12);
+  r = RunCli("simulate --schedule zb-h1 --stages 4 --micro-batches 8 --cost-f 1 --cost-b 1 "
+             "--cost-w 1 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_DOUBLE_EQ(nlohmann::json::parse(r.out)["makespan"].get<double>(), 27.0);
+}
+
+TEST(CliSimulate, WritesTraceAndSvg) {
+  std::string trace = TempPath("sim_trace.json"), svg = TempPath("sim.svg");
+  Result r = RunCli("simulate --schedule zb-v --stages 4 --micro-batches 8 --trace " + trace +
+                    " --svg " + svg);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto t = nlohmann::json::parse(std::ifstream(trace));
+  EXPECT_GT(t["traceEvents"].size(), 0u);
+  std::ifstream s(svg);
+  std::string text((std::istreambuf_iterator<char>(s)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("<svg"), std::string::npos);
+}
+
+TEST(CliSimulate, BadArgumentsExit2) {
+  for (const char* args :
+       {"simulate --schedule nope --stages 4 --micro-batches 8",
+        "simulate --schedule 1f1b --stages 0 --micro-batches 8",
+        "simulate --schedule 1f1b --stages 4 --micro-batches 0",
+        "simulate --schedule interleaved --chunks 2 --stages 4 --micro-batches 6",
+        "simulate --schedule 1f1b --stages 4 --micro-batches 8 --cost-f -1",
+        "simulate --schedule custom --stages 2 --micro-batches 1 --program /no/such/file"}) {
+    Result r = RunCli(args);
+    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.err;
+    EXPECT_FALSE(r.err.empty()) << args;
+  }
+}
+
+TEST(CliSimulate, HandWrittenDeadlockNamesRanks) {
+  std::string path = TempPath("deadlock.txt");
+  std::ofstream(path) << "rank 0: RECV_B0@s0 F0@s0 SEND_F0@s0 B0@s0\n"
+                         "rank 1: RECV_F0@s1 F0@s1 B0@s1 SEND_B0@s1\n";
+  Result r = RunCli("simulate --schedule custom --stages 2 --micro-batches 1 --program " + path);
+  EXPECT_EQ(r.exit_code, 2) << r.out;
+  EXPECT_NE(r.err.find("rank 0 waits on RECV_B0@s0"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("rank 1 waits on RECV_F0@s1"), std::string::npos) << r.err;
+}
+
+}  // namespace

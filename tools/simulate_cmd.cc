@@ -1,0 +1,158 @@
+// `pipewright simulate`: generate (or load) a pipeline schedule, lower and validate it, then
+// predict its makespan, bubble and peak memory; optionally write a Chrome trace and an SVG.
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "pipewright/schedule.h"
+#include "pipewright/simulator.h"
+#include "tools/commands.h"
+
+namespace pipewright::tools {
+namespace {
+
+struct SimulateFlags {
+  std::string schedule = "1f1b";
+  int stages = 0, micro_batches = 0, chunks = 0;  // chunks 0: 2 for zb-v, else 1
+  double cost_f = 1, cost_b = 1, cost_w = 0;
+  double comm_latency = 0, comm_per_byte = 0, message_bytes = 0;
+  double reduce_time = 0, optimizer_time = 0;
+  bool json = false;
+  std::string trace, svg, program;
+};
+
+absl::Status WriteFile(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) return absl::InternalError(absl::StrCat("cannot open '", path, "' for writing"));
+  out << text;
+  out.close();
+  if (!out) return absl::InternalError(absl::StrCat("cannot write '", path, "'"));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Schedule> BuildSchedule(const SimulateFlags& f) {
+  if (f.stages < 1) return absl::InvalidArgumentError("--stages must be >= 1");
+  if (f.micro_batches < 1) return absl::InvalidArgumentError("--micro-batches must be >= 1");
+  if (f.chunks < 0) return absl::InvalidArgumentError("--chunks must be >= 1");
+  ScheduleSpec spec;
+  spec.ranks = f.stages;
+  spec.micro_batches = f.micro_batches;
+  if (!f.program.empty()) {
+    std::ifstream in(f.program, std::ios::binary);
+    if (!in) return absl::NotFoundError(absl::StrCat("cannot read --program '", f.program, "'"));
+    std::stringstream text;
+    text << in.rdbuf();
+    spec.kind = ScheduleKind::kCustom;
+    spec.chunks = f.chunks > 0 ? f.chunks : 1;
+    // ParseSchedule marks a text that spells out its communication as lowered.
+    return ParseSchedule(text.str(), spec);
+  }
+  auto kind = ParseScheduleKind(f.schedule);
+  if (!kind.ok()) return kind.status();
+  if (*kind == ScheduleKind::kCustom) {
+    return absl::InvalidArgumentError("--schedule custom needs --program FILE");
+  }
+  spec.kind = *kind;
+  spec.chunks = f.chunks > 0 ? f.chunks : (*kind == ScheduleKind::kZbV ? 2 : 1);
+  return GenerateSchedule(spec);
+}
+
+absl::Status RunSimulate(const SimulateFlags& f) {
+  auto schedule = BuildSchedule(f);
+  if (!schedule.ok()) return schedule.status();
+  if (!schedule->lowered) {
+    if (absl::Status st = LowerComm(*schedule); !st.ok()) return st;
+  }
+  if (absl::Status st = Validate(*schedule); !st.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("invalid schedule: ", st.message()));
+  }
+  SimCosts costs;
+  costs.f = f.cost_f;
+  costs.b = f.cost_b;
+  costs.w = f.cost_w;
+  costs.comm_latency = f.comm_latency;
+  costs.comm_per_byte = f.comm_per_byte;
+  costs.message_bytes = f.message_bytes;
+  costs.reduce_time = f.reduce_time;
+  costs.optimizer_time = f.optimizer_time;
+  auto result = Simulate(*schedule, costs);
+  if (!result.ok()) {
+    // Costs are checked inside Simulate (InvalidArgument); anything else is a bad schedule.
+    if (result.status().code() == absl::StatusCode::kInvalidArgument) return result.status();
+    return absl::InvalidArgumentError(std::string(result.status().message()));
+  }
+  if (!f.trace.empty()) {
+    if (absl::Status st = WriteFile(f.trace, ToChromeTrace(*schedule, *result) + "\n");
+        !st.ok()) {
+      return st;
+    }
+  }
+  if (!f.svg.empty()) {
+    if (absl::Status st = WriteFile(f.svg, ToSvg(*schedule, *result)); !st.ok()) return st;
+  }
+  const ScheduleSpec& spec = schedule->spec;
+  if (f.json) {
+    nlohmann::json ranks = nlohmann::json::array();
+    for (size_t r = 0; r < result->ranks.size(); ++r) {
+      ranks.push_back({{"rank", r},
+                       {"busy", result->ranks[r].busy},
+                       {"peak_inflight", result->ranks[r].peak_inflight}});
+    }
+    nlohmann::json j = {{"schedule", ScheduleKindName(spec.kind)},
+                        {"stages", spec.ranks},
+                        {"micro_batches", spec.micro_batches},
+                        {"chunks", spec.chunks},
+                        {"makespan", result->makespan},
+                        {"bubble_fraction", result->bubble_fraction},
+                        {"ranks", ranks}};
+    std::printf("%s\n", j.dump(2).c_str());
+  } else {
+    std::printf("schedule %s  p=%d  m=%d  v=%d\n", ScheduleKindName(spec.kind), spec.ranks,
+                spec.micro_batches, spec.chunks);
+    std::printf("makespan %.6g  bubble %.2f%%\n", result->makespan,
+                100 * result->bubble_fraction);
+    std::printf("%-6s %12s %14s\n", "rank", "busy", "peak_inflight");
+    for (size_t r = 0; r < result->ranks.size(); ++r) {
+      std::printf("%-6zu %12.6g %14.6g\n", r, result->ranks[r].busy,
+                  result->ranks[r].peak_inflight);
+    }
+    if (!f.trace.empty()) std::printf("wrote trace %s\n", f.trace.c_str());
+    if (!f.svg.empty()) std::printf("wrote svg %s\n", f.svg.c_str());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void RegisterSimulate(CLI::App& app, int* exit_code) {
+  auto f = std::make_shared<SimulateFlags>();
+  CLI::App* cmd = app.add_subcommand(
+      "simulate", "Predict a pipeline schedule's makespan, bubble and peak memory");
+  cmd->add_option("--schedule", f->schedule, "gpipe | 1f1b | interleaved | zb-h1 | zb-v");
+  cmd->add_option("--stages", f->stages, "Pipeline ranks p")->required();
+  cmd->add_option("--micro-batches", f->micro_batches, "Micro-batches per step m")->required();
+  cmd->add_option("--chunks", f->chunks, "Model chunks per rank v (default 1; zb-v: 2)")
+      ->check(CLI::Range(1, 4096));
+  cmd->add_option("--cost-f", f->cost_f, "Forward time of a whole stage");
+  cmd->add_option("--cost-b", f->cost_b, "Input-gradient backward time of a whole stage");
+  cmd->add_option("--cost-w", f->cost_w, "Weight-gradient backward time of a whole stage");
+  cmd->add_option("--comm-latency", f->comm_latency, "Latency per P2P message");
+  cmd->add_option("--comm-per-byte", f->comm_per_byte, "Transfer time per byte");
+  cmd->add_option("--message-bytes", f->message_bytes, "Bytes per P2P message");
+  cmd->add_option("--reduce-time", f->reduce_time, "REDUCE_GRADS time per stage");
+  cmd->add_option("--optimizer-time", f->optimizer_time, "OPTIMIZER_STEP time");
+  cmd->add_flag("--json", f->json, "Print JSON");
+  cmd->add_option("--trace", f->trace, "Write a Chrome trace (Perfetto) to FILE");
+  cmd->add_option("--svg", f->svg, "Write an SVG timeline to FILE");
+  cmd->add_option("--program", f->program,
+                  "Simulate a hand-written schedule (text form, kind custom) from FILE");
+  cmd->callback([f, exit_code] {
+    absl::Status st = RunSimulate(*f);
+    *exit_code = st.ok() ? 0 : ReportError(st);
+  });
+}
+
+}  // namespace pipewright::tools
