@@ -12,9 +12,9 @@ namespace pipewright::bench {
 
 struct BenchRow {
   std::string name;
-  double seconds = 0;      // median time of one repetition
+  double seconds = 0;  // median time of one repetition
   double gflops_per_s = 0;
-  double flops = 0;        // per repetition
+  double flops = 0;  // per repetition
 };
 
 struct KernelSuiteResult {

@@ -18,11 +18,13 @@ void BM_Gemm(benchmark::State& state) {
     Gemm(false, true, m, n, k, 1.0f, a.data(), k, b.data(), k, 0.0f, c.data(), n);
     benchmark::DoNotOptimize(c.data());
   }
-  state.counters["GFLOP/s"] =
-      benchmark::Counter(2.0 * m * n * k, benchmark::Counter::kIsIterationInvariantRate,
-                         benchmark::Counter::kIs1000);
+  state.counters["GFLOP/s"] = benchmark::Counter(
+      2.0 * m * n * k, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
 }
-BENCHMARK(BM_Gemm)->Args({kTokens, 3 * kC, kC})->Args({kTokens, 4 * kC, kC})->Args({1024, 1024, 1024});
+BENCHMARK(BM_Gemm)
+    ->Args({kTokens, 3 * kC, kC})
+    ->Args({kTokens, 4 * kC, kC})
+    ->Args({1024, 1024, 1024});
 
 void BM_GeluForward(benchmark::State& state) {
   std::vector<float> x(size_t(kTokens) * 4 * kC, 0.3f), y(x.size());

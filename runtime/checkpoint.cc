@@ -12,10 +12,9 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <system_error>
-
-#include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
@@ -90,8 +89,7 @@ absl::Status WriteAll(int fd, const void* data, size_t size, const std::string& 
 absl::Status PreadAll(int fd, void* data, size_t size, uint64_t offset, const std::string& path) {
   char* p = static_cast<char*>(data);
   while (size > 0) {
-    ssize_t n = ::pread(fd, p, std::min<size_t>(size, size_t{1} << 30),
-                        static_cast<off_t>(offset));
+    ssize_t n = ::pread(fd, p, std::min<size_t>(size, size_t{1} << 30), static_cast<off_t>(offset));
     if (n < 0) {
       if (errno == EINTR) continue;
       return ErrnoStatus(errno, "cannot read", path);
@@ -304,8 +302,7 @@ absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path, Allocat
     return absl::InvalidArgumentError(absl::StrCat("'", path, "': malformed JSON header"));
   }
   if (!header.is_object()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("'", path, "': JSON header is not an object"));
+    return absl::InvalidArgumentError(absl::StrCat("'", path, "': JSON header is not an object"));
   }
 
   SafetensorsFile out;
@@ -334,8 +331,7 @@ absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path, Allocat
       continue;
     }
     auto err = [&](absl::string_view what) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("'", path, "': tensor '", name, "': ", what));
+      return absl::InvalidArgumentError(absl::StrCat("'", path, "': tensor '", name, "': ", what));
     };
     if (name.empty()) return err("empty tensor name");
     if (!v.is_object()) return err("entry is not an object");
@@ -349,8 +345,7 @@ absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path, Allocat
     }
     const std::string dtype_name = dt->get<std::string>();
     // Only the safetensors (upper-case) spellings are accepted from files.
-    if (dtype_name != "F32" && dtype_name != "BF16" && dtype_name != "F16" &&
-        dtype_name != "I32") {
+    if (dtype_name != "F32" && dtype_name != "BF16" && dtype_name != "F16" && dtype_name != "I32") {
       return err(absl::StrCat("unsupported dtype '", dtype_name, "'"));
     }
     Entry e;
@@ -378,9 +373,9 @@ absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path, Allocat
     e.end = static_cast<uint64_t>(en);
     if (e.begin > e.end) return err("data_offsets begin > end");
     if (e.end > data_size) {
-      return absl::DataLossError(absl::StrCat("'", path, "': tensor '", name,
-                                              "': data_offsets [", e.begin, ", ", e.end,
-                                              "] exceed the data size ", data_size));
+      return absl::DataLossError(absl::StrCat("'", path, "': tensor '", name, "': data_offsets [",
+                                              e.begin, ", ", e.end, "] exceed the data size ",
+                                              data_size));
     }
     if (e.end - e.begin != nbytes) {
       return err(absl::StrCat("data_offsets span ", e.end - e.begin, " bytes but shape x dtype is ",
@@ -396,16 +391,16 @@ absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path, Allocat
   uint64_t cursor = 0;
   for (const Entry& e : entries) {
     if (e.begin != cursor) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "'", path, "': tensor '", e.name, "': data_offsets [", e.begin, ", ", e.end,
-          "] are not contiguous (expected begin ", cursor, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("'", path, "': tensor '", e.name, "': data_offsets [", e.begin, ", ", e.end,
+                       "] are not contiguous (expected begin ", cursor, ")"));
     }
     cursor = e.end;
   }
   if (cursor != data_size) {
     return absl::InvalidArgumentError(absl::StrCat("'", path, "': tensors cover ", cursor,
-                                                   " bytes but the data section has ",
-                                                   data_size, " bytes"));
+                                                   " bytes but the data section has ", data_size,
+                                                   " bytes"));
   }
 
   if (allocator != nullptr && !allocator->device().is_cpu()) {
@@ -431,8 +426,7 @@ absl::Status WriteCheckpoint(const std::string& dir, const std::string& manifest
   const fs::path target = NormalizeDir(dir);
   const std::string target_str = target.string();
   const std::string pid = std::to_string(static_cast<long>(::getpid()));
-  const std::string tmp =
-      absl::StrCat(target_str, ".tmp-", pid, "-", counter.fetch_add(1));
+  const std::string tmp = absl::StrCat(target_str, ".tmp-", pid, "-", counter.fetch_add(1));
   const std::string old = absl::StrCat(target_str, ".old-", pid);
 
   std::error_code ec;
@@ -440,16 +434,16 @@ absl::Status WriteCheckpoint(const std::string& dir, const std::string& manifest
   if (!parent.empty()) {
     fs::create_directories(parent, ec);
     if (ec) {
-      return absl::InternalError(absl::StrCat("cannot create directory '", parent.string(),
-                                              "': ", ec.message()));
+      return absl::InternalError(
+          absl::StrCat("cannot create directory '", parent.string(), "': ", ec.message()));
     }
   }
   fs::remove_all(tmp, ec);
   if (::mkdir(tmp.c_str(), 0755) != 0) return ErrnoStatus(errno, "cannot create directory", tmp);
 
   auto write_all = [&]() -> absl::Status {
-    PW_RETURN_IF_ERROR(WriteFileSynced(
-        tmp + "/manifest.json", {{manifest_json.data(), manifest_json.size()}}));
+    PW_RETURN_IF_ERROR(
+        WriteFileSynced(tmp + "/manifest.json", {{manifest_json.data(), manifest_json.size()}}));
     PW_RETURN_IF_ERROR(WriteSafetensors(tmp + "/model.safetensors", model));
     PW_RETURN_IF_ERROR(WriteSafetensors(tmp + "/optimizer.safetensors", optimizer));
     PW_RETURN_IF_ERROR(FsyncDir(tmp));
@@ -480,8 +474,8 @@ absl::Status WriteCheckpoint(const std::string& dir, const std::string& manifest
   if (had_old) {
     fs::remove_all(old, ec);
     if (ec) {
-      return absl::InternalError(absl::StrCat("checkpoint written, but cannot remove '", old,
-                                              "': ", ec.message()));
+      return absl::InternalError(
+          absl::StrCat("checkpoint written, but cannot remove '", old, "': ", ec.message()));
     }
   }
   return absl::OkStatus();

@@ -52,8 +52,8 @@ class Synthetic final : public Dataset {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Dataset>> OpenTextDataset(const std::string& path,
-                                                         int64_t seq_len, uint64_t seed) {
+absl::StatusOr<std::unique_ptr<Dataset>> OpenTextDataset(const std::string& path, int64_t seq_len,
+                                                         uint64_t seed) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("data file '", path, "' cannot be opened"));
   std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());

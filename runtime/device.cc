@@ -5,9 +5,7 @@
 
 namespace pipewright {
 
-std::string Device::ToString() const {
-  return absl::StrCat(is_cpu() ? "cpu" : "cuda", ":", index);
-}
+std::string Device::ToString() const { return absl::StrCat(is_cpu() ? "cpu" : "cuda", ":", index); }
 
 absl::StatusOr<Device> Device::Parse(absl::string_view text) {
   absl::string_view kind = text;

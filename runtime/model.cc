@@ -75,9 +75,9 @@ Cost LayerGraph::TotalCost() const {
 absl::StatusOr<std::unique_ptr<Stage>> LayerGraph::Instantiate(int begin, int end, uint64_t seed,
                                                                Allocator* allocator) const {
   if (begin < 0 || end > num_layers() || begin >= end) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "layer range [%d, %d) is empty or outside the model's %d layers", begin, end,
-        num_layers()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("layer range [%d, %d) is empty or outside the model's %d layers", begin,
+                        end, num_layers()));
   }
   std::vector<std::string> names;
   std::vector<std::unique_ptr<Layer>> built;
@@ -112,7 +112,8 @@ ModelBuilder& ModelBuilder::Add(std::string name, LayerSpecPtr spec) {
 }
 
 absl::StatusOr<LayerGraph> ModelBuilder::Build() const {
-  if (nodes_.empty()) return absl::InvalidArgumentError(absl::StrCat("model '", name_, "' has no layers"));
+  if (nodes_.empty())
+    return absl::InvalidArgumentError(absl::StrCat("model '", name_, "' has no layers"));
   if (shape_.batch < 1 || shape_.seq_len < 1) {
     return absl::InvalidArgumentError("micro-batch size and sequence length must be >= 1");
   }
@@ -124,7 +125,8 @@ absl::StatusOr<LayerGraph> ModelBuilder::Build() const {
   int64_t input_bytes = shape_.tokens() * 4;  // i32 tokens
   for (size_t i = 0; i < nodes_.size(); ++i) {
     const auto& [name, spec] = nodes_[i];
-    if (name.empty()) return absl::InvalidArgumentError(absl::StrCat("layers[", i, "]: empty name"));
+    if (name.empty())
+      return absl::InvalidArgumentError(absl::StrCat("layers[", i, "]: empty name"));
     if (spec == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat("layers[", i, "] (", name, "): no spec"));
     }
@@ -147,8 +149,8 @@ absl::StatusOr<LayerGraph> GptModel(const std::string& name, const GptConfig& c,
     return absl::InvalidArgumentError("GPT config: every dimension must be >= 1");
   }
   if (c.hidden % c.heads != 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "GPT config: hidden %d is not divisible by heads %d", c.hidden, c.heads));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("GPT config: hidden %d is not divisible by heads %d", c.hidden, c.heads));
   }
   ModelBuilder b(name, {micro_batch_size, c.seq});
   b.Add("embed", layers::Embedding(c.vocab, c.seq, c.hidden));
@@ -170,8 +172,7 @@ absl::StatusOr<LayerGraph> PresetModel(absl::string_view preset, int64_t micro_b
                     micro_batch_size ? micro_batch_size : 8);
   }
   if (preset == "gpt-small") {
-    return GptModel("gpt-small",
-                    {.layers = 6, .hidden = 256, .heads = 8, .seq = 128, .vocab = 256},
+    return GptModel("gpt-small", {.layers = 6, .hidden = 256, .heads = 8, .seq = 128, .vocab = 256},
                     micro_batch_size ? micro_batch_size : 8);
   }
   if (preset == "mlp") {
@@ -189,8 +190,8 @@ absl::StatusOr<LayerGraph> PresetModel(absl::string_view preset, int64_t micro_b
     b.Add("loss", layers::CrossEntropyLoss());
     return b.Build();
   }
-  return absl::InvalidArgumentError(absl::StrCat("unknown preset '", preset,
-                                                 "' (known: mlp, gpt-tiny, gpt-small)"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown preset '", preset, "' (known: mlp, gpt-tiny, gpt-small)"));
 }
 
 }  // namespace pipewright

@@ -14,8 +14,7 @@ absl::StatusOr<OptimizerKind> ParseOptimizerKind(absl::string_view name) {
 }
 
 std::unique_ptr<Optimizer> Optimizer::Create(const OptimizerConfig& config,
-                                             std::vector<Parameter*> params,
-                                             Allocator* allocator) {
+                                             std::vector<Parameter*> params, Allocator* allocator) {
   return std::unique_ptr<Optimizer>(new Optimizer(config, std::move(params), allocator));
 }
 
@@ -69,8 +68,7 @@ absl::Status Optimizer::LoadState(const std::map<std::string, Tensor>& state, in
     if (it->second.shape() != named[i].second.shape() || it->second.dtype() != DType::kF32) {
       return absl::InvalidArgumentError(absl::StrCat("optimizer state '", named[i].first,
                                                      "' has shape ", it->second.ShapeString(),
-                                                     ", expected ",
-                                                     named[i].second.ShapeString()));
+                                                     ", expected ", named[i].second.ShapeString()));
     }
   }
   bool adam = config_.kind == OptimizerKind::kAdamW;

@@ -22,20 +22,28 @@ size_t DTypeSize(DType dtype) {
 
 const char* DTypeName(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return "f32";
-    case DType::kBF16: return "bf16";
-    case DType::kF16: return "f16";
-    case DType::kI32: return "i32";
+    case DType::kF32:
+      return "f32";
+    case DType::kBF16:
+      return "bf16";
+    case DType::kF16:
+      return "f16";
+    case DType::kI32:
+      return "i32";
   }
   return "?";
 }
 
 const char* DTypeSafetensorsName(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return "F32";
-    case DType::kBF16: return "BF16";
-    case DType::kF16: return "F16";
-    case DType::kI32: return "I32";
+    case DType::kF32:
+      return "F32";
+    case DType::kBF16:
+      return "BF16";
+    case DType::kF16:
+      return "F16";
+    case DType::kI32:
+      return "I32";
   }
   return "?";
 }
@@ -137,8 +145,8 @@ absl::StatusOr<Tensor> Tensor::Reshape(std::vector<int64_t> shape) const {
     if (d < 0) return absl::InvalidArgumentError("negative dimension in reshape");
   }
   if (NumElements(shape) != numel_) {
-    return absl::InvalidArgumentError(absl::StrCat("cannot reshape ", ShapeString(), " to [",
-                                                   absl::StrJoin(shape, ", "), "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot reshape ", ShapeString(), " to [", absl::StrJoin(shape, ", "), "]"));
   }
   Tensor t = *this;
   t.shape_ = std::move(shape);
@@ -147,7 +155,8 @@ absl::StatusOr<Tensor> Tensor::Reshape(std::vector<int64_t> shape) const {
 
 Tensor Tensor::Clone(Allocator* allocator) const {
   PW_CHECK(device().is_cpu());
-  Tensor t = Empty(shape_, dtype_, allocator ? allocator : (storage_ ? storage_->allocator : nullptr));
+  Tensor t =
+      Empty(shape_, dtype_, allocator ? allocator : (storage_ ? storage_->allocator : nullptr));
   if (nbytes() > 0) std::memcpy(t.raw(), raw(), nbytes());
   return t;
 }

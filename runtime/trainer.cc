@@ -1,6 +1,5 @@
 #include <cmath>
 #include <fstream>
-
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
@@ -25,10 +24,10 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const LayerGraph& graph
   t->options_ = options;
   t->layout_ = {options.micro_batches, graph.shape().batch, graph.shape().seq_len, 1};
   t->allocator_ = std::make_unique<CpuAllocator>();
-  PW_ASSIGN_OR_RETURN(t->stage_, graph.Instantiate(0, graph.num_layers(), options.seed,
-                                                   t->allocator_.get()));
-  t->optimizer_ = Optimizer::Create(options.optimizer, t->stage_->Parameters(),
-                                    t->allocator_.get());
+  PW_ASSIGN_OR_RETURN(t->stage_,
+                      graph.Instantiate(0, graph.num_layers(), options.seed, t->allocator_.get()));
+  t->optimizer_ =
+      Optimizer::Create(options.optimizer, t->stage_->Parameters(), t->allocator_.get());
   PW_ASSIGN_OR_RETURN(std::unique_ptr<Dataset> data,
                       OpenDataset(options.data, graph.shape().seq_len, options.seed));
   t->data_ = std::move(data);
@@ -116,9 +115,12 @@ absl::Status Trainer::Save(const std::string& dir) const {
                {"global_batch", layout_.global_batch()}};
   m["step"] = step_;
   const OptimizerConfig& oc = options_.optimizer;
-  m["optimizer"] = {{"kind", OptimizerName(oc.kind)},  {"step", optimizer_->step_count()},
-                    {"beta1", oc.beta1},               {"beta2", oc.beta2},
-                    {"eps", oc.eps},                   {"momentum", oc.momentum},
+  m["optimizer"] = {{"kind", OptimizerName(oc.kind)},
+                    {"step", optimizer_->step_count()},
+                    {"beta1", oc.beta1},
+                    {"beta2", oc.beta2},
+                    {"eps", oc.eps},
+                    {"momentum", oc.momentum},
                     {"weight_decay", oc.weight_decay}};
   m["lr_schedule"] = {{"peak", schedule_.peak},
                       {"warmup_steps", schedule_.warmup_steps},
@@ -141,7 +143,8 @@ absl::Status Trainer::Resume(const std::string& dir) {
     return absl::InvalidArgumentError(absl::StrCat(dir, "/manifest.json: ", what));
   };
   if (m.is_discarded() || !m.is_object()) return bad("not valid JSON");
-  if (m.value("format", "") != kCheckpointFormat) return bad("format is not pipewright.checkpoint/v1");
+  if (m.value("format", "") != kCheckpointFormat)
+    return bad("format is not pipewright.checkpoint/v1");
   if (!m.contains("model") || !m["model"].is_object() ||
       m["model"].value("fingerprint", "") != graph_->Fingerprint()) {
     return bad(absl::StrCat("model.fingerprint does not match this model (", graph_->name(), ")"));
@@ -157,7 +160,8 @@ absl::Status Trainer::Resume(const std::string& dir) {
                             " does not match step ", step, " x global batch ",
                             layout_.global_batch(), " (resume with the same global batch)"));
   }
-  if (m.value("/optimizer/kind"_json_pointer, std::string()) != OptimizerName(options_.optimizer.kind)) {
+  if (m.value("/optimizer/kind"_json_pointer, std::string()) !=
+      OptimizerName(options_.optimizer.kind)) {
     return bad("optimizer.kind differs from this run's optimizer");
   }
   // Validate every tensor before touching the weights.
@@ -166,8 +170,8 @@ absl::Status Trainer::Resume(const std::string& dir) {
     auto it = ck.model.find(p->name);
     if (it == ck.model.end()) return bad(absl::StrCat("tensor '", p->name, "' missing"));
     if (it->second.shape() != p->value.shape() || it->second.dtype() != DType::kF32) {
-      return bad(absl::StrCat("tensor '", p->name, "' is ", it->second.ShapeString(),
-                              ", expected ", p->value.ShapeString()));
+      return bad(absl::StrCat("tensor '", p->name, "' is ", it->second.ShapeString(), ", expected ",
+                              p->value.ShapeString()));
     }
   }
   PW_RETURN_IF_ERROR(optimizer_->LoadState(ck.optimizer, m["optimizer"].value("step", step)));
@@ -192,8 +196,10 @@ absl::StatusOr<EvalResult> EvaluateCheckpoint(const std::string& dir, const std:
   int64_t mbs = m["model"].value("micro_batch_size", int64_t{0});
   PW_ASSIGN_OR_RETURN(LayerGraph graph, PresetModel(preset, mbs));
   if (m["model"].value("fingerprint", "") != graph.Fingerprint()) {
-    return absl::InvalidArgumentError(absl::StrCat(dir, "/manifest.json: fingerprint does not "
-                                                   "match preset '", preset, "'"));
+    return absl::InvalidArgumentError(absl::StrCat(dir,
+                                                   "/manifest.json: fingerprint does not "
+                                                   "match preset '",
+                                                   preset, "'"));
   }
   PW_ASSIGN_OR_RETURN(auto stage, graph.Instantiate(0, graph.num_layers(), 0));
   for (Parameter* p : stage->Parameters()) {

@@ -61,8 +61,8 @@ bool IsCompute(ActionKind kind) {
 }
 
 bool IsComm(ActionKind kind) {
-  return kind == ActionKind::kSendF || kind == ActionKind::kRecvF ||
-         kind == ActionKind::kSendB || kind == ActionKind::kRecvB;
+  return kind == ActionKind::kSendF || kind == ActionKind::kRecvF || kind == ActionKind::kSendB ||
+         kind == ActionKind::kRecvB;
 }
 
 std::string Action::ToString() const {

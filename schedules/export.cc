@@ -24,11 +24,21 @@ std::string JsonEscape(absl::string_view s) {
   out.reserve(s.size() + 2);
   for (char c : s) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
       default:
         if (static_cast<unsigned char>(c) < 0x20) {
           absl::StrAppendFormat(&out, "\\u%04x", static_cast<unsigned char>(c));
@@ -45,12 +55,23 @@ std::string XmlEscape(absl::string_view s) {
   out.reserve(s.size());
   for (char c : s) {
     switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      case '\'': out += "&apos;"; break;
-      default: out += c;
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      case '\'':
+        out += "&apos;";
+        break;
+      default:
+        out += c;
     }
   }
   return out;
@@ -109,11 +130,16 @@ struct Rgb {
 
 Rgb BaseColor(ActionKind k) {
   switch (k) {
-    case ActionKind::kF: return {59, 117, 175};   // blue
-    case ActionKind::kB: return {58, 146, 58};    // green
-    case ActionKind::kI: return {44, 160, 120};   // teal green
-    case ActionKind::kW: return {232, 134, 42};   // orange
-    default: return {140, 140, 140};              // grey (reduce / optimizer)
+    case ActionKind::kF:
+      return {59, 117, 175};  // blue
+    case ActionKind::kB:
+      return {58, 146, 58};  // green
+    case ActionKind::kI:
+      return {44, 160, 120};  // teal green
+    case ActionKind::kW:
+      return {232, 134, 42};  // orange
+    default:
+      return {140, 140, 140};  // grey (reduce / optimizer)
   }
 }
 
@@ -233,13 +259,14 @@ std::string ToSvg(const Schedule& schedule, const SimResult& result) {
                         "width=\"%.0f\" height=\"%.0f\" viewBox=\"0 0 %.0f %.0f\" "
                         "font-family=\"Helvetica, Arial, sans-serif\">\n",
                         width, height, width, height);
-  absl::StrAppendFormat(&out, "<rect class=\"background\" x=\"0\" y=\"0\" width=\"%.0f\" "
-                              "height=\"%.0f\" fill=\"#ffffff\"/>\n",
+  absl::StrAppendFormat(&out,
+                        "<rect class=\"background\" x=\"0\" y=\"0\" width=\"%.0f\" "
+                        "height=\"%.0f\" fill=\"#ffffff\"/>\n",
                         width, height);
   const std::string title = absl::StrFormat(
-      "%s  p=%d  m=%d  v=%d  makespan %.4g  bubble %.1f%%",
-      ScheduleKindName(schedule.spec.kind), schedule.spec.ranks, schedule.spec.micro_batches,
-      schedule.spec.chunks, result.makespan, 100.0 * result.bubble_fraction);
+      "%s  p=%d  m=%d  v=%d  makespan %.4g  bubble %.1f%%", ScheduleKindName(schedule.spec.kind),
+      schedule.spec.ranks, schedule.spec.micro_batches, schedule.spec.chunks, result.makespan,
+      100.0 * result.bubble_fraction);
   absl::StrAppendFormat(&out,
                         "<text x=\"%.1f\" y=\"24\" font-size=\"16\" font-weight=\"bold\" "
                         "fill=\"#222222\">%s</text>\n",
@@ -263,8 +290,8 @@ std::string ToSvg(const Schedule& schedule, const SimResult& result) {
   for (const SimEvent& ev : result.timeline) {
     const ActionKind k = ev.action.kind;
     const bool compute = IsCompute(k);
-    const bool aux = (k == ActionKind::kReduceGrads || k == ActionKind::kOptimizerStep) &&
-                     ev.end > ev.start;
+    const bool aux =
+        (k == ActionKind::kReduceGrads || k == ActionKind::kOptimizerStep) && ev.end > ev.start;
     if (!compute && !aux) continue;
     const int c = compute ? chunk_of(ev.action) : 0;
     const Rgb color = Shade(BaseColor(k), c);
@@ -284,8 +311,8 @@ std::string ToSvg(const Schedule& schedule, const SimResult& result) {
                             "<text x=\"%.2f\" y=\"%.1f\" font-size=\"%.1f\" "
                             "text-anchor=\"middle\" dominant-baseline=\"central\" "
                             "fill=\"%s\">%d</text>\n",
-                            x + w / 2, y + kRowH / 2, font,
-                            IsLight(color) ? "#1a1a1a" : "#ffffff", ev.action.micro_batch);
+                            x + w / 2, y + kRowH / 2, font, IsLight(color) ? "#1a1a1a" : "#ffffff",
+                            ev.action.micro_batch);
     }
   }
 

@@ -277,8 +277,8 @@ absl::StatusOr<Schedule> GenerateSchedule(const ScheduleSpec& spec) {
   const int p = spec.ranks, m = spec.micro_batches;
   const char* name = ScheduleKindName(spec.kind);
   if (p < 1 || m < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        name, " needs ranks >= 1 and micro-batches >= 1 (got p=", p, ", m=", m, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " needs ranks >= 1 and micro-batches >= 1 (got p=", p, ", m=", m, ")"));
   }
   Schedule s;
   s.spec = spec;
@@ -287,9 +287,9 @@ absl::StatusOr<Schedule> GenerateSchedule(const ScheduleSpec& spec) {
     case ScheduleKind::k1F1B:
     case ScheduleKind::kZbH1:
       if (spec.chunks != 1) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            name, " runs one chunk per rank: chunks must be 1 (got ", spec.chunks,
-            "); use interleaved for several chunks per rank"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(name, " runs one chunk per rank: chunks must be 1 (got ", spec.chunks,
+                         "); use interleaved for several chunks per rank"));
       }
       break;
     case ScheduleKind::kInterleaved:
@@ -301,16 +301,16 @@ absl::StatusOr<Schedule> GenerateSchedule(const ScheduleSpec& spec) {
         int lo = (m / p) * p, hi = lo + p;
         std::string tries = lo > 0 ? absl::StrCat("m=", lo, " or ", hi) : absl::StrCat("m=", hi);
         return absl::InvalidArgumentError(absl::StrCat(
-            "interleaved needs micro-batches to be a multiple of pipeline ranks (p=", p,
-            "): try ", tries, " (or chunks=1)"));
+            "interleaved needs micro-batches to be a multiple of pipeline ranks (p=", p, "): try ",
+            tries, " (or chunks=1)"));
       }
       break;
     case ScheduleKind::kZbV:
       // chunks = 1 is the spec's default and means "the zb-v default", 2.
       if (spec.chunks != 1 && spec.chunks != 2) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "zb-v runs exactly two chunks per rank in a V: chunks must be 2 (got ", spec.chunks,
-            ")"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("zb-v runs exactly two chunks per rank in a V: chunks must be 2 (got ",
+                         spec.chunks, ")"));
       }
       s.spec.chunks = 2;
       break;

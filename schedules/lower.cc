@@ -28,9 +28,8 @@ absl::Status LowerComm(Schedule& schedule) {
   }
   const int S = schedule.num_stages;
   if (static_cast<int>(schedule.stage_rank.size()) != S) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("LowerComm: stage_rank has ", schedule.stage_rank.size(),
-                     " entries for ", S, " stages"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "LowerComm: stage_rank has ", schedule.stage_rank.size(), " entries for ", S, " stages"));
   }
   for (const Program& prog : schedule.programs) {
     for (const Action& a : prog.actions) {
@@ -40,8 +39,8 @@ absl::Status LowerComm(Schedule& schedule) {
                          "; only compute-only programs can be lowered"));
       }
       if (a.virtual_stage < 0 || a.virtual_stage >= S) {
-        return absl::InvalidArgumentError(absl::StrCat("LowerComm: rank ", prog.rank, " ",
-                                                       a.ToString(), ": stage out of range"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("LowerComm: rank ", prog.rank, " ", a.ToString(), ": stage out of range"));
       }
     }
   }

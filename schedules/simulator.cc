@@ -15,6 +15,8 @@
 //     receive, end = when the message arrived (equal when no wait). Sends have start == end.
 //   * peak_inflight adds 1/v when an F starts and removes 1/v when the matching B ends (W when
 //     the backward is split); a removal and an addition at the same instant do not overlap.
+#include "pipewright/simulator.h"
+
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -24,7 +26,6 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "pipewright/simulator.h"
 
 namespace pipewright {
 namespace {
@@ -35,8 +36,8 @@ using MsgKey = std::tuple<int, int, int, int, int>;
 bool FiniteNonNegative(double x) { return std::isfinite(x) && x >= 0; }
 
 absl::Status CheckCosts(const SimCosts& c, int num_stages) {
-  for (double x : {c.f, c.b, c.w, c.comm_latency, c.comm_per_byte, c.message_bytes,
-                   c.reduce_time, c.optimizer_time}) {
+  for (double x : {c.f, c.b, c.w, c.comm_latency, c.comm_per_byte, c.message_bytes, c.reduce_time,
+                   c.optimizer_time}) {
     if (!FiniteNonNegative(x)) {
       return absl::InvalidArgumentError("simulate: costs must be finite and >= 0");
     }
@@ -91,11 +92,10 @@ absl::StatusOr<SimResult> Simulate(const Schedule& schedule, const SimCosts& cos
         return absl::InvalidArgumentError(absl::StrCat(
             "simulate: rank ", r, " action ", a.ToString(), " names a stage outside [0, ", S, ")"));
       }
-      const bool bad_neighbour =
-          (a.kind == ActionKind::kRecvF && a.virtual_stage == 0) ||
-          (a.kind == ActionKind::kSendF && a.virtual_stage == S - 1) ||
-          (a.kind == ActionKind::kRecvB && a.virtual_stage == S - 1) ||
-          (a.kind == ActionKind::kSendB && a.virtual_stage == 0);
+      const bool bad_neighbour = (a.kind == ActionKind::kRecvF && a.virtual_stage == 0) ||
+                                 (a.kind == ActionKind::kSendF && a.virtual_stage == S - 1) ||
+                                 (a.kind == ActionKind::kRecvB && a.virtual_stage == S - 1) ||
+                                 (a.kind == ActionKind::kSendB && a.virtual_stage == 0);
       if (bad_neighbour) {
         return absl::InvalidArgumentError(absl::StrCat("simulate: rank ", r, " action ",
                                                        a.ToString(), " has no neighbour stage"));
@@ -109,13 +109,20 @@ absl::StatusOr<SimResult> Simulate(const Schedule& schedule, const SimCosts& cos
     const double b = costs.stage_b.empty() ? costs.b / v : costs.stage_b[s];
     const double w = costs.stage_w.empty() ? costs.w / v : costs.stage_w[s];
     switch (a.kind) {
-      case ActionKind::kF: return f;
-      case ActionKind::kB: return schedule.split_backward ? b : b + w;
-      case ActionKind::kI: return b;
-      case ActionKind::kW: return w;
-      case ActionKind::kReduceGrads: return costs.reduce_time;
-      case ActionKind::kOptimizerStep: return costs.optimizer_time;
-      default: return 0.0;
+      case ActionKind::kF:
+        return f;
+      case ActionKind::kB:
+        return schedule.split_backward ? b : b + w;
+      case ActionKind::kI:
+        return b;
+      case ActionKind::kW:
+        return w;
+      case ActionKind::kReduceGrads:
+        return costs.reduce_time;
+      case ActionKind::kOptimizerStep:
+        return costs.optimizer_time;
+      default:
+        return 0.0;
     }
   };
   const double msg_delay = costs.comm_latency + costs.message_bytes * costs.comm_per_byte;
@@ -164,8 +171,8 @@ absl::StatusOr<SimResult> Simulate(const Schedule& schedule, const SimCosts& cos
   std::vector<std::string> stuck;
   for (int r = 0; r < p; ++r) {
     if (pc[r] < schedule.programs[r].actions.size()) {
-      stuck.push_back(absl::StrCat("rank ", r, " waits on ",
-                                   schedule.programs[r].actions[pc[r]].ToString()));
+      stuck.push_back(
+          absl::StrCat("rank ", r, " waits on ", schedule.programs[r].actions[pc[r]].ToString()));
     }
   }
   if (!stuck.empty()) {

@@ -79,8 +79,7 @@ class Executor {
       }
     }
     if (!left.empty()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("unreceived messages: ", Head(left)));
+      return absl::FailedPreconditionError(absl::StrCat("unreceived messages: ", Head(left)));
     }
     std::vector<std::string> missing;
     for (int mb = 0; mb < m_; ++mb) {
@@ -114,8 +113,7 @@ class Executor {
   bool GradDone(int k) const { return b_[k] || w_[k]; }
 
   absl::Status Err(int r, const Action& a, absl::string_view why) const {
-    return absl::FailedPreconditionError(
-        absl::StrCat("rank ", r, " ", a.ToString(), ": ", why));
+    return absl::FailedPreconditionError(absl::StrCat("rank ", r, " ", a.ToString(), ": ", why));
   }
 
   absl::Status Step(int r, const Action& a, bool* blocked) {
@@ -127,8 +125,9 @@ class Executor {
         if (Owner(st) != r) continue;
         for (int j = 0; j < m_; ++j) {
           if (!GradDone(Idx(j, st))) {
-            return Err(r, a, absl::StrCat("runs before the weight gradient of micro-batch ", j,
-                                          " on stage ", st));
+            return Err(r, a,
+                       absl::StrCat("runs before the weight gradient of micro-batch ", j,
+                                    " on stage ", st));
           }
         }
       }
@@ -160,11 +159,12 @@ class Executor {
         if (s > 0) {
           bool local = Owner(s - 1) == r && f_[Idx(mb, s - 1)] >= 0;
           if (!local && !recv_f_[k]) {
-            return Err(r, a, absl::StrCat("its input is not available: stage ", s - 1,
-                                          " is on rank ", Owner(s - 1),
-                                          Owner(s - 1) == r ? " and has not run F yet"
-                                                            : " and no RECV_F came first",
-                                          " (is the schedule lowered?)"));
+            return Err(
+                r, a,
+                absl::StrCat(
+                    "its input is not available: stage ", s - 1, " is on rank ", Owner(s - 1),
+                    Owner(s - 1) == r ? " and has not run F yet" : " and no RECV_F came first",
+                    " (is the schedule lowered?)"));
           }
         }
         f_[k] = r;
@@ -178,10 +178,11 @@ class Executor {
           int kn = Idx(mb, s + 1);
           bool local = Owner(s + 1) == r && (b_[kn] || i_[kn]);
           if (!local && !recv_b_[k]) {
-            return Err(r, a, absl::StrCat("its output gradient is not available: stage ", s + 1,
-                                          " is on rank ", Owner(s + 1),
-                                          Owner(s + 1) == r ? " and has not run its backward"
-                                                            : " and no RECV_B came first"));
+            return Err(r, a,
+                       absl::StrCat("its output gradient is not available: stage ", s + 1,
+                                    " is on rank ", Owner(s + 1),
+                                    Owner(s + 1) == r ? " and has not run its backward"
+                                                      : " and no RECV_B came first"));
           }
         }
         (a.kind == ActionKind::kB ? b_ : i_)[k] = true;
@@ -189,7 +190,8 @@ class Executor {
       }
       case ActionKind::kW: {
         if (b_[k]) return Err(r, a, "W after a full backward B");
-        if (!i_[k]) return Err(r, a, absl::StrCat("W before ", Action{ActionKind::kI, s, mb}.ToString()));
+        if (!i_[k])
+          return Err(r, a, absl::StrCat("W before ", Action{ActionKind::kI, s, mb}.ToString()));
         if (w_[k]) return Err(r, a, "duplicate W");
         w_[k] = true;
         return absl::OkStatus();
@@ -257,8 +259,8 @@ absl::Status Validate(const Schedule& schedule) {
     return absl::InvalidArgumentError("Validate: the spec needs ranks, micro-batches, stages >= 1");
   }
   if (static_cast<int>(schedule.programs.size()) != p) {
-    return absl::InvalidArgumentError(absl::StrCat("Validate: ", schedule.programs.size(),
-                                                   " programs for ", p, " ranks"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("Validate: ", schedule.programs.size(), " programs for ", p, " ranks"));
   }
   if (static_cast<int>(schedule.stage_rank.size()) != schedule.num_stages) {
     return absl::InvalidArgumentError(absl::StrCat("Validate: stage_rank has ",
@@ -273,8 +275,8 @@ absl::Status Validate(const Schedule& schedule) {
   }
   for (int r = 0; r < p; ++r) {
     if (schedule.programs[r].rank != r) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "Validate: program ", r, " is labelled rank ", schedule.programs[r].rank));
+      return absl::InvalidArgumentError(
+          absl::StrCat("Validate: program ", r, " is labelled rank ", schedule.programs[r].rank));
     }
   }
   Executor ex(schedule);

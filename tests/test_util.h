@@ -2,12 +2,11 @@
 #ifndef PIPEWRIGHT_TESTS_TEST_UTIL_H_
 #define PIPEWRIGHT_TESTS_TEST_UTIL_H_
 
+#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <filesystem>
 #include <string>
-
-#include <gtest/gtest.h>
 
 namespace pipewright::testing_util {
 
@@ -17,8 +16,8 @@ class ScratchDirTest : public ::testing::Test {
   void SetUp() override {
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
     root_ = std::filesystem::path(::testing::TempDir()) /
-            ("pw_" + std::string(info->test_suite_name()) + "_" + std::to_string(::getpid()) +
-             "_" + info->name());
+            ("pw_" + std::string(info->test_suite_name()) + "_" + std::to_string(::getpid()) + "_" +
+             info->name());
     std::filesystem::remove_all(root_);
     ASSERT_TRUE(std::filesystem::create_directories(root_));
   }

@@ -1,6 +1,5 @@
 // `pipewright bench`: benchmark suites (more suites arrive with the runtime issue).
 #include <cstdio>
-
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
@@ -47,8 +46,7 @@ void RegisterBench(CLI::App& app, int* exit_code) {
         std::printf("%-55s %10.4f s %8.2f GFLOP/s\n", row.name.c_str(), row.seconds,
                     row.gflops_per_s);
       }
-      std::printf("train step reaches %.1f%% of single-thread sgemm\n",
-                  100 * r->fraction_of_sgemm);
+      std::printf("train step reaches %.1f%% of single-thread sgemm\n", 100 * r->fraction_of_sgemm);
     }
     *exit_code = 0;
   });

@@ -3,9 +3,8 @@
 #ifndef PIPEWRIGHT_TOOLS_COMMANDS_H_
 #define PIPEWRIGHT_TOOLS_COMMANDS_H_
 
-#include <string>
-
 #include <CLI/CLI.hpp>
+#include <string>
 
 #include "absl/status/status.h"
 

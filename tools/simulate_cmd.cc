@@ -2,9 +2,8 @@
 // predict its makespan, bubble and peak memory; optionally write a Chrome trace and an SVG.
 #include <cstdio>
 #include <fstream>
-#include <sstream>
-
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "pipewright/schedule.h"
@@ -85,8 +84,7 @@ absl::Status RunSimulate(const SimulateFlags& f) {
     return absl::InvalidArgumentError(std::string(result.status().message()));
   }
   if (!f.trace.empty()) {
-    if (absl::Status st = WriteFile(f.trace, ToChromeTrace(*schedule, *result) + "\n");
-        !st.ok()) {
+    if (absl::Status st = WriteFile(f.trace, ToChromeTrace(*schedule, *result) + "\n"); !st.ok()) {
       return st;
     }
   }
@@ -112,8 +110,7 @@ absl::Status RunSimulate(const SimulateFlags& f) {
   } else {
     std::printf("schedule %s  p=%d  m=%d  v=%d\n", ScheduleKindName(spec.kind), spec.ranks,
                 spec.micro_batches, spec.chunks);
-    std::printf("makespan %.6g  bubble %.2f%%\n", result->makespan,
-                100 * result->bubble_fraction);
+    std::printf("makespan %.6g  bubble %.2f%%\n", result->makespan, 100 * result->bubble_fraction);
     std::printf("%-6s %12s %14s\n", "rank", "busy", "peak_inflight");
     for (size_t r = 0; r < result->ranks.size(); ++r) {
       std::printf("%-6zu %12.6g %14.6g\n", r, result->ranks[r].busy,

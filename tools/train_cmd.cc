@@ -3,7 +3,6 @@
 
 #include <cmath>
 #include <cstdio>
-
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
@@ -32,8 +31,9 @@ struct TrainFlags {
 
 absl::Status Unsupported(const std::string& what) {
   return absl::UnimplementedError(
-      absl::StrCat(what, " is not yet supported: this build trains a single CPU stage "
-                         "(--pp 1 --dp 1); pipelined runs arrive with the runtime issue"));
+      absl::StrCat(what,
+                   " is not yet supported: this build trains a single CPU stage "
+                   "(--pp 1 --dp 1); pipelined runs arrive with the runtime issue"));
 }
 
 absl::Status CheckFlags(const TrainFlags& f) {
@@ -125,9 +125,12 @@ int RunTrain(const TrainFlags& f) {
     total_time += r->step_time_s;
     data_wait += r->data_wait_s;
     if (f.json) {
-      json line = {{"step", r->step},         {"loss", r->loss},
-                   {"lr", r->lr},             {"grad_norm", r->grad_norm},
-                   {"step_time_s", r->step_time_s}, {"samples_per_s", r->samples_per_s}};
+      json line = {{"step", r->step},
+                   {"loss", r->loss},
+                   {"lr", r->lr},
+                   {"grad_norm", r->grad_norm},
+                   {"step_time_s", r->step_time_s},
+                   {"samples_per_s", r->samples_per_s}};
       std::printf("%s\n", line.dump().c_str());
       std::fflush(stdout);
     } else {
@@ -162,12 +165,13 @@ int RunTrain(const TrainFlags& f) {
   if (f.json) {
     std::printf("%s\n", json{{"summary", summary}}.dump().c_str());
   } else {
-    std::printf("summary: %lld steps in %.2f s, loss %.4f -> %.4f, %.1f samples/s, %.2f GFLOP/s, "
-                "peak memory %.1f MiB, data wait %.3f s%s\n",
-                static_cast<long long>(steps_run), wall, summary["first_loss"].get<double>(),
-                summary["final_loss"].get<double>(), summary["samples_per_s"].get<double>(),
-                summary["model_gflops_per_s"].get<double>(), t.peak_memory_bytes() / 1048576.0,
-                data_wait, f.save.empty() ? "" : absl::StrCat(", saved to ", f.save).c_str());
+    std::printf(
+        "summary: %lld steps in %.2f s, loss %.4f -> %.4f, %.1f samples/s, %.2f GFLOP/s, "
+        "peak memory %.1f MiB, data wait %.3f s%s\n",
+        static_cast<long long>(steps_run), wall, summary["first_loss"].get<double>(),
+        summary["final_loss"].get<double>(), summary["samples_per_s"].get<double>(),
+        summary["model_gflops_per_s"].get<double>(), t.peak_memory_bytes() / 1048576.0, data_wait,
+        f.save.empty() ? "" : absl::StrCat(", saved to ", f.save).c_str());
   }
   return 0;
 }
@@ -231,8 +235,11 @@ void RegisterEval(CLI::App& app, int* exit_code) {
       return;
     }
     if (f->json) {
-      json j = {{"model", r->model},       {"step", r->step},       {"loss", r->loss},
-                {"perplexity", r->perplexity}, {"tokens", r->tokens}};
+      json j = {{"model", r->model},
+                {"step", r->step},
+                {"loss", r->loss},
+                {"perplexity", r->perplexity},
+                {"tokens", r->tokens}};
       std::printf("%s\n", j.dump().c_str());
     } else {
       std::printf("eval: %s at step %lld: loss %.4f, perplexity %.3f over %lld tokens\n",

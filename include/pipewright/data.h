@@ -30,8 +30,8 @@ class Dataset {
 
 // Byte-level text: sample i is the window of seq_len + 1 bytes at a position drawn from
 // (seed, i). Errors when the file is missing, unreadable or shorter than seq_len + 2 bytes.
-absl::StatusOr<std::unique_ptr<Dataset>> OpenTextDataset(const std::string& path,
-                                                         int64_t seq_len, uint64_t seed);
+absl::StatusOr<std::unique_ptr<Dataset>> OpenTextDataset(const std::string& path, int64_t seq_len,
+                                                         uint64_t seed);
 // Repeated patterns (docs/data.md): sample i repeats a random pattern of 2..8 letters drawn
 // from 'a'..'p'. After one period every token is predictable, so a small attention model can
 // drive the loss far below the ln(16) of guessing.
@@ -44,7 +44,7 @@ struct BatchLayout {
   int64_t micro_batches = 1;     // per replica
   int64_t micro_batch_size = 1;  // sequences per micro-batch
   int64_t seq_len = 1;
-  int64_t replicas = 1;          // data-parallel width
+  int64_t replicas = 1;  // data-parallel width
   int64_t global_batch() const { return micro_batches * micro_batch_size * replicas; }
   // Global sample index of sequence `b` of micro-batch `j` of replica `r` at `step`.
   int64_t SampleIndex(int64_t step, int64_t r, int64_t j, int64_t b) const {

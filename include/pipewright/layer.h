@@ -24,10 +24,10 @@
 namespace pipewright {
 
 struct Parameter {
-  std::string name;           // global, stable: "blocks.3.attn.qkv.weight"
-  Tensor value;               // f32 master weights
-  Tensor grad;                // f32, same shape; accumulated across micro-batches
-  bool weight_decay = true;   // false for biases, LayerNorm and embeddings' positions
+  std::string name;          // global, stable: "blocks.3.attn.qkv.weight"
+  Tensor value;              // f32 master weights
+  Tensor grad;               // f32, same shape; accumulated across micro-batches
+  bool weight_decay = true;  // false for biases, LayerNorm and embeddings' positions
 };
 
 // What one layer keeps between the passes of one micro-batch. Composite layers nest.
@@ -44,8 +44,8 @@ struct Saved {
 
 // Per-call context: where to allocate outputs, and the targets for a loss layer.
 struct LayerContext {
-  Allocator* allocator = nullptr;  // nullptr = DefaultCpuAllocator()
-  const Tensor* targets = nullptr; // [B, T] i32 next tokens; loss layers only
+  Allocator* allocator = nullptr;   // nullptr = DefaultCpuAllocator()
+  const Tensor* targets = nullptr;  // [B, T] i32 next tokens; loss layers only
 };
 
 class Layer {
@@ -66,9 +66,9 @@ class Layer {
 
 struct InitContext {
   uint64_t seed = 0;
-  int layer_index = 0;     // global index in the LayerGraph
-  std::string name;        // the node's name, prefix of every parameter name
-  int num_blocks = 1;      // transformer depth, for GPT-2's residual-projection scaling
+  int layer_index = 0;  // global index in the LayerGraph
+  std::string name;     // the node's name, prefix of every parameter name
+  int num_blocks = 1;   // transformer depth, for GPT-2's residual-projection scaling
   Allocator* allocator = nullptr;
 };
 

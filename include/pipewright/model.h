@@ -4,8 +4,8 @@
 //
 //   ModelBuilder b("my-gpt", {.batch = 4, .seq_len = 64});
 //   b.Add("embed", layers::Embedding(256, 64, 128));
-//   for (int i = 0; i < 6; ++i) b.Add(absl::StrCat("blocks.", i), layers::TransformerBlock(128, 4));
-//   b.Add("ln_f", layers::LayerNorm(128)).Add("lm_head", layers::LmHead(128, 256));
+//   for (int i = 0; i < 6; ++i) b.Add(absl::StrCat("blocks.", i), layers::TransformerBlock(128,
+//   4)); b.Add("ln_f", layers::LayerNorm(128)).Add("lm_head", layers::LmHead(128, 256));
 //   b.Add("loss", layers::CrossEntropyLoss());
 //   PW_ASSIGN_OR_RETURN(LayerGraph graph, b.Build());
 //   PW_ASSIGN_OR_RETURN(auto stage, graph.Instantiate(2, 5, /*seed=*/7));

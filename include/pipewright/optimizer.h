@@ -21,7 +21,7 @@ absl::StatusOr<OptimizerKind> ParseOptimizerKind(absl::string_view name);  // "a
 struct OptimizerConfig {
   OptimizerKind kind = OptimizerKind::kAdamW;
   float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f;  // AdamW
-  float momentum = 0.9f;                            // SGD
+  float momentum = 0.9f;                           // SGD
   float weight_decay = 0.1f;  // applied only to parameters with weight_decay = true
 };
 
@@ -70,8 +70,7 @@ struct LrSchedule {
 enum class LrScaling { kNone, kLinear };
 absl::StatusOr<LrScaling> ParseLrScaling(absl::string_view name);  // "none" | "linear"
 // The linear scaling rule (Goyal et al. 2017): lr = base_lr * global_batch / base_batch.
-float ScaleLearningRate(float base_lr, int64_t global_batch, int64_t base_batch,
-                        LrScaling scaling);
+float ScaleLearningRate(float base_lr, int64_t global_batch, int64_t base_batch, LrScaling scaling);
 
 }  // namespace pipewright
 

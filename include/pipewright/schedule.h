@@ -77,10 +77,10 @@ struct ScheduleSpec {
 
 struct Schedule {
   ScheduleSpec spec;
-  int num_stages = 1;           // p * v
-  std::vector<int> stage_rank;  // virtual stage -> rank
-  bool split_backward = false;  // true when the programs use I/W instead of B
-  bool lowered = false;         // true once LowerComm has inserted the communication
+  int num_stages = 1;             // p * v
+  std::vector<int> stage_rank;    // virtual stage -> rank
+  bool split_backward = false;    // true when the programs use I/W instead of B
+  bool lowered = false;           // true once LowerComm has inserted the communication
   std::vector<Program> programs;  // one per rank, index = rank
 };
 

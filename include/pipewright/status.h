@@ -14,10 +14,10 @@
 #define PW_CONCAT_(a, b) PW_CONCAT_IMPL_(a, b)
 
 // Returns from the enclosing function when `expr` (an absl::Status) is not OK.
-#define PW_RETURN_IF_ERROR(expr)                  \
-  do {                                            \
-    ::absl::Status pw_status_ = (expr);           \
-    if (!pw_status_.ok()) return pw_status_;      \
+#define PW_RETURN_IF_ERROR(expr)             \
+  do {                                       \
+    ::absl::Status pw_status_ = (expr);      \
+    if (!pw_status_.ok()) return pw_status_; \
   } while (0)
 
 // `lhs` = value of the StatusOr `rexpr`, or returns its error from the enclosing function.
@@ -29,12 +29,12 @@
   lhs = std::move(tmp).value()
 
 // Internal invariant: prints expression and location, then aborts. Never for user input.
-#define PW_CHECK(cond)                                                                  \
-  do {                                                                                  \
-    if (!(cond)) {                                                                      \
+#define PW_CHECK(cond)                                                                 \
+  do {                                                                                 \
+    if (!(cond)) {                                                                     \
       std::fprintf(stderr, "%s:%d: PW_CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      std::abort();                                                                     \
-    }                                                                                   \
+      std::abort();                                                                    \
+    }                                                                                  \
   } while (0)
 
 #endif  // PIPEWRIGHT_STATUS_H_

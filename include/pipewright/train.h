@@ -21,12 +21,12 @@ struct TrainOptions {
   int64_t steps = 60;
   uint64_t seed = 1;
   std::string data = "synthetic";
-  float lr = 3e-3f;            // for `base_batch` sequences; see lr_scaling
+  float lr = 3e-3f;  // for `base_batch` sequences; see lr_scaling
   LrScaling lr_scaling = LrScaling::kNone;
-  int64_t base_batch = 32;     // the batch `lr` was tuned for (linear scaling rule)
+  int64_t base_batch = 32;  // the batch `lr` was tuned for (linear scaling rule)
   int64_t warmup_steps = 5;
   float min_lr_ratio = 0.1f;
-  float clip_norm = 1.0f;      // <= 0 disables clipping
+  float clip_norm = 1.0f;  // <= 0 disables clipping
   OptimizerConfig optimizer;
 };
 

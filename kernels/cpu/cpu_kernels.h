@@ -53,20 +53,20 @@ void GeluBackward(const float* x, const float* dy, float* dx, size_t n);
 
 // ---- LayerNorm over the last dimension ----
 // y = (x - mean) * rstd * gamma + beta; mean/rstd (length rows) are saved for backward.
-void LayerNormForward(const float* x, const float* gamma, const float* beta, float* y,
-                      float* mean, float* rstd, int rows, int cols, float eps);
+void LayerNormForward(const float* x, const float* gamma, const float* beta, float* y, float* mean,
+                      float* rstd, int rows, int cols, float eps);
 // dx = dL/dx (overwritten).
 void LayerNormBackwardInput(const float* x, const float* gamma, const float* mean,
                             const float* rstd, const float* dy, float* dx, int rows, int cols);
 // dgamma += sum_r dy * xhat, dbeta += sum_r dy.
-void LayerNormBackwardWeight(const float* x, const float* mean, const float* rstd,
-                             const float* dy, float* dgamma, float* dbeta, int rows, int cols);
+void LayerNormBackwardWeight(const float* x, const float* mean, const float* rstd, const float* dy,
+                             float* dgamma, float* dbeta, int rows, int cols);
 
 // ---- fused softmax cross-entropy (numerically stable: max-subtracted, log-sum-exp) ----
 // targets[r] in [0, vocab) or negative to ignore the row. Returns the SUM of per-row losses over
 // non-ignored rows; *count receives the number of non-ignored rows.
-double SoftmaxCrossEntropyForward(const float* logits, const int32_t* targets, int rows,
-                                  int vocab, int64_t* count);
+double SoftmaxCrossEntropyForward(const float* logits, const int32_t* targets, int rows, int vocab,
+                                  int64_t* count);
 // dlogits[r, :] = scale * (softmax(logits[r]) - onehot(targets[r])); zero for ignored rows.
 void SoftmaxCrossEntropyBackward(const float* logits, const int32_t* targets, int rows, int vocab,
                                  float scale, float* dlogits);
@@ -82,8 +82,8 @@ void AttentionBackward(const float* dout, const float* qkv, const float* probs, 
 
 // ---- embedding: token + learned position ----
 // out[b, t, :] = wte[tokens[b, t], :] + wpe[t, :]. Tokens must be in [0, V) (caller checks).
-void EmbeddingForward(const int32_t* tokens, const float* wte, const float* wpe, float* out,
-                      int B, int T, int C);
+void EmbeddingForward(const int32_t* tokens, const float* wte, const float* wpe, float* out, int B,
+                      int T, int C);
 // dwte[tokens[b,t], :] += dout[b,t,:]; dwpe[t, :] += sum_b dout[b,t,:]
 void EmbeddingBackward(const float* dout, const int32_t* tokens, float* dwte, float* dwpe, int B,
                        int T, int C);

@@ -20,8 +20,8 @@ inline double SumExp(const float* row, int vocab, float mx) {
 
 }  // namespace
 
-double SoftmaxCrossEntropyForward(const float* logits, const int32_t* targets, int rows,
-                                  int vocab, int64_t* count) {
+double SoftmaxCrossEntropyForward(const float* logits, const int32_t* targets, int rows, int vocab,
+                                  int64_t* count) {
   double total = 0.0;
   int64_t n = 0;
   for (int r = 0; r < rows; ++r) {

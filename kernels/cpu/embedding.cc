@@ -3,8 +3,8 @@
 
 namespace pipewright::cpu {
 
-void EmbeddingForward(const int32_t* tokens, const float* wte, const float* wpe, float* out,
-                      int B, int T, int C) {
+void EmbeddingForward(const int32_t* tokens, const float* wte, const float* wpe, float* out, int B,
+                      int T, int C) {
   for (int b = 0; b < B; ++b) {
     for (int t = 0; t < T; ++t) {
       const size_t bt = static_cast<size_t>(b) * T + t;

@@ -5,8 +5,8 @@
 #define PIPEWRIGHT_KERNELS_CPU_FAST_MATH_H_
 
 #include <algorithm>
-#include <cstdint>
 #include <bit>
+#include <cstdint>
 
 namespace pipewright::cpu {
 

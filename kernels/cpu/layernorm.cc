@@ -5,8 +5,8 @@
 
 namespace pipewright::cpu {
 
-void LayerNormForward(const float* x, const float* gamma, const float* beta, float* y,
-                      float* mean, float* rstd, int rows, int cols, float eps) {
+void LayerNormForward(const float* x, const float* gamma, const float* beta, float* y, float* mean,
+                      float* rstd, int rows, int cols, float eps) {
   const double inv_n = 1.0 / cols;
   for (int r = 0; r < rows; ++r) {
     const float* xr = x + static_cast<size_t>(r) * cols;
@@ -51,8 +51,8 @@ void LayerNormBackwardInput(const float* x, const float* gamma, const float* mea
   }
 }
 
-void LayerNormBackwardWeight(const float* x, const float* mean, const float* rstd,
-                             const float* dy, float* dgamma, float* dbeta, int rows, int cols) {
+void LayerNormBackwardWeight(const float* x, const float* mean, const float* rstd, const float* dy,
+                             float* dgamma, float* dbeta, int rows, int cols) {
   for (int r = 0; r < rows; ++r) {
     const float* xr = x + static_cast<size_t>(r) * cols;
     const float* dyr = dy + static_cast<size_t>(r) * cols;

@@ -48,9 +48,9 @@ void InitConstant(Parameter& p, float value) { p.value.Fill(value); }
 
 absl::StatusOr<int64_t> CheckRows(const Tensor& x, int64_t cols, absl::string_view what) {
   if (!x.defined() || x.dtype() != DType::kF32 || x.dim(-1) != cols) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: expected an f32 input with last dimension %d, got %s", what, cols,
-        x.defined() ? x.ShapeString() : std::string("no tensor")));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: expected an f32 input with last dimension %d, got %s", what, cols,
+                        x.defined() ? x.ShapeString() : std::string("no tensor")));
   }
   return x.numel() / cols;
 }
@@ -62,8 +62,8 @@ absl::Status CheckGradShape(const Tensor& dy, const std::vector<int64_t>& expect
   if (!dy.defined() || dy.dtype() != DType::kF32 || dy.numel() != NumElements(expected) ||
       dy.dim(-1) != expected.back()) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: expected an f32 gradient like the output [%s], got %s", what, absl::StrJoin(expected, ", "),
-        dy.defined() ? dy.ShapeString() : std::string("no tensor")));
+        "%s: expected an f32 gradient like the output [%s], got %s", what,
+        absl::StrJoin(expected, ", "), dy.defined() ? dy.ShapeString() : std::string("no tensor")));
   }
   return absl::OkStatus();
 }
@@ -199,8 +199,7 @@ absl::Status LayerNormLayer::BackwardWeight(const LayerContext& ctx, Saved* save
 }
 
 // ---------------------------------------------------------------------------------------------
-EmbeddingLayer::EmbeddingLayer(const InitContext& init, int64_t vocab, int64_t max_seq,
-                               int64_t dim)
+EmbeddingLayer::EmbeddingLayer(const InitContext& init, int64_t vocab, int64_t max_seq, int64_t dim)
     : vocab_(vocab), max_seq_(max_seq), dim_(dim) {
   wte_ = MakeParameter(init, "wte.weight", {vocab, dim}, true);
   wpe_ = MakeParameter(init, "wpe.weight", {max_seq, dim}, false);
@@ -211,9 +210,9 @@ EmbeddingLayer::EmbeddingLayer(const InitContext& init, int64_t vocab, int64_t m
 absl::StatusOr<Tensor> EmbeddingLayer::Forward(const Tensor& x, const LayerContext& ctx,
                                                Saved* saved) {
   if (!x.defined() || x.dtype() != DType::kI32 || x.rank() != 2) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "embedding: expected [batch, seq] i32 tokens, got ",
-        x.defined() ? x.ShapeString() : std::string("no tensor")));
+    return absl::InvalidArgumentError(
+        absl::StrCat("embedding: expected [batch, seq] i32 tokens, got ",
+                     x.defined() ? x.ShapeString() : std::string("no tensor")));
   }
   int64_t B = x.dim(0), T = x.dim(1);
   if (T > max_seq_) {
@@ -223,14 +222,14 @@ absl::StatusOr<Tensor> EmbeddingLayer::Forward(const Tensor& x, const LayerConte
   const int32_t* tok = x.data<int32_t>();
   for (int64_t i = 0; i < x.numel(); ++i) {
     if (tok[i] < 0 || tok[i] >= vocab_) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "embedding: token %d at position %d is outside the vocabulary [0, %d)", tok[i], i,
-          vocab_));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("embedding: token %d at position %d is outside the vocabulary [0, %d)",
+                          tok[i], i, vocab_));
     }
   }
   Tensor y = Tensor::Empty({B, T, dim_}, DType::kF32, Alloc(ctx));
-  cpu::EmbeddingForward(tok, wte_.value.data<float>(), wpe_.value.data<float>(), y.data<float>(),
-                        B, T, dim_);
+  cpu::EmbeddingForward(tok, wte_.value.data<float>(), wpe_.value.data<float>(), y.data<float>(), B,
+                        T, dim_);
   saved->tensors = {x};
   return y;
 }
@@ -266,17 +265,16 @@ absl::StatusOr<Tensor> CrossEntropyLayer::Forward(const Tensor& x, const LayerCo
   const Tensor& targets = *ctx.targets;
   if (!x.defined() || x.dtype() != DType::kF32 || targets.dtype() != DType::kI32 ||
       x.numel() / std::max<int64_t>(1, x.dim(-1)) != targets.numel()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "loss: logits ", x.defined() ? x.ShapeString() : "none", " do not match targets ",
-        targets.ShapeString()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("loss: logits ", x.defined() ? x.ShapeString() : "none",
+                     " do not match targets ", targets.ShapeString()));
   }
   int64_t vocab = x.dim(-1), rows = targets.numel();
   const int32_t* t = targets.data<int32_t>();
   for (int64_t i = 0; i < rows; ++i) {
     if (t[i] >= vocab) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("loss: target %d at row %d is outside the vocabulary [0, %d)", t[i], i,
-                          vocab));
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "loss: target %d at row %d is outside the vocabulary [0, %d)", t[i], i, vocab));
     }
   }
   int64_t count = 0;

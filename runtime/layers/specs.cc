@@ -63,9 +63,11 @@ Cost AttentionCost(const MicroBatchShape& s, int64_t dim, int64_t heads) {
 template <typename Fn>
 class SimpleSpec final : public LayerSpec {
  public:
-  SimpleSpec(std::string kind, std::string config, std::function<Cost(const MicroBatchShape&, int64_t)> cost,
-             Fn make)
-      : kind_(std::move(kind)), config_(std::move(config)), cost_(std::move(cost)),
+  SimpleSpec(std::string kind, std::string config,
+             std::function<Cost(const MicroBatchShape&, int64_t)> cost, Fn make)
+      : kind_(std::move(kind)),
+        config_(std::move(config)),
+        cost_(std::move(cost)),
         make_(std::move(make)) {}
   std::string kind() const override { return kind_; }
   Cost GetCost(const MicroBatchShape& shape, int64_t input_bytes) const override {
@@ -105,7 +107,8 @@ LayerSpecPtr Linear(int64_t in, int64_t out, bool bias) {
 
 LayerSpecPtr Gelu() {
   return MakeSpec(
-      "gelu", "", [](const MicroBatchShape&, int64_t in_bytes) { return GeluCost(in_bytes / kF32, 1); },
+      "gelu", "",
+      [](const MicroBatchShape&, int64_t in_bytes) { return GeluCost(in_bytes / kF32, 1); },
       [](const InitContext&) -> std::unique_ptr<Layer> {
         return std::make_unique<internal::GeluLayer>();
       });

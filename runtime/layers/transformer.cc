@@ -67,8 +67,8 @@ std::vector<Parameter*> SequentialLayer::Parameters() {
 absl::StatusOr<Tensor> AttentionCoreLayer::Forward(const Tensor& x, const LayerContext& ctx,
                                                    Saved* saved) {
   if (!x.defined() || x.rank() != 3 || x.dim(2) != 3 * dim_ || x.dtype() != DType::kF32) {
-    return absl::InvalidArgumentError(absl::StrCat("attention: expected qkv [B, T, ", 3 * dim_,
-                                                   "] f32, got ", x.ShapeString()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("attention: expected qkv [B, T, ", 3 * dim_, "] f32, got ", x.ShapeString()));
   }
   int64_t B = x.dim(0), T = x.dim(1);
   Tensor out = Tensor::Empty({B, T, dim_}, DType::kF32, Alloc(ctx));
@@ -132,8 +132,7 @@ absl::StatusOr<Tensor> TransformerBlockLayer::Forward(const Tensor& x, const Lay
 }
 
 absl::StatusOr<Tensor> TransformerBlockLayer::BackwardInput(const Tensor& dy,
-                                                            const LayerContext& ctx,
-                                                            Saved* saved) {
+                                                            const LayerContext& ctx, Saved* saved) {
   if (saved->children.size() != 4) {
     return absl::FailedPreconditionError("transformer_block: backward without forward");
   }

@@ -59,8 +59,10 @@ void NaiveGemm(bool ta, bool tb, int m, int n, int k, double alpha, const std::v
     for (int j = 0; j < n; ++j) {
       double s = 0;
       for (int p = 0; p < k; ++p) {
-        const double av = ta ? a[static_cast<size_t>(p) * lda + i] : a[static_cast<size_t>(i) * lda + p];
-        const double bv = tb ? b[static_cast<size_t>(j) * ldb + p] : b[static_cast<size_t>(p) * ldb + j];
+        const double av =
+            ta ? a[static_cast<size_t>(p) * lda + i] : a[static_cast<size_t>(i) * lda + p];
+        const double bv =
+            tb ? b[static_cast<size_t>(j) * ldb + p] : b[static_cast<size_t>(p) * ldb + j];
         s += av * bv;
       }
       double& cv = c[static_cast<size_t>(i) * ldc + j];
@@ -76,8 +78,8 @@ struct GemmShape {
 
 TEST(Gemm, AllTransposeCombosMatchNaive) {
   const GemmShape shapes[] = {
-      {1, 1, 1, 0, 1.0f, 0.0f}, {1, 7, 5, 0, 1.0f, 0.0f},  {6, 1, 4, 0, 1.0f, 0.0f},
-      {5, 3, 1, 0, 1.0f, 0.0f}, {13, 9, 17, 3, 0.5f, 0.0f}, {8, 8, 8, 0, 1.0f, 1.0f},
+      {1, 1, 1, 0, 1.0f, 0.0f},    {1, 7, 5, 0, 1.0f, 0.0f},     {6, 1, 4, 0, 1.0f, 0.0f},
+      {5, 3, 1, 0, 1.0f, 0.0f},    {13, 9, 17, 3, 0.5f, 0.0f},   {8, 8, 8, 0, 1.0f, 1.0f},
       {7, 11, 5, 2, -1.5f, 0.75f}, {33, 65, 47, 5, 1.0f, -2.0f},
   };
   uint32_t seed = 1;
@@ -144,8 +146,7 @@ void CheckGemmHalf(bool is_bf16) {
       std::vector<double> exact = ToDouble(c), full = ToDouble(c);
       NaiveGemm(ta, tb, m, n, k, 1.0, ar, lda, br, ldb, 0.5, exact, n);
       NaiveGemm(ta, tb, m, n, k, 1.0, a, lda, b, ldb, 0.5, full, n);
-      GemmHalf(is_bf16, ta, tb, m, n, k, 1.0f, a16.data(), lda, b16.data(), ldb, 0.5f, c.data(),
-               n);
+      GemmHalf(is_bf16, ta, tb, m, n, k, 1.0f, a16.data(), lda, b16.data(), ldb, 0.5f, c.data(), n);
       // Against the rounded inputs: f32 accumulation accuracy.
       ExpectClose(c, exact, 1e-5, 1e-5, "vs rounded inputs");
       // Against the unrounded f32 inputs: dtype-level accuracy (8 vs 11 significand bits).
@@ -202,10 +203,10 @@ TEST(Convert, HalfKnownValues) {
   EXPECT_EQ(FloatToHalf(std::ldexp(1.0f, -14)), 0x0400);  // smallest normal
   EXPECT_EQ(FloatToHalf(std::ldexp(1.0f, -24)), 0x0001);  // smallest subnormal
   EXPECT_EQ(FloatToHalf(1023 * std::ldexp(1.0f, -24)), 0x03FF);
-  EXPECT_EQ(FloatToHalf(std::ldexp(1.0f, -25)), 0x0000);      // tie -> even (0)
+  EXPECT_EQ(FloatToHalf(std::ldexp(1.0f, -25)), 0x0000);  // tie -> even (0)
   EXPECT_EQ(FloatToHalf(1.5f * std::ldexp(1.0f, -25)), 0x0001);
-  EXPECT_EQ(FloatToHalf(3 * std::ldexp(1.0f, -25)), 0x0002);  // 1.5 ulp tie -> even (2)
-  EXPECT_EQ(FloatToHalf(5 * std::ldexp(1.0f, -25)), 0x0002);  // 2.5 ulp tie -> even (2)
+  EXPECT_EQ(FloatToHalf(3 * std::ldexp(1.0f, -25)), 0x0002);      // 1.5 ulp tie -> even (2)
+  EXPECT_EQ(FloatToHalf(5 * std::ldexp(1.0f, -25)), 0x0002);      // 2.5 ulp tie -> even (2)
   EXPECT_EQ(FloatToHalf(0x401 * std::ldexp(1.0f, -25)), 0x0200);  // 512.5 ulp tie -> even
   EXPECT_EQ(FloatToHalf(std::ldexp(1.0f, -30)), 0x0000);
   EXPECT_EQ(FloatToHalf(-std::ldexp(1.0f, -24)), 0x8001);
@@ -275,7 +276,8 @@ TEST(Gelu, ForwardMatchesFormula) {
   x[0] = 0.0f;
   std::vector<float> y(x.size());
   GeluForward(x.data(), y.data(), x.size());
-  for (size_t i = 0; i < x.size(); ++i) EXPECT_NEAR(y[i], GeluRef(x[i]), 1e-6 + 1e-5 * std::fabs(y[i]));
+  for (size_t i = 0; i < x.size(); ++i)
+    EXPECT_NEAR(y[i], GeluRef(x[i]), 1e-6 + 1e-5 * std::fabs(y[i]));
   EXPECT_EQ(y[0], 0.0f);
 }
 
@@ -364,8 +366,8 @@ TEST(LayerNorm, ForwardNormalizesRows) {
   auto g = RandomVec(cols, 12), b = RandomVec(cols, 13);
   LayerNormForward(x.data(), g.data(), b.data(), y.data(), mean.data(), rstd.data(), rows, cols,
                    1e-5f);
-  ExpectClose(y, LayerNormRef(ToDouble(x), ToDouble(g), ToDouble(b), rows, cols, 1e-5), 1e-4,
-              1e-4, "affine");
+  ExpectClose(y, LayerNormRef(ToDouble(x), ToDouble(g), ToDouble(b), rows, cols, 1e-5), 1e-4, 1e-4,
+              "affine");
 }
 
 TEST(LayerNorm, BackwardInputMatchesFiniteDifferences) {
@@ -403,10 +405,14 @@ TEST(LayerNorm, BackwardWeightMatchesFiniteDifferencesAndAccumulates) {
                           cols);
   const auto xd = ToDouble(x), gd = ToDouble(g), bd = ToDouble(b);
   auto num_g = NumericGrad(
-      [&](const std::vector<double>& gg) { return Dot(LayerNormRef(xd, gg, bd, rows, cols, eps), w); },
+      [&](const std::vector<double>& gg) {
+        return Dot(LayerNormRef(xd, gg, bd, rows, cols, eps), w);
+      },
       gd);
   auto num_b = NumericGrad(
-      [&](const std::vector<double>& bb) { return Dot(LayerNormRef(xd, gd, bb, rows, cols, eps), w); },
+      [&](const std::vector<double>& bb) {
+        return Dot(LayerNormRef(xd, gd, bb, rows, cols, eps), w);
+      },
       bd);
   ExpectClose(dg, num_g, 1e-2, 1e-4, "dgamma");
   ExpectClose(db, num_b, 1e-2, 1e-4, "dbeta");
@@ -460,7 +466,7 @@ TEST(CrossEntropy, ForwardMatchesNaiveWithIgnoredRows) {
 
 TEST(CrossEntropy, HugeLogitsStayFinite) {
   const int rows = 2, vocab = 4;
-  std::vector<float> logits = {1e4f, 0.0f, -1e4f, 1e4f,  // two tied maxima
+  std::vector<float> logits = {1e4f,  0.0f,  -1e4f, 1e4f,  // two tied maxima
                                -1e4f, -1e4f, -1e4f, -1e4f + 1.0f};
   std::vector<int32_t> t = {2, 3};
   int64_t count = 0;
@@ -490,7 +496,9 @@ TEST(CrossEntropy, BackwardMatchesFiniteDifferences) {
   std::vector<float> d(logits.size(), 9.0f);
   SoftmaxCrossEntropyBackward(logits.data(), t.data(), rows, vocab, scale, d.data());
   auto num = NumericGrad(
-      [&](const std::vector<double>& l) { return scale * CrossEntropyRef(l, t, rows, vocab, nullptr); },
+      [&](const std::vector<double>& l) {
+        return scale * CrossEntropyRef(l, t, rows, vocab, nullptr);
+      },
       ToDouble(logits));
   ExpectClose(d, num, 1e-2, 1e-5, "dlogits");
   for (int j = 0; j < vocab; ++j) EXPECT_EQ(d[2 * vocab + j], 0.0f);
@@ -502,7 +510,9 @@ std::vector<double> AttentionRef(const std::vector<double>& qkv, int B, int T, i
   const int D = C / H;
   const double scale = 1 / std::sqrt(static_cast<double>(D));
   std::vector<double> out(static_cast<size_t>(B) * T * C, 0.0);
-  auto at = [&](int b, int t, int col) { return qkv[(static_cast<size_t>(b) * T + t) * 3 * C + col]; };
+  auto at = [&](int b, int t, int col) {
+    return qkv[(static_cast<size_t>(b) * T + t) * 3 * C + col];
+  };
   for (int b = 0; b < B; ++b) {
     for (int h = 0; h < H; ++h) {
       for (int i = 0; i < T; ++i) {
@@ -588,9 +598,9 @@ void CheckAttentionBackward(int B, int T, int C, int H, uint32_t seed) {
   AttentionForward(qkv.data(), out.data(), probs.data(), B, T, C, H);
   std::vector<float> dqkv(qkv.size(), 42.0f), scratch(static_cast<size_t>(T) * T, -1.0f);
   AttentionBackward(w.data(), qkv.data(), probs.data(), dqkv.data(), scratch.data(), B, T, C, H);
-  auto num = NumericGrad(
-      [&](const std::vector<double>& x) { return Dot(AttentionRef(x, B, T, C, H), w); },
-      ToDouble(qkv));
+  auto num =
+      NumericGrad([&](const std::vector<double>& x) { return Dot(AttentionRef(x, B, T, C, H), w); },
+                  ToDouble(qkv));
   ExpectClose(dqkv, num, 1e-2, 1e-4, "dqkv");
 }
 

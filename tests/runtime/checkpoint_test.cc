@@ -1,21 +1,19 @@
 #include "pipewright/checkpoint.h"
 
+#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cerrno>
-
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
-#include <gtest/gtest.h>
-
 #include "tests/test_util.h"
-#include <nlohmann/json.hpp>
 
 namespace pipewright {
 namespace {
@@ -43,7 +41,8 @@ std::string U64Le(uint64_t v) {
 
 uint64_t ReadU64Le(const std::string& s) {
   uint64_t v = 0;
-  for (int i = 0; i < 8; ++i) v |= static_cast<uint64_t>(static_cast<unsigned char>(s[i])) << (8 * i);
+  for (int i = 0; i < 8; ++i)
+    v |= static_cast<uint64_t>(static_cast<unsigned char>(s[i])) << (8 * i);
   return v;
 }
 
@@ -200,7 +199,8 @@ TEST_F(CheckpointTest, BadOffsetsAreAnError) {
   for (const std::string& header : {
            // out of range
            std::string(R"({"x":{"dtype":"F32","shape":[4],"data_offsets":[8,24]}})"),
-           std::string(R"({"x":{"dtype":"F32","shape":[4],"data_offsets":[0,18446744073709551615]}})"),
+           std::string(
+               R"({"x":{"dtype":"F32","shape":[4],"data_offsets":[0,18446744073709551615]}})"),
            // begin > end
            std::string(R"({"x":{"dtype":"F32","shape":[0],"data_offsets":[8,0]}})"),
            // size does not match shape x dtype
@@ -254,8 +254,8 @@ TEST_F(CheckpointTest, CheckpointRoundTrip) {
 
 TEST_F(CheckpointTest, MissingOptimizerFileGivesEmptyMap) {
   const std::string dir = Path("ckpt");
-  ASSERT_TRUE(WriteCheckpoint(dir, "{}", SampleTensors(), {{"m", Tensor::FromVector({1}, {1})}})
-                  .ok());
+  ASSERT_TRUE(
+      WriteCheckpoint(dir, "{}", SampleTensors(), {{"m", Tensor::FromVector({1}, {1})}}).ok());
   fs::remove(dir + "/optimizer.safetensors");
   auto ckpt = ReadCheckpoint(dir);
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();

@@ -1,5 +1,6 @@
 #include "pipewright/data.h"
 
+#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,8 +13,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "tests/test_util.h"
 
@@ -235,7 +234,7 @@ TEST(DataLoaderTest, DestructsWithBatchesQueued) {
     StepBatch b = loader->Next();
     EXPECT_EQ(b.step, 0);
     std::this_thread::sleep_for(std::chrono::milliseconds(20));  // let the queue fill
-    loader.reset();  // must join without hanging
+    loader.reset();                                              // must join without hanging
   }
   { DataLoader never_used(d, l, 0, 3, 2); }
   SUCCEED();

@@ -1,5 +1,5 @@
 // Finite-difference gradient checks and behavioural tests for every built-in layer.
-#include "pipewright/layer.h"
+#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
@@ -11,8 +11,7 @@
 #include <string>
 #include <vector>
 
-#include <gtest/gtest.h>
-
+#include "pipewright/layer.h"
 #include "pipewright/model.h"
 #include "pipewright/tensor.h"
 
@@ -57,10 +56,10 @@ struct Case {
       : label(std::move(l)), spec(std::move(s)), x(std::move(in)), targets(std::move(t)) {}
   std::string label;
   LayerSpecPtr spec;
-  Tensor x;                   // f32 activations or i32 tokens
-  Tensor targets;             // for the loss layer
+  Tensor x;        // f32 activations or i32 tokens
+  Tensor targets;  // for the loss layer
   bool is_loss = false;
-  bool input_grad = true;     // false for token inputs
+  bool input_grad = true;  // false for token inputs
 };
 
 // Scalar objective: sum(y * R) in double, or the loss itself.
@@ -447,8 +446,8 @@ TEST(LayerErrorTest, LinearWrongLastDim) {
 TEST(LayerErrorTest, EmbeddingBadTokens) {
   auto layer = Make(layers::Embedding(kV, kT, kC), "embed");
   Saved s;
-  EXPECT_FALSE(layer->Forward(Tensor::FromVectorI32({1, 2}, {0, static_cast<int32_t>(kV)}), {}, &s)
-                   .ok());
+  EXPECT_FALSE(
+      layer->Forward(Tensor::FromVectorI32({1, 2}, {0, static_cast<int32_t>(kV)}), {}, &s).ok());
   EXPECT_FALSE(layer->Forward(Tensor::FromVectorI32({1, 2}, {-1, 0}), {}, &s).ok());
   // Longer than max_seq.
   auto longer = layer->Forward(Tensor::Zeros({1, kT + 1}, DType::kI32), {}, &s);
@@ -458,7 +457,8 @@ TEST(LayerErrorTest, EmbeddingBadTokens) {
   EXPECT_FALSE(layer->Forward(Tensor::Zeros({1, 2}), {}, &s).ok());
   EXPECT_FALSE(layer->Forward(Tensor::Zeros({2}, DType::kI32), {}, &s).ok());
   // A valid call still works afterwards.
-  auto ok = layer->Forward(Tensor::FromVectorI32({1, 2}, {0, static_cast<int32_t>(kV - 1)}), {}, &s);
+  auto ok =
+      layer->Forward(Tensor::FromVectorI32({1, 2}, {0, static_cast<int32_t>(kV - 1)}), {}, &s);
   ASSERT_TRUE(ok.ok()) << ok.status();
   EXPECT_EQ(ok->shape(), (std::vector<int64_t>{1, 2, kC}));
 }
@@ -483,11 +483,16 @@ TEST(LayerErrorTest, LossWithoutOrWithBadTargets) {
 
 TEST(LayerErrorTest, BackwardBeforeForward) {
   std::mt19937 rng(32);
-  std::vector<LayerSpecPtr> specs = {
-      layers::Linear(kC, kC),        layers::Linear(kC, kC, false), layers::Gelu(),
-      layers::LayerNorm(kC),         layers::Mlp(kC, 16),           layers::CausalSelfAttention(kC, kH),
-      layers::TransformerBlock(kC, kH), layers::Embedding(kV, kT, kC), layers::LmHead(kC, kC),
-      layers::CrossEntropyLoss()};
+  std::vector<LayerSpecPtr> specs = {layers::Linear(kC, kC),
+                                     layers::Linear(kC, kC, false),
+                                     layers::Gelu(),
+                                     layers::LayerNorm(kC),
+                                     layers::Mlp(kC, 16),
+                                     layers::CausalSelfAttention(kC, kH),
+                                     layers::TransformerBlock(kC, kH),
+                                     layers::Embedding(kV, kT, kC),
+                                     layers::LmHead(kC, kC),
+                                     layers::CrossEntropyLoss()};
   for (const LayerSpecPtr& spec : specs) {
     SCOPED_TRACE(spec->kind());
     auto layer = Make(spec, "n");
@@ -505,8 +510,8 @@ TEST(LayerErrorTest, BackwardBeforeForward) {
 
 TEST(LayerErrorTest, BackwardWeightBeforeBackwardInput) {
   std::mt19937 rng(33);
-  for (const LayerSpecPtr& spec : {layers::Linear(kC, kC), layers::LayerNorm(kC), layers::Mlp(kC, 16),
-                                   layers::TransformerBlock(kC, kH)}) {
+  for (const LayerSpecPtr& spec : {layers::Linear(kC, kC), layers::LayerNorm(kC),
+                                   layers::Mlp(kC, 16), layers::TransformerBlock(kC, kH)}) {
     SCOPED_TRACE(spec->kind());
     auto layer = Make(spec, "n");
     Saved s;

@@ -1,5 +1,7 @@
 #include "pipewright/model.h"
 
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <cstdint>
 #include <map>
@@ -7,8 +9,6 @@
 #include <set>
 #include <string>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "pipewright/layer.h"
 
@@ -121,7 +121,8 @@ TEST(LayerGraphTest, InstantiateBadRanges) {
   auto g = PresetModel("gpt-tiny", 2);
   ASSERT_TRUE(g.ok());
   const int n = g->num_layers();
-  for (auto [b, e] : std::vector<std::pair<int, int>>{{-1, 2}, {3, 3}, {5, 3}, {0, n + 1}, {n, n + 1}}) {
+  for (auto [b, e] :
+       std::vector<std::pair<int, int>>{{-1, 2}, {3, 3}, {5, 3}, {0, n + 1}, {n, n + 1}}) {
     auto s = g->Instantiate(b, e, 1);
     EXPECT_FALSE(s.ok()) << "[" << b << ", " << e << ")";
     if (!s.ok()) {

@@ -1,11 +1,11 @@
 #include "pipewright/optimizer.h"
 
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <map>
 #include <string>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 namespace pipewright {
 namespace {
@@ -48,10 +48,10 @@ TEST(AdamWTest, FirstStepHandValues) {
   opt->Step(0.01f);
   EXPECT_EQ(opt->step_count(), 1);
   std::vector<float> wv = w.value.ToVector(), bv = b.value.ToVector();
-  EXPECT_NEAR(wv[0], 1.0 - 0.01 * (1 + 0.1 * 1.0), 1e-6);    // 0.989
-  EXPECT_NEAR(wv[1], -2.0 - 0.01 * (-1 + 0.1 * -2.0), 1e-6); // -1.988
-  EXPECT_NEAR(wv[2], 0.5 - 0.01 * (1 + 0.1 * 0.5), 1e-6);    // 0.4895
-  EXPECT_NEAR(bv[0], 0.99, 1e-6);  // no weight decay on this one
+  EXPECT_NEAR(wv[0], 1.0 - 0.01 * (1 + 0.1 * 1.0), 1e-6);     // 0.989
+  EXPECT_NEAR(wv[1], -2.0 - 0.01 * (-1 + 0.1 * -2.0), 1e-6);  // -1.988
+  EXPECT_NEAR(wv[2], 0.5 - 0.01 * (1 + 0.1 * 0.5), 1e-6);     // 0.4895
+  EXPECT_NEAR(bv[0], 0.99, 1e-6);                             // no weight decay on this one
   EXPECT_NEAR(bv[1], -1.99, 1e-6);
   EXPECT_NEAR(bv[2], 0.49, 1e-6);
   // Moments: m = 0.1 g, v = 0.05 g^2.
@@ -76,8 +76,8 @@ TEST(AdamWTest, SeveralStepsMatchReference) {
   auto opt = Optimizer::Create(c, {&w, &b});
   RefAdam rw{{1, -2, 0.5}, {0, 0, 0}, {0, 0, 0}};
   RefAdam rb{{0.3, 0, -0.7}, {0, 0, 0}, {0, 0, 0}};
-  std::vector<std::vector<float>> grads = {{0.1f, -0.2f, 0.3f}, {-0.5f, 0.05f, 0.3f},
-                                           {0.2f, 0.2f, -1.0f}, {0.0f, 1.0f, 0.01f}};
+  std::vector<std::vector<float>> grads = {
+      {0.1f, -0.2f, 0.3f}, {-0.5f, 0.05f, 0.3f}, {0.2f, 0.2f, -1.0f}, {0.0f, 1.0f, 0.01f}};
   for (size_t s = 0; s < grads.size(); ++s) {
     SetGrad(w, grads[s]);
     SetGrad(b, grads[s]);

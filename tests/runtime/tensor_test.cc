@@ -1,11 +1,11 @@
 #include "pipewright/tensor.h"
 
+#include <gtest/gtest.h>
+
 #include <cstdint>
 #include <functional>
 #include <unordered_set>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "pipewright/device.h"
 
@@ -131,7 +131,7 @@ TEST(AllocatorTest, CurrentAndPeakAccounting) {
     EXPECT_EQ(alloc.current_bytes(), 400);
     {
       Tensor b = Tensor::Zeros({50}, DType::kF16, &alloc);  // 100 bytes
-      Tensor alias = b;  // shares storage: no new allocation
+      Tensor alias = b;                                     // shares storage: no new allocation
       EXPECT_EQ(alloc.current_bytes(), 500);
       EXPECT_EQ(alloc.peak_bytes(), 500);
     }

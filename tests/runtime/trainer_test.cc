@@ -1,5 +1,4 @@
-#include "pipewright/train.h"
-
+#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -9,8 +8,7 @@
 #include <string>
 #include <vector>
 
-#include <gtest/gtest.h>
-
+#include "pipewright/train.h"
 #include "tests/test_util.h"
 
 namespace pipewright {
@@ -166,8 +164,8 @@ TEST_F(TrainerTest, ResumeMismatchErrorsAndLeavesWeights) {
   ASSERT_TRUE(src->Save(Path("ckpt")).ok());
 
   // A different model.
-  auto other_graph = GptModel("gpt-tiny", {.layers = 2, .hidden = 64, .heads = 4, .seq = 32,
-                                           .vocab = 256}, 4);
+  auto other_graph =
+      GptModel("gpt-tiny", {.layers = 2, .hidden = 64, .heads = 4, .seq = 32, .vocab = 256}, 4);
   ASSERT_TRUE(other_graph.ok());
   auto other = MakeTrainer(*other_graph, Options(2, 6));
   ASSERT_TRUE(other);

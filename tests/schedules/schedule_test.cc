@@ -1,4 +1,6 @@
 // Schedules: action text form, generators (with their oracles), lowering and the validator.
+#include "pipewright/schedule.h"
+
 #include <algorithm>
 #include <cstdio>
 #include <map>
@@ -9,7 +11,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "gtest/gtest.h"
-#include "pipewright/schedule.h"
 
 namespace pipewright {
 namespace {
@@ -72,10 +73,18 @@ Sim Simulate(const Schedule& s, double f, double b, double i, double w) {
         const Action& a = acts[pc[r]];
         double cost = 0;
         switch (a.kind) {
-          case ActionKind::kF: cost = f; break;
-          case ActionKind::kB: cost = b; break;
-          case ActionKind::kI: cost = i; break;
-          case ActionKind::kW: cost = w; break;
+          case ActionKind::kF:
+            cost = f;
+            break;
+          case ActionKind::kB:
+            cost = b;
+            break;
+          case ActionKind::kI:
+            cost = i;
+            break;
+          case ActionKind::kW:
+            cost = w;
+            break;
           case ActionKind::kSendF:
           case ActionKind::kSendB:
             sent[{static_cast<int>(a.kind), a.micro_batch, a.virtual_stage}] = t[r];
@@ -89,7 +98,8 @@ Sim Simulate(const Schedule& s, double f, double b, double i, double w) {
             t[r] = std::max(t[r], it->second);
             break;
           }
-          default: break;
+          default:
+            break;
         }
         t[r] += cost;
         out.busy[r] += cost;
@@ -176,8 +186,7 @@ TEST(GeneratorTest, AllKindsValidateAndRoundTrip) {
           }
           Schedule s = *gen;
           EXPECT_FALSE(s.lowered);
-          EXPECT_EQ(s.split_backward,
-                    kind == ScheduleKind::kZbH1 || kind == ScheduleKind::kZbV);
+          EXPECT_EQ(s.split_backward, kind == ScheduleKind::kZbH1 || kind == ScheduleKind::kZbV);
           auto text0 = ParseSchedule(ToText(s), s.spec);
           ASSERT_TRUE(text0.ok()) << what << ": " << text0.status();
           EXPECT_FALSE(text0->lowered);
@@ -424,7 +433,8 @@ TEST(ValidateTest, OtherBreakages) {
   // Unreceived message.
   absl::Status left = CheckText(
       "rank 0: F0@s0 SEND_F0@s0 SEND_F0@s0 RECV_B0@s0 B0@s0\n"
-      "rank 1: RECV_F0@s1 F0@s1 B0@s1 SEND_B0@s1\n", 2, 1);
+      "rank 1: RECV_F0@s1 F0@s1 B0@s1 SEND_B0@s1\n",
+      2, 1);
   EXPECT_FALSE(left.ok());
   // Forward without its input (unlowered multi-rank program).
   auto un = GenerateSchedule(Spec(ScheduleKind::k1F1B, 2, 2));

@@ -2,11 +2,11 @@
 // counting, trace/SVG structure, and the closed-form bubbles of the generated schedules.
 #include "pipewright/simulator.h"
 
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <string>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "pipewright/schedule.h"
 
@@ -128,15 +128,15 @@ TEST(Simulator, PerStageCostsOverride) {
   c.stage_w = {0, 0};
   auto r = Simulate(TwoRank(), c);
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_DOUBLE_EQ(Find(*r, 1, "F0@s1")->end, 4);   // 1 + 3
-  EXPECT_DOUBLE_EQ(Find(*r, 1, "B0@s1")->end, 5);   // + 1
+  EXPECT_DOUBLE_EQ(Find(*r, 1, "F0@s1")->end, 4);  // 1 + 3
+  EXPECT_DOUBLE_EQ(Find(*r, 1, "B0@s1")->end, 5);  // + 1
   c.stage_f = {1};
   EXPECT_FALSE(Simulate(TwoRank(), c).ok());
 }
 
 TEST(Simulator, ReduceAndOptimizerCountAsBusy) {
-  Schedule s = HandBuilt({{A(K::kF, 0, 0), A(K::kB, 0, 0), A(K::kReduceGrads, 0, 0),
-                           A(K::kOptimizerStep, 0, 0)}});
+  Schedule s = HandBuilt(
+      {{A(K::kF, 0, 0), A(K::kB, 0, 0), A(K::kReduceGrads, 0, 0), A(K::kOptimizerStep, 0, 0)}});
   SimCosts c = Costs(1, 1);
   c.reduce_time = 0.5;
   c.optimizer_time = 0.25;
@@ -203,8 +203,8 @@ TEST(Simulator, PeakInflightCountsHeldActivations) {
   EXPECT_DOUBLE_EQ(r->ranks[0].peak_inflight, 2);
   EXPECT_DOUBLE_EQ(r->makespan, 6);  // I and W each cost their own share
   // Two chunks on one rank: each F holds half a stage's activations.
-  Schedule two_chunks = HandBuilt({{A(K::kF, 0, 0), A(K::kF, 0, 1), A(K::kB, 0, 1),
-                                    A(K::kB, 0, 0)}});
+  Schedule two_chunks =
+      HandBuilt({{A(K::kF, 0, 0), A(K::kF, 0, 1), A(K::kB, 0, 1), A(K::kB, 0, 0)}});
   two_chunks.spec.chunks = 2;
   two_chunks.num_stages = 2;
   two_chunks.stage_rank = {0, 0};
@@ -265,7 +265,7 @@ TEST(Export, SvgStructure) {
 // ---- Oracles on generated schedules (GenerateSchedule + LowerComm). ----
 
 absl::StatusOr<SimResult> Generated(ScheduleKind kind, int p, int m, int v, double f, double b,
-                              double w = 0) {
+                                    double w = 0) {
   ScheduleSpec spec;
   spec.kind = kind;
   spec.ranks = p;
@@ -289,8 +289,8 @@ TEST(SimulatorOracle, OneFOneBMakespanBubblePeak) {
 
 TEST(SimulatorOracle, GpipeAnd1F1BBubbleClosedForm) {
   for (ScheduleKind kind : {ScheduleKind::kGpipe, ScheduleKind::k1F1B}) {
-    for (auto [p, m] : std::vector<std::pair<int, int>>{{1, 1}, {2, 1}, {2, 4}, {4, 4}, {4, 8},
-                                                        {3, 7}, {8, 16}, {4, 2}}) {
+    for (auto [p, m] : std::vector<std::pair<int, int>>{
+             {1, 1}, {2, 1}, {2, 4}, {4, 4}, {4, 8}, {3, 7}, {8, 16}, {4, 2}}) {
       auto r = Generated(kind, p, m, 1, 1, 2);
       ASSERT_TRUE(r.ok()) << ScheduleKindName(kind) << " p=" << p << " m=" << m << ": "
                           << r.status();

@@ -1,4 +1,5 @@
 // End-to-end tests of the `pipewright` binary: exit codes, JSON output, checkpoints, resume.
+#include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -6,11 +7,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
 
 namespace {
 
@@ -197,8 +196,9 @@ TEST(Cli, TrainsOnTextFile) {
 namespace {
 
 TEST(CliSimulate, OneFOneBMatchesPaper) {
-  Result r = RunCli("simulate --schedule 1f1b --stages 4 --micro-batches 8 --cost-f 1 --cost-b 2 "
-                    "--json");
+  Result r = RunCli(
+      "simulate --schedule 1f1b --stages 4 --micro-batches 8 --cost-f 1 --cost-b 2 "
+      "--json");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   auto j = nlohmann::json::parse(r.out);
   EXPECT_DOUBLE_EQ(j["makespan"].get<double>(), 33.0);
@@ -208,12 +208,14 @@ TEST(CliSimulate, OneFOneBMatchesPaper) {
 }
 
 TEST(CliSimulate, InterleavedAndZbH1) {
-  Result r = RunCli("simulate --schedule interleaved --chunks 2 --stages 4 --micro-batches 8 "
-                    "--cost-f 1 --cost-b 2 --json");
+  Result r = RunCli(
+      "simulate --schedule interleaved --chunks 2 --stages 4 --micro-batches 8 "
+      "--cost-f 1 --cost-b 2 --json");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NEAR(nlohmann::json::parse(r.out)["bubble_fraction"].get<double>(), 3.0 / 19.0, 1e-12);
-  r = RunCli("simulate --schedule zb-h1 --stages 4 --micro-batches 8 --cost-f 1 --cost-b 1 "
-             "--cost-w 1 --json");
+  r = RunCli(
+      "simulate --schedule zb-h1 --stages 4 --micro-batches 8 --cost-f 1 --cost-b 1 "
+      "--cost-w 1 --json");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_DOUBLE_EQ(nlohmann::json::parse(r.out)["makespan"].get<double>(), 27.0);
 }
