@@ -19,8 +19,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const LayerGraph& graph
     return absl::InvalidArgumentError("--lr must be a positive number");
   }
   std::unique_ptr<Trainer> t(new Trainer());
-  t->graph_copy_ = graph;
-  t->graph_ = &t->graph_copy_;
+  t->graph_ = graph;
   t->options_ = options;
   t->layout_ = {options.micro_batches, graph.shape().batch, graph.shape().seq_len, 1};
   t->allocator_ = std::make_unique<CpuAllocator>();
@@ -102,12 +101,12 @@ const char* OptimizerName(OptimizerKind k) { return k == OptimizerKind::kAdamW ?
 absl::Status Trainer::Save(const std::string& dir) const {
   json m;
   m["format"] = kCheckpointFormat;
-  m["model"] = {{"name", graph_->name()},
+  m["model"] = {{"name", graph_.name()},
                 {"preset", options_.preset},
-                {"fingerprint", graph_->Fingerprint()},
-                {"num_layers", graph_->num_layers()},
-                {"micro_batch_size", graph_->shape().batch},
-                {"seq_len", graph_->shape().seq_len}};
+                {"fingerprint", graph_.Fingerprint()},
+                {"num_layers", graph_.num_layers()},
+                {"micro_batch_size", graph_.shape().batch},
+                {"seq_len", graph_.shape().seq_len}};
   m["plan"] = {{"pipeline_parallel", 1},
                {"data_parallel", 1},
                {"micro_batches", layout_.micro_batches},
@@ -146,8 +145,8 @@ absl::Status Trainer::Resume(const std::string& dir) {
   if (m.value("format", "") != kCheckpointFormat)
     return bad("format is not pipewright.checkpoint/v1");
   if (!m.contains("model") || !m["model"].is_object() ||
-      m["model"].value("fingerprint", "") != graph_->Fingerprint()) {
-    return bad(absl::StrCat("model.fingerprint does not match this model (", graph_->name(), ")"));
+      m["model"].value("fingerprint", "") != graph_.Fingerprint()) {
+    return bad(absl::StrCat("model.fingerprint does not match this model (", graph_.name(), ")"));
   }
   if (!m.contains("data") || !m["data"].contains("next_sample") ||
       !m["data"]["next_sample"].is_number_integer() || !m.contains("step") ||

@@ -85,16 +85,20 @@ void GenGpipe(Schedule& s) {
   }
 }
 
+// PipeDream-Flush order of one non-interleaved rank: min(p - r - 1, m) warm-up forwards, then
+// (F, backward) pairs, then the remaining backwards; `backward` is B, or I for zb-h1.
+std::vector<Action> FlushOrder(int p, int m, int r, ActionKind backward) {
+  std::vector<Action> fwd, bwd;
+  for (int j = 0; j < m; ++j) {
+    fwd.push_back(Make(ActionKind::kF, r, j));
+    bwd.push_back(Make(backward, r, j));
+  }
+  return OneFOneB(fwd, bwd, std::min(p - r - 1, m));
+}
+
 void Gen1F1B(Schedule& s) {
-  const int p = s.spec.ranks, m = s.spec.micro_batches;
   for (Program& prog : s.programs) {
-    const int r = prog.rank;
-    std::vector<Action> fwd, bwd;
-    for (int j = 0; j < m; ++j) {
-      fwd.push_back(Make(ActionKind::kF, r, j));
-      bwd.push_back(Make(ActionKind::kB, r, j));
-    }
-    prog.actions = OneFOneB(fwd, bwd, std::min(p - r - 1, m));
+    prog.actions = FlushOrder(s.spec.ranks, s.spec.micro_batches, prog.rank, ActionKind::kB);
   }
 }
 
@@ -118,12 +122,7 @@ void GenZbH1(Schedule& s) {
   const int p = s.spec.ranks, m = s.spec.micro_batches;
   for (Program& prog : s.programs) {
     const int r = prog.rank;
-    std::vector<Action> fwd, bwd;
-    for (int j = 0; j < m; ++j) {
-      fwd.push_back(Make(ActionKind::kF, r, j));
-      bwd.push_back(Make(ActionKind::kI, r, j));
-    }
-    std::vector<Action> base = OneFOneB(fwd, bwd, std::min(p - r - 1, m));
+    std::vector<Action> base = FlushOrder(p, m, r, ActionKind::kI);
     int next_w = 0;
     for (const Action& a : base) {
       prog.actions.push_back(a);

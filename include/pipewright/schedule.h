@@ -91,7 +91,7 @@ absl::StatusOr<Schedule> GenerateSchedule(const ScheduleSpec& spec);
 // Inserts RECV_F before each F (and RECV_B before each B/I) whose neighbour stage is on
 // another rank, SEND_F after each F and SEND_B after each B/I likewise, then REDUCE_GRADS for
 // each of the rank's stages after that stage's last backward action, and one OPTIMIZER_STEP
-// at the end. Idempotent refusal: lowering a lowered schedule is an error.
+// at the end. Lowering an already lowered schedule is an error.
 absl::Status LowerComm(Schedule& schedule);
 
 // Proves a lowered schedule correct by executing every program against FIFO channels, one per

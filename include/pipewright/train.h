@@ -67,8 +67,7 @@ class Trainer {
 
  private:
   Trainer() = default;
-  const LayerGraph* graph_ = nullptr;
-  LayerGraph graph_copy_;
+  LayerGraph graph_;  // the trainer's own copy
   TrainOptions options_;
   BatchLayout layout_;
   std::unique_ptr<CpuAllocator> allocator_;

@@ -3,14 +3,13 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <map>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "gtest/gtest.h"
+#include "pipewright/simulator.h"
 
 namespace pipewright {
 namespace {
@@ -51,68 +50,28 @@ std::vector<int> PeakInFlight(const Schedule& s) {
   return peak;
 }
 
-// A small event-driven simulation of a lowered schedule: compute takes its cost, comm is
-// free, a receive waits for the matching send. Returns the makespan (or -1 on a stall).
+// Runs the project's simulator with costs given per action (not per stage): the simulator
+// divides per-stage costs by v for each chunk, so they are scaled up by v here. `b` is the cost
+// of a B action (unsplit schedules), `i` and `w` those of I and W (split ones). Returns makespan
+// -1 when the schedule cannot complete.
 struct Sim {
   double makespan = 0;
   std::vector<double> busy;
 };
 Sim Simulate(const Schedule& s, double f, double b, double i, double w) {
-  const int p = s.spec.ranks;
-  std::vector<size_t> pc(p, 0);
-  std::vector<double> t(p, 0.0);
+  const double v = std::max(1, s.spec.chunks);
+  SimCosts costs;
+  costs.f = f * v;
+  costs.b = (s.split_backward ? i : b) * v;
+  costs.w = s.split_backward ? w * v : 0.0;
   Sim out;
-  out.busy.assign(p, 0.0);
-  std::map<std::tuple<int, int, int>, double> sent;  // (kind, mb, stage) of the send -> time
-  bool progress = true;
-  while (progress) {
-    progress = false;
-    for (int r = 0; r < p; ++r) {
-      const auto& acts = s.programs[r].actions;
-      while (pc[r] < acts.size()) {
-        const Action& a = acts[pc[r]];
-        double cost = 0;
-        switch (a.kind) {
-          case ActionKind::kF:
-            cost = f;
-            break;
-          case ActionKind::kB:
-            cost = b;
-            break;
-          case ActionKind::kI:
-            cost = i;
-            break;
-          case ActionKind::kW:
-            cost = w;
-            break;
-          case ActionKind::kSendF:
-          case ActionKind::kSendB:
-            sent[{static_cast<int>(a.kind), a.micro_batch, a.virtual_stage}] = t[r];
-            break;
-          case ActionKind::kRecvF:
-          case ActionKind::kRecvB: {
-            bool fwd = a.kind == ActionKind::kRecvF;
-            auto it = sent.find({static_cast<int>(fwd ? ActionKind::kSendF : ActionKind::kSendB),
-                                 a.micro_batch, a.virtual_stage + (fwd ? -1 : 1)});
-            if (it == sent.end()) goto blocked;
-            t[r] = std::max(t[r], it->second);
-            break;
-          }
-          default:
-            break;
-        }
-        t[r] += cost;
-        out.busy[r] += cost;
-        ++pc[r];
-        progress = true;
-      }
-    blocked:;
-    }
+  absl::StatusOr<SimResult> r = pipewright::Simulate(s, costs);
+  if (!r.ok()) {
+    out.makespan = -1;
+    return out;
   }
-  for (int r = 0; r < p; ++r) {
-    if (pc[r] < s.programs[r].actions.size()) out.makespan = -1;
-  }
-  if (out.makespan == 0) out.makespan = *std::max_element(t.begin(), t.end());
+  out.makespan = r->makespan;
+  for (const SimRank& rank : r->ranks) out.busy.push_back(rank.busy);
   return out;
 }
 
