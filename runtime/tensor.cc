@@ -16,6 +16,8 @@ size_t DTypeSize(DType dtype) {
     case DType::kBF16:
     case DType::kF16:
       return 2;
+    case DType::kF64:
+      return 8;
   }
   return 0;
 }
@@ -30,6 +32,8 @@ const char* DTypeName(DType dtype) {
       return "f16";
     case DType::kI32:
       return "i32";
+    case DType::kF64:
+      return "f64";
   }
   return "?";
 }
@@ -44,6 +48,8 @@ const char* DTypeSafetensorsName(DType dtype) {
       return "F16";
     case DType::kI32:
       return "I32";
+    case DType::kF64:
+      return "F64";
   }
   return "?";
 }
@@ -53,6 +59,7 @@ absl::StatusOr<DType> ParseDType(absl::string_view name) {
   if (name == "bf16" || name == "BF16") return DType::kBF16;
   if (name == "f16" || name == "F16" || name == "fp16") return DType::kF16;
   if (name == "i32" || name == "I32") return DType::kI32;
+  if (name == "f64" || name == "F64") return DType::kF64;
   return absl::InvalidArgumentError(absl::StrCat("unknown dtype '", name, "'"));
 }
 

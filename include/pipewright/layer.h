@@ -83,6 +83,12 @@ class LayerSpec {
   virtual absl::StatusOr<std::unique_ptr<Layer>> Create(const InitContext& init) const = 0;
   // Shape configuration as "key=value,..." for fingerprints and model files.
   virtual std::string Config() const = 0;
+  // Shape of the layer's output for an input of shape `input` (activations [B, T, C] f32;
+  // token inputs [B, T] i32). The default keeps the input's shape. Used by the pipeline
+  // engine to preallocate receive buffers.
+  virtual std::vector<int64_t> OutputShape(const std::vector<int64_t>& input) const {
+    return input;
+  }
 };
 
 using LayerSpecPtr = std::shared_ptr<const LayerSpec>;
@@ -104,6 +110,12 @@ LayerSpecPtr Embedding(int64_t vocab, int64_t max_seq, int64_t dim);
 LayerSpecPtr LmHead(int64_t dim, int64_t vocab);
 // logits [B, T, V] + ctx.targets -> [1] mean cross-entropy over tokens
 LayerSpecPtr CrossEntropyLoss();
+// Synthetic layer for engine overhead benchmarks: identity on [B, T, dim] activations that
+// sleeps the given seconds in Forward / BackwardInput / BackwardWeight instead of computing, so
+// ranks running on threads do not compete for CPU cores. Has no parameters. Used by
+// `pipewright bench --suite overhead`.
+LayerSpecPtr Delay(int64_t dim, double forward_s, double backward_input_s,
+                   double backward_weight_s);
 }  // namespace layers
 
 }  // namespace pipewright

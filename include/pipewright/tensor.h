@@ -18,11 +18,11 @@
 
 namespace pipewright {
 
-enum class DType { kF32, kBF16, kF16, kI32 };
+enum class DType { kF32, kBF16, kF16, kI32, kF64 };
 
 size_t DTypeSize(DType dtype);
-const char* DTypeName(DType dtype);  // "f32", "bf16", "f16", "i32"
-// Safetensors spelling: "F32", "BF16", "F16", "I32".
+const char* DTypeName(DType dtype);  // "f32", "bf16", "f16", "i32", "f64"
+// Safetensors spelling: "F32", "BF16", "F16", "I32", "F64".
 const char* DTypeSafetensorsName(DType dtype);
 absl::StatusOr<DType> ParseDType(absl::string_view name);  // accepts both spellings
 

@@ -1,5 +1,7 @@
-// Linear, GELU, LayerNorm, Embedding, LM head and cross-entropy loss.
+// Linear, GELU, LayerNorm, Embedding, LM head, cross-entropy loss and the synthetic Delay.
+#include <chrono>
 #include <cmath>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -304,6 +306,37 @@ absl::StatusOr<Tensor> CrossEntropyLayer::BackwardInput(const Tensor& dy, const 
                                    dx.data<float>());
   saved->Clear();
   return dx;
+}
+
+// ---------------------------------------------------------------------------------------------
+namespace {
+// Sleeps at least `seconds` (rounded up to whole nanoseconds, so a caller timing the call never
+// measures less than configured).
+void SleepSeconds(double seconds) {
+  if (seconds <= 0) return;
+  std::this_thread::sleep_for(
+      std::chrono::ceil<std::chrono::nanoseconds>(std::chrono::duration<double>(seconds)));
+}
+}  // namespace
+
+absl::StatusOr<Tensor> DelayLayer::Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) {
+  PW_RETURN_IF_ERROR(CheckRows(x, dim_, "delay").status());
+  SleepSeconds(forward_s_);
+  saved->Clear();
+  return x.Clone(Alloc(ctx));  // a fresh output, so memory accounting resembles a real layer
+}
+
+absl::StatusOr<Tensor> DelayLayer::BackwardInput(const Tensor& dy, const LayerContext& ctx,
+                                                 Saved* saved) {
+  PW_RETURN_IF_ERROR(CheckRows(dy, dim_, "delay backward").status());
+  SleepSeconds(backward_input_s_);
+  return dy.Clone(Alloc(ctx));
+}
+
+absl::Status DelayLayer::BackwardWeight(const LayerContext& ctx, Saved* saved) {
+  SleepSeconds(backward_weight_s_);
+  saved->Clear();
+  return absl::OkStatus();
 }
 
 }  // namespace internal

@@ -79,6 +79,26 @@ class CrossEntropyLayer final : public Layer {
   absl::Status BackwardWeight(const LayerContext&, Saved*) override { return absl::OkStatus(); }
 };
 
+// Identity on [B, T, dim] f32 that sleeps instead of computing (engine overhead benchmarks).
+// Forward and BackwardInput return copies from ctx.allocator; nothing is saved.
+class DelayLayer final : public Layer {
+ public:
+  DelayLayer(int64_t dim, double forward_s, double backward_input_s, double backward_weight_s)
+      : dim_(dim),
+        forward_s_(forward_s),
+        backward_input_s_(backward_input_s),
+        backward_weight_s_(backward_weight_s) {}
+  absl::string_view kind() const override { return "delay"; }
+  absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
+  absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
+                                       Saved* saved) override;
+  absl::Status BackwardWeight(const LayerContext& ctx, Saved* saved) override;
+
+ private:
+  int64_t dim_;
+  double forward_s_, backward_input_s_, backward_weight_s_;
+};
+
 // Children applied in order; its Saved has one child per sub-layer.
 class SequentialLayer : public Layer {
  public:

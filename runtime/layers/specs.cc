@@ -1,5 +1,6 @@
 // LayerSpecs: configuration, analytic cost per micro-batch, and factories for built-in layers.
 #include <functional>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -60,15 +61,18 @@ Cost AttentionCost(const MicroBatchShape& s, int64_t dim, int64_t heads) {
   return c;
 }
 
+using ShapeFn = std::function<std::vector<int64_t>(const std::vector<int64_t>&)>;
+
 template <typename Fn>
 class SimpleSpec final : public LayerSpec {
  public:
   SimpleSpec(std::string kind, std::string config,
-             std::function<Cost(const MicroBatchShape&, int64_t)> cost, Fn make)
+             std::function<Cost(const MicroBatchShape&, int64_t)> cost, Fn make, ShapeFn shape)
       : kind_(std::move(kind)),
         config_(std::move(config)),
         cost_(std::move(cost)),
-        make_(std::move(make)) {}
+        make_(std::move(make)),
+        shape_(std::move(shape)) {}
   std::string kind() const override { return kind_; }
   Cost GetCost(const MicroBatchShape& shape, int64_t input_bytes) const override {
     return cost_(shape, input_bytes);
@@ -77,18 +81,30 @@ class SimpleSpec final : public LayerSpec {
   absl::StatusOr<std::unique_ptr<Layer>> Create(const InitContext& init) const override {
     return make_(init);
   }
+  std::vector<int64_t> OutputShape(const std::vector<int64_t>& input) const override {
+    return shape_ ? shape_(input) : input;
+  }
 
  private:
   std::string kind_, config_;
   std::function<Cost(const MicroBatchShape&, int64_t)> cost_;
   Fn make_;
+  ShapeFn shape_;  // empty: the output keeps the input's shape
 };
 
 template <typename Fn>
 LayerSpecPtr MakeSpec(std::string kind, std::string config,
-                      std::function<Cost(const MicroBatchShape&, int64_t)> cost, Fn make) {
+                      std::function<Cost(const MicroBatchShape&, int64_t)> cost, Fn make,
+                      ShapeFn shape = nullptr) {
   return std::make_shared<SimpleSpec<Fn>>(std::move(kind), std::move(config), std::move(cost),
-                                          std::move(make));
+                                          std::move(make), std::move(shape));
+}
+
+// Output shape of a layer that maps the last dimension to `last` ([B, T, in] -> [B, T, last]).
+ShapeFn LastDimShape(int64_t last) {
+  return [last](const std::vector<int64_t>& input) {
+    return input.empty() ? input : internal::WithLastDim(input, last);
+  };
 }
 
 }  // namespace
@@ -102,7 +118,8 @@ LayerSpecPtr Linear(int64_t in, int64_t out, bool bias) {
       [=](const MicroBatchShape& s, int64_t) { return LinearCost(s.tokens(), in, out, bias); },
       [=](const InitContext& init) -> std::unique_ptr<Layer> {
         return std::make_unique<internal::LinearLayer>(init, in, out, bias, 0.02f);
-      });
+      },
+      LastDimShape(out));
 }
 
 LayerSpecPtr Gelu() {
@@ -174,6 +191,11 @@ LayerSpecPtr Embedding(int64_t vocab, int64_t max_seq, int64_t dim) {
       },
       [=](const InitContext& init) -> std::unique_ptr<Layer> {
         return std::make_unique<internal::EmbeddingLayer>(init, vocab, max_seq, dim);
+      },
+      [=](const std::vector<int64_t>& tokens) {  // [B, T] -> [B, T, dim]
+        std::vector<int64_t> out = tokens;
+        out.push_back(dim);
+        return out;
       });
 }
 
@@ -184,7 +206,8 @@ LayerSpecPtr LmHead(int64_t dim, int64_t vocab) {
       [=](const MicroBatchShape& s, int64_t) { return LinearCost(s.tokens(), dim, vocab, false); },
       [=](const InitContext& init) -> std::unique_ptr<Layer> {
         return std::make_unique<internal::LinearLayer>(init, dim, vocab, false, 0.02f);
-      });
+      },
+      LastDimShape(vocab));
 }
 
 LayerSpecPtr CrossEntropyLoss() {
@@ -201,6 +224,24 @@ LayerSpecPtr CrossEntropyLoss() {
       },
       [](const InitContext&) -> std::unique_ptr<Layer> {
         return std::make_unique<internal::CrossEntropyLayer>();
+      },
+      [](const std::vector<int64_t>&) { return std::vector<int64_t>{1}; });
+}
+
+LayerSpecPtr Delay(int64_t dim, double forward_s, double backward_input_s,
+                   double backward_weight_s) {
+  PW_CHECK(dim > 0 && forward_s >= 0 && backward_input_s >= 0 && backward_weight_s >= 0);
+  return MakeSpec(
+      "delay",
+      absl::StrFormat("dim=%d,f=%g,b=%g,w=%g", dim, forward_s, backward_input_s, backward_weight_s),
+      [=](const MicroBatchShape& s, int64_t) {
+        Cost c;
+        c.output_bytes = s.tokens() * dim * kF32;
+        return c;
+      },
+      [=](const InitContext&) -> std::unique_ptr<Layer> {
+        return std::make_unique<internal::DelayLayer>(dim, forward_s, backward_input_s,
+                                                      backward_weight_s);
       });
 }
 

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -571,6 +572,173 @@ TEST(LayerSpecTest, KindsConfigsAndCosts) {
     for (Parameter* p : layer->Parameters()) n += p->value.numel();
     EXPECT_EQ(n, spec->GetCost(shape, 0).params) << spec->kind();
   }
+}
+
+TEST(LayerSpecTest, OutputShapes) {
+  using Shape = std::vector<int64_t>;
+  const Shape act{kB, kT, kC};
+  EXPECT_EQ(layers::Linear(kC, 6)->OutputShape(act), (Shape{kB, kT, 6}));
+  EXPECT_EQ(layers::Linear(kC, 6, false)->OutputShape(act), (Shape{kB, kT, 6}));
+  EXPECT_EQ(layers::Linear(kC, 6)->OutputShape({5, kC}), (Shape{5, 6}));
+  EXPECT_EQ(layers::Gelu()->OutputShape(act), act);
+  EXPECT_EQ(layers::LayerNorm(kC)->OutputShape(act), act);
+  EXPECT_EQ(layers::Mlp(kC, 16)->OutputShape(act), act);
+  EXPECT_EQ(layers::CausalSelfAttention(kC, kH)->OutputShape(act), act);
+  EXPECT_EQ(layers::TransformerBlock(kC, kH)->OutputShape(act), act);
+  EXPECT_EQ(layers::Embedding(kV, kT, kC)->OutputShape({kB, kT}), act);
+  EXPECT_EQ(layers::LmHead(kC, kV)->OutputShape(act), (Shape{kB, kT, kV}));
+  EXPECT_EQ(layers::CrossEntropyLoss()->OutputShape({kB, kT, kV}), (Shape{1}));
+  EXPECT_EQ(layers::Delay(kC, 0, 0, 0)->OutputShape(act), act);
+}
+
+TEST(LayerSpecTest, OutputShapeMatchesForward) {
+  std::mt19937 rng(40);
+  Tensor targets = RandomTokens(kB, kT, kV, rng);
+  struct ShapeCase {
+    LayerSpecPtr spec;
+    Tensor x;
+  };
+  std::vector<ShapeCase> cases = {
+      {layers::Linear(kC, 6), Act(rng)},
+      {layers::Linear(kC, 6, false), Act(rng)},
+      {layers::Gelu(), Act(rng)},
+      {layers::LayerNorm(kC), Act(rng)},
+      {layers::Mlp(kC, 16), Act(rng)},
+      {layers::CausalSelfAttention(kC, kH), Act(rng)},
+      {layers::TransformerBlock(kC, kH), Act(rng)},
+      {layers::Embedding(kV, kT, kC), RandomTokens(kB, kT, kV, rng)},
+      {layers::LmHead(kC, kV), Act(rng)},
+      {layers::CrossEntropyLoss(), Act(rng, kV)},
+      {layers::Delay(kC, 0, 0, 0), Act(rng)},
+  };
+  for (const ShapeCase& c : cases) {
+    SCOPED_TRACE(c.spec->kind());
+    auto layer = Make(c.spec, "n");
+    ASSERT_NE(layer, nullptr);
+    LayerContext ctx;
+    ctx.targets = &targets;
+    Saved s;
+    auto y = layer->Forward(c.x, ctx, &s);
+    ASSERT_TRUE(y.ok()) << y.status();
+    EXPECT_EQ(y->shape(), c.spec->OutputShape(c.x.shape()));
+  }
+}
+
+// Chains OutputShape through every node of a graph from its [B, T] token input, checking each
+// node's shape against its cost's output_bytes (all outputs are f32). Returns every shape.
+std::vector<std::vector<int64_t>> ChainShapes(const LayerGraph& g) {
+  std::vector<std::vector<int64_t>> out;
+  std::vector<int64_t> shape = {g.shape().batch, g.shape().seq_len};
+  for (const LayerNode& n : g.nodes()) {
+    shape = n.spec->OutputShape(shape);
+    EXPECT_EQ(NumElements(shape) * 4, n.cost.output_bytes) << n.name;
+    out.push_back(shape);
+  }
+  return out;
+}
+
+TEST(LayerSpecTest, OutputShapeThroughGptTiny) {
+  auto g = PresetModel("gpt-tiny", 2);
+  ASSERT_TRUE(g.ok()) << g.status();
+  const int64_t B = 2, T = g->shape().seq_len;
+  ASSERT_EQ(g->shape().batch, B);
+  auto shapes = ChainShapes(*g);
+  ASSERT_EQ(shapes.size(), static_cast<size_t>(g->num_layers()));
+  ASSERT_GE(shapes.size(), 3u);
+  // Every node before the head (embedding, blocks, ln_f) outputs [B, T, 64].
+  for (size_t i = 0; i + 2 < shapes.size(); ++i) {
+    EXPECT_EQ(shapes[i], (std::vector<int64_t>{B, T, 64})) << g->node(i).name;
+  }
+  EXPECT_EQ(shapes[shapes.size() - 2], (std::vector<int64_t>{B, T, 256}));  // lm_head logits
+  EXPECT_EQ(shapes.back(), (std::vector<int64_t>{1}));
+}
+
+TEST(LayerSpecTest, OutputShapeThroughMlpPreset) {
+  auto g = PresetModel("mlp", 3);
+  ASSERT_TRUE(g.ok()) << g.status();
+  const int64_t B = 3, T = g->shape().seq_len;
+  auto shapes = ChainShapes(*g);
+  ASSERT_EQ(shapes.size(), static_cast<size_t>(g->num_layers()));
+  EXPECT_EQ(shapes.front(), (std::vector<int64_t>{B, T, 64}));  // embed
+  for (size_t i = 1; i + 1 < shapes.size(); ++i) {
+    EXPECT_EQ(shapes[i], (std::vector<int64_t>{B, T, 256})) << g->node(i).name;
+  }
+  EXPECT_EQ(shapes.back(), (std::vector<int64_t>{1}));
+}
+
+TEST(DelayLayerTest, SpecKindConfigAndCost) {
+  auto spec = layers::Delay(kC, 0.001, 0.002, 0.003);
+  EXPECT_EQ(spec->kind(), "delay");
+  EXPECT_EQ(spec->Config(), "dim=8,f=0.001,b=0.002,w=0.003");
+  EXPECT_NE(spec->Config(), layers::Delay(kC, 0.001, 0.002, 0.004)->Config());
+  Cost c = spec->GetCost({kB, kT}, 12345);
+  EXPECT_EQ(c.params, 0);
+  EXPECT_EQ(c.forward_flops, 0);
+  EXPECT_EQ(c.backward_flops, 0);
+  EXPECT_EQ(c.activation_bytes, 0);
+  EXPECT_EQ(c.output_bytes, kB * kT * kC * 4);
+  auto layer = Make(spec, "d");
+  ASSERT_NE(layer, nullptr);
+  EXPECT_EQ(layer->kind(), "delay");
+  EXPECT_TRUE(layer->Parameters().empty());
+}
+
+TEST(DelayLayerTest, IdentityThatSleeps) {
+  constexpr double kF = 0.02, kBi = 0.015, kBw = 0.01;
+  auto layer = Make(layers::Delay(kC, kF, kBi, kBw), "d");
+  ASSERT_NE(layer, nullptr);
+  std::mt19937 rng(41);
+  Tensor x = Act(rng), dy = Act(rng);
+  CpuAllocator alloc;
+  LayerContext ctx;
+  ctx.allocator = &alloc;
+  Saved s;
+  using Clock = std::chrono::steady_clock;
+  auto seconds_since = [](Clock::time_point t0) {
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+  };
+
+  auto t0 = Clock::now();
+  auto y = layer->Forward(x, ctx, &s);
+  double forward_s = seconds_since(t0);
+  ASSERT_TRUE(y.ok()) << y.status();
+  EXPECT_GE(forward_s, kF);
+  EXPECT_EQ(y->shape(), x.shape());
+  EXPECT_EQ(y->ToVector(), x.ToVector());
+  // A copy from ctx.allocator, like a real layer's output.
+  EXPECT_NE(y->data<float>(), x.data<float>());
+  EXPECT_EQ(alloc.current_bytes(), static_cast<int64_t>(y->nbytes()));
+
+  t0 = Clock::now();
+  auto dx = layer->BackwardInput(dy, ctx, &s);
+  double backward_input_s = seconds_since(t0);
+  ASSERT_TRUE(dx.ok()) << dx.status();
+  EXPECT_GE(backward_input_s, kBi);
+  EXPECT_EQ(dx->shape(), dy.shape());
+  EXPECT_EQ(dx->ToVector(), dy.ToVector());
+
+  t0 = Clock::now();
+  EXPECT_TRUE(layer->BackwardWeight(ctx, &s).ok());
+  EXPECT_GE(seconds_since(t0), kBw);
+  EXPECT_TRUE(s.empty());
+
+  // Backward() = BackwardInput then BackwardWeight.
+  ASSERT_TRUE(layer->Forward(x, ctx, &s).ok());
+  t0 = Clock::now();
+  auto dx2 = layer->Backward(dy, ctx, &s);
+  ASSERT_TRUE(dx2.ok()) << dx2.status();
+  EXPECT_GE(seconds_since(t0), kBi + kBw);
+  EXPECT_EQ(dx2->ToVector(), dy.ToVector());
+}
+
+TEST(DelayLayerTest, RejectsWrongWidth) {
+  auto layer = Make(layers::Delay(kC, 0, 0, 0), "d");
+  ASSERT_NE(layer, nullptr);
+  std::mt19937 rng(42);
+  Saved s;
+  EXPECT_FALSE(layer->Forward(RandomTensor({kB, kT, kC + 1}, rng), {}, &s).ok());
+  EXPECT_FALSE(layer->Forward(Tensor(), {}, &s).ok());
+  EXPECT_FALSE(layer->BackwardInput(RandomTensor({kB, kT, kC + 1}, rng), {}, &s).ok());
 }
 
 }  // namespace

@@ -28,7 +28,7 @@ TEST(DTypeTest, SizesAndNames) {
 }
 
 TEST(DTypeTest, ParseBothSpellingsRoundTrip) {
-  for (DType d : {DType::kF32, DType::kBF16, DType::kF16, DType::kI32}) {
+  for (DType d : {DType::kF32, DType::kBF16, DType::kF16, DType::kI32, DType::kF64}) {
     auto a = ParseDType(DTypeName(d));
     ASSERT_TRUE(a.ok()) << a.status();
     EXPECT_EQ(*a, d);
@@ -36,7 +36,8 @@ TEST(DTypeTest, ParseBothSpellingsRoundTrip) {
     ASSERT_TRUE(b.ok()) << b.status();
     EXPECT_EQ(*b, d);
   }
-  EXPECT_FALSE(ParseDType("f64").ok());
+  EXPECT_EQ(DTypeSize(DType::kF64), 8u);
+  EXPECT_FALSE(ParseDType("f8").ok());
   EXPECT_FALSE(ParseDType("").ok());
   EXPECT_EQ(ParseDType("int8").status().code(), absl::StatusCode::kInvalidArgument);
 }

@@ -1,0 +1,561 @@
+// The local backend: the ranks of a world are threads of this process that share one WorldState.
+//
+// One mutex per world guards everything (mailboxes, collective rendezvous, abort state) of the
+// world and of every communicator split from it, and one condition variable is signalled on
+// every completion and on abort; Work::Wait re-checks its op under the mutex. Simple and
+// adequate for a handful of in-process ranks.
+//
+// P2P: Send copies the payload (eagerly) into the receiver's mailbox, or straight into the
+// tensor of a receive that is already pending for the same (source, tag). A receive takes the
+// oldest queued message of its (source, tag) or registers itself as pending. A message of the
+// wrong size or dtype is consumed by the receive it matched, which fails.
+//
+// Collectives: the k-th collective call on a rank's communicator joins slot k of its group.
+// The last rank to arrive computes the result outside the mutex (every participant's tensor is
+// held by a Tensor copy) and completes every participant's op. A rank whose arguments are
+// invalid or disagree with an earlier arrival's poisons the slot: every participant, past and
+// future, fails with that error, and the slot still counts as collective k so later
+// collectives stay matched.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "pipewright/comm.h"
+#include "pipewright/status.h"
+#include "pipewright/tensor.h"
+
+namespace pipewright {
+namespace {
+
+struct WorldState {
+  absl::Mutex mu;
+  absl::CondVar cv;  // signalled on every completion and on abort
+  bool aborted ABSL_GUARDED_BY(mu) = false;
+  absl::Status abort_status ABSL_GUARDED_BY(mu);
+  int next_group_id ABSL_GUARDED_BY(mu) = 1;  // 0 is the world itself
+};
+
+struct Collective;
+
+// State of one operation, shared by its Work and by whatever completes it. Guarded by the
+// world's mutex.
+struct OpState {
+  std::string label;        // "rank 1" (or "rank 1 (world rank 3, group 2)")
+  std::string description;  // "Recv from rank 0 (tag 17)"
+  bool done = false;
+  absl::Status status;
+  std::weak_ptr<Collective> collective;  // while the op waits in a collective rendezvous
+  std::unique_ptr<Communicator> split_result;
+};
+
+enum class CollectiveKind { kAllReduce, kBroadcast, kBarrier, kSplit };
+
+const char* KindName(CollectiveKind kind) {
+  switch (kind) {
+    case CollectiveKind::kAllReduce:
+      return "AllReduce";
+    case CollectiveKind::kBroadcast:
+      return "Broadcast";
+    case CollectiveKind::kBarrier:
+      return "Barrier";
+    case CollectiveKind::kSplit:
+      return "Split";
+  }
+  return "collective";
+}
+
+// One rank's contribution to a collective.
+struct Arrival {
+  std::shared_ptr<OpState> op;
+  Tensor tensor;  // AllReduce, Broadcast
+  int root = 0;   // Broadcast
+  int color = 0;  // Split
+  int key = 0;    // Split
+};
+
+// Rendezvous slot of the seq-th collective of a group.
+struct Collective {
+  int64_t seq = 0;
+  CollectiveKind kind = CollectiveKind::kBarrier;  // of the first arrival
+  int first_rank = -1;
+  int arrived = 0;
+  std::vector<bool> present;
+  std::vector<Arrival> arrivals;  // indexed by group rank
+  absl::Status status;            // non-OK once poisoned
+};
+
+struct PendingRecv {
+  std::shared_ptr<OpState> op;
+  Tensor tensor;  // the receiver's tensor; shares its storage
+};
+
+// (destination, source, tag)
+using MailKey = std::tuple<int, int, int64_t>;
+
+// The state of one communicator group (the world, or one color of a Split).
+struct GroupState {
+  std::shared_ptr<WorldState> world;
+  int id = 0;
+  int size = 0;
+  std::vector<int> world_ranks;  // group rank -> world rank
+  // Invariant: for a key, messages or pending receives are queued, never both.
+  std::map<MailKey, std::deque<Tensor>> messages;
+  std::map<MailKey, std::deque<PendingRecv>> pending;
+  std::map<int64_t, std::shared_ptr<Collective>> collectives;
+};
+
+// Takes the oldest entry queued under `key`; nullopt when there is none.
+template <typename V>
+std::optional<V> PopFront(std::map<MailKey, std::deque<V>>& queues, const MailKey& key) {
+  auto it = queues.find(key);
+  if (it == queues.end()) return std::nullopt;
+  V front = std::move(it->second.front());
+  it->second.pop_front();
+  if (it->second.empty()) queues.erase(it);
+  return front;
+}
+
+std::string FormatSeconds(absl::Duration d) { return absl::StrCat(absl::ToDoubleSeconds(d), "s"); }
+
+bool SameLayout(const Tensor& a, const Tensor& b) {
+  return a.dtype() == b.dtype() && a.numel() == b.numel();
+}
+
+absl::Status CheckTensor(const Tensor& t, absl::string_view what) {
+  if (!t.defined()) return absl::InvalidArgumentError(absl::StrCat(what, ": undefined tensor"));
+  if (!t.device().is_cpu()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": the local backend needs host tensors, got a tensor on ", t.device().ToString()));
+  }
+  return absl::OkStatus();
+}
+
+void CopyBytes(Tensor& dst, const Tensor& src) {
+  PW_CHECK(dst.nbytes() == src.nbytes());
+  if (dst.nbytes() > 0 && dst.raw() != src.raw()) std::memcpy(dst.raw(), src.raw(), dst.nbytes());
+}
+
+template <typename T>
+void Accumulate(T* acc, const T* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] += x[i];
+}
+
+// Signed overflow wraps (two's complement) instead of being undefined.
+void AccumulateI32(int32_t* acc, const int32_t* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    acc[i] = static_cast<int32_t>(static_cast<uint32_t>(acc[i]) + static_cast<uint32_t>(x[i]));
+  }
+}
+
+class LocalWork final : public Work {
+ public:
+  LocalWork(std::shared_ptr<WorldState> world, std::shared_ptr<OpState> op)
+      : world_(std::move(world)), op_(std::move(op)) {}
+
+  absl::Status Wait(absl::Duration timeout) override { return WaitOp(*world_, *op_, timeout); }
+
+  bool Done() override {
+    absl::MutexLock lock(&world_->mu);
+    return op_->done || world_->aborted;
+  }
+
+  static absl::Status WaitOp(WorldState& world, OpState& op, absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;  // saturates for InfiniteDuration()
+    absl::MutexLock lock(&world.mu);
+    while (true) {
+      if (op.done) return op.status;
+      if (world.aborted) return world.abort_status;
+      if (absl::Now() >= deadline) {
+        std::string msg = absl::StrCat(op.label, ": ", op.description, " timed out after ",
+                                       FormatSeconds(timeout));
+        if (std::shared_ptr<Collective> c = op.collective.lock()) {
+          std::vector<int> missing;
+          for (int r = 0; r < static_cast<int>(c->present.size()); ++r) {
+            if (!c->present[r]) missing.push_back(r);
+          }
+          if (!missing.empty())
+            absl::StrAppend(&msg, "; waiting for ranks ", absl::StrJoin(missing, ", "));
+        }
+        return absl::DeadlineExceededError(msg);
+      }
+      world.cv.WaitWithDeadline(&world.mu, deadline);
+    }
+  }
+
+ private:
+  std::shared_ptr<WorldState> world_;
+  std::shared_ptr<OpState> op_;
+};
+
+class LocalCommunicator final : public Communicator {
+ public:
+  LocalCommunicator(std::shared_ptr<GroupState> group, int rank)
+      : group_(std::move(group)), rank_(rank) {
+    label_ = absl::StrCat("rank ", rank_);
+    if (group_->id != 0) {
+      absl::StrAppend(&label_, " (world rank ", group_->world_ranks[rank_], ", group ", group_->id,
+                      ")");
+    }
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return group_->size; }
+  std::string backend() const override { return "local"; }
+
+  std::unique_ptr<Work> Send(const Tensor& t, int peer, int64_t tag) override {
+    std::shared_ptr<OpState> op = NewOp(absl::StrCat("Send to rank ", peer, " (tag ", tag, ")"));
+    WorldState& world = *group_->world;
+    absl::Status valid = CheckP2P(t, peer, tag, *op);
+    absl::MutexLock lock(&world.mu);
+    if (world.aborted) {
+      Complete(*op, world.abort_status);
+    } else if (!valid.ok()) {
+      Complete(*op, valid);
+    } else {
+      const MailKey key{peer, rank_, tag};
+      if (std::optional<PendingRecv> recv = PopFront(group_->pending, key)) {
+        Deliver(*recv, t);
+        world.cv.SignalAll();
+      } else {
+        group_->messages[key].push_back(t.Clone());
+      }
+      Complete(*op, absl::OkStatus());
+    }
+    return std::make_unique<LocalWork>(group_->world, std::move(op));
+  }
+
+  std::unique_ptr<Work> Recv(Tensor& t, int peer, int64_t tag) override {
+    std::shared_ptr<OpState> op = NewOp(absl::StrCat("Recv from rank ", peer, " (tag ", tag, ")"));
+    WorldState& world = *group_->world;
+    absl::Status valid = CheckP2P(t, peer, tag, *op);
+    absl::MutexLock lock(&world.mu);
+    if (world.aborted) {
+      Complete(*op, world.abort_status);
+    } else if (!valid.ok()) {
+      Complete(*op, valid);
+    } else {
+      const MailKey key{rank_, peer, tag};
+      PendingRecv recv{op, t};
+      if (std::optional<Tensor> message = PopFront(group_->messages, key)) {
+        Deliver(recv, *message);
+      } else {
+        group_->pending[key].push_back(std::move(recv));
+      }
+    }
+    return std::make_unique<LocalWork>(group_->world, std::move(op));
+  }
+
+  std::unique_ptr<Work> AllReduce(Tensor& t) override {
+    Arrival a;
+    a.tensor = t;
+    return Join(CollectiveKind::kAllReduce, std::move(a));
+  }
+
+  std::unique_ptr<Work> Broadcast(Tensor& t, int root) override {
+    Arrival a;
+    a.tensor = t;
+    a.root = root;
+    return Join(CollectiveKind::kBroadcast, std::move(a));
+  }
+
+  std::unique_ptr<Work> Barrier() override { return Join(CollectiveKind::kBarrier, Arrival{}); }
+
+  void Abort(const absl::Status& status) override {
+    WorldState& world = *group_->world;
+    absl::MutexLock lock(&world.mu);
+    if (world.aborted) return;
+    world.aborted = true;
+    world.abort_status = status.ok() ? absl::AbortedError("aborted") : status;
+    world.cv.SignalAll();
+  }
+
+  absl::Status abort_status() const override {
+    WorldState& world = *group_->world;
+    absl::MutexLock lock(&world.mu);
+    return world.aborted ? world.abort_status : absl::OkStatus();
+  }
+
+  absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key,
+                                                      absl::Duration timeout) override {
+    Arrival a;
+    a.color = color;
+    a.key = key;
+    std::shared_ptr<OpState> op;
+    Join(CollectiveKind::kSplit, std::move(a), &op);
+    PW_RETURN_IF_ERROR(LocalWork::WaitOp(*group_->world, *op, timeout));
+    absl::MutexLock lock(&group_->world->mu);
+    return std::move(op->split_result);  // nullptr for a negative color
+  }
+
+ private:
+  std::shared_ptr<OpState> NewOp(std::string description) const {
+    auto op = std::make_shared<OpState>();
+    op->label = label_;
+    op->description = std::move(description);
+    return op;
+  }
+
+  static void Complete(OpState& op, absl::Status status) {
+    op.done = true;
+    op.status = std::move(status);
+    op.collective.reset();
+  }
+
+  absl::Status CheckP2P(const Tensor& t, int peer, int64_t tag, const OpState& op) const {
+    if (peer < 0 || peer >= group_->size) {
+      return absl::InvalidArgumentError(absl::StrCat(op.label, ": ", op.description, ": peer ",
+                                                     peer, " is out of range [0, ", group_->size,
+                                                     ")"));
+    }
+    if (tag < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(op.label, ": ", op.description, ": negative tag ", tag));
+    }
+    return CheckTensor(t, absl::StrCat(op.label, ": ", op.description));
+  }
+
+  // Copies `message` into the pending receive that matched it and completes the receive (with
+  // an error if the layouts differ; the message is consumed either way). World mutex held.
+  static void Deliver(PendingRecv& recv, const Tensor& message) {
+    if (!SameLayout(recv.tensor, message)) {
+      Complete(*recv.op,
+               absl::InvalidArgumentError(absl::StrCat(
+                   recv.op->label, ": ", recv.op->description, ": message of ", message.nbytes(),
+                   " bytes (", message.ShapeString(), ") does not match the receive buffer of ",
+                   recv.tensor.nbytes(), " bytes (", recv.tensor.ShapeString(), ")")));
+      return;
+    }
+    CopyBytes(recv.tensor, message);
+    Complete(*recv.op, absl::OkStatus());
+  }
+
+  // Checks one arrival on its own; returns the error that poisons the slot, if any.
+  absl::Status CheckArrival(CollectiveKind kind, const Arrival& a, const OpState& op) const {
+    const std::string what = absl::StrCat(op.label, ": ", op.description);
+    switch (kind) {
+      case CollectiveKind::kAllReduce: {
+        PW_RETURN_IF_ERROR(CheckTensor(a.tensor, what));
+        DType d = a.tensor.dtype();
+        if (d != DType::kF32 && d != DType::kF64 && d != DType::kI32) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(what, ": AllReduce supports f32, f64 and i32, got ", DTypeName(d)));
+        }
+        return absl::OkStatus();
+      }
+      case CollectiveKind::kBroadcast:
+        PW_RETURN_IF_ERROR(CheckTensor(a.tensor, what));
+        if (a.root < 0 || a.root >= group_->size) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(what, ": root ", a.root, " is out of range [0, ", group_->size, ")"));
+        }
+        return absl::OkStatus();
+      case CollectiveKind::kBarrier:
+      case CollectiveKind::kSplit:
+        return absl::OkStatus();
+    }
+    return absl::OkStatus();
+  }
+
+  // Checks an arrival against the slot's first arrival.
+  absl::Status CheckAgainstFirst(const Collective& c, CollectiveKind kind, const Arrival& a) const {
+    if (kind != c.kind) {
+      return absl::InvalidArgumentError(absl::StrCat("collective #", c.seq, ": ", label_,
+                                                     " called ", KindName(kind), " but rank ",
+                                                     c.first_rank, " called ", KindName(c.kind)));
+    }
+    const Arrival& first = c.arrivals[c.first_rank];
+    if (kind == CollectiveKind::kAllReduce || kind == CollectiveKind::kBroadcast) {
+      if (!SameLayout(a.tensor, first.tensor)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(KindName(kind), " (collective #", c.seq, "): ", label_, " passed ",
+                         a.tensor.ShapeString(), " but rank ", c.first_rank, " passed ",
+                         first.tensor.ShapeString()));
+      }
+    }
+    if (kind == CollectiveKind::kBroadcast && a.root != first.root) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("Broadcast (collective #", c.seq, "): ", label_, " passed root ", a.root,
+                       " but rank ", c.first_rank, " passed root ", first.root));
+    }
+    return absl::OkStatus();
+  }
+
+  static void Poison(Collective& c, const absl::Status& status) {
+    c.status = status;
+    for (Arrival& a : c.arrivals) {
+      if (a.op && !a.op->done) Complete(*a.op, status);
+    }
+  }
+
+  std::unique_ptr<Work> Join(CollectiveKind kind, Arrival a,
+                             std::shared_ptr<OpState>* op_out = nullptr) {
+    const int64_t seq = next_seq_++;
+    std::shared_ptr<OpState> op = NewOp(absl::StrCat(KindName(kind), " (collective #", seq, ")"));
+    if (op_out) *op_out = op;
+    a.op = op;
+    WorldState& world = *group_->world;
+    absl::Status valid = CheckArrival(kind, a, *op);
+
+    std::shared_ptr<Collective> ready;  // set when this rank completes the rendezvous
+    {
+      absl::MutexLock lock(&world.mu);
+      if (world.aborted) {
+        Complete(*op, world.abort_status);
+        return std::make_unique<LocalWork>(group_->world, std::move(op));
+      }
+      std::shared_ptr<Collective>& slot = group_->collectives[seq];
+      if (!slot) {
+        slot = std::make_shared<Collective>();
+        slot->seq = seq;
+        slot->kind = kind;
+        slot->first_rank = rank_;
+        slot->present.assign(group_->size, false);
+        slot->arrivals.resize(group_->size);
+      }
+      std::shared_ptr<Collective> c = slot;
+      PW_CHECK(!c->present[rank_]);
+      if (valid.ok() && c->status.ok() && c->first_rank != rank_) {
+        valid = CheckAgainstFirst(*c, kind, a);
+      }
+      c->present[rank_] = true;
+      ++c->arrived;
+      const bool last = c->arrived == group_->size;
+      if (last) group_->collectives.erase(seq);
+      if (!c->status.ok()) {
+        Complete(*op, c->status);
+        c->arrivals[rank_] = Arrival{};
+      } else if (!valid.ok()) {
+        c->arrivals[rank_] = std::move(a);
+        Poison(*c, valid);
+        c->arrivals.clear();  // release the tensors
+        c->arrivals.resize(group_->size);
+        world.cv.SignalAll();
+      } else {
+        op->collective = c;
+        c->arrivals[rank_] = std::move(a);
+        if (last) {
+          if (kind == CollectiveKind::kSplit) {
+            FinishSplit(*c);
+            world.cv.SignalAll();
+          } else {
+            ready = c;
+          }
+        }
+      }
+    }
+
+    if (ready) {
+      // Every rank has arrived and the slot left the map: no one else touches the arrivals'
+      // tensors (they stay referenced), so compute outside the mutex.
+      Compute(*ready);
+      absl::MutexLock lock(&world.mu);
+      // An abort that came during the computation wins: the op never completed for its waiters.
+      const absl::Status result = world.aborted ? world.abort_status : absl::OkStatus();
+      for (Arrival& arrival : ready->arrivals) Complete(*arrival.op, result);
+      ready->arrivals.clear();
+      world.cv.SignalAll();
+    }
+    return std::make_unique<LocalWork>(group_->world, std::move(op));
+  }
+
+  static void Compute(Collective& c) {
+    std::vector<Arrival>& in = c.arrivals;
+    switch (c.kind) {
+      case CollectiveKind::kAllReduce: {
+        // acc = x0; acc += x1; acc += x2; ...: per element ((x0 + x1) + x2) + ..., in group-rank
+        // order, then the same bytes go to every rank.
+        Tensor acc = in[0].tensor.Clone();
+        const int64_t n = acc.numel();
+        for (size_t r = 1; r < in.size(); ++r) {
+          switch (acc.dtype()) {
+            case DType::kF32:
+              Accumulate(acc.data<float>(), in[r].tensor.data<float>(), n);
+              break;
+            case DType::kF64:
+              Accumulate(acc.data<double>(), in[r].tensor.data<double>(), n);
+              break;
+            case DType::kI32:
+              AccumulateI32(acc.data<int32_t>(), in[r].tensor.data<int32_t>(), n);
+              break;
+            default:
+              PW_CHECK(false);  // rejected on arrival
+          }
+        }
+        for (Arrival& a : in) CopyBytes(a.tensor, acc);
+        break;
+      }
+      case CollectiveKind::kBroadcast: {
+        const Tensor& src = in[in[0].root].tensor;
+        for (Arrival& a : in) CopyBytes(a.tensor, src);
+        break;
+      }
+      case CollectiveKind::kBarrier:
+        break;
+      case CollectiveKind::kSplit:
+        PW_CHECK(false);  // finished under the mutex
+    }
+  }
+
+  // Builds the communicators of a Split and completes every participant. Mutex held.
+  void FinishSplit(Collective& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(group_->world->mu) {
+    WorldState& world = *group_->world;
+    std::map<int, std::vector<std::pair<int, int>>> by_color;  // color -> (key, parent rank)
+    for (int r = 0; r < group_->size; ++r) {
+      if (c.arrivals[r].color >= 0) by_color[c.arrivals[r].color].push_back({c.arrivals[r].key, r});
+    }
+    for (auto& [color, members] : by_color) {
+      std::sort(members.begin(), members.end());
+      auto g = std::make_shared<GroupState>();
+      g->world = group_->world;
+      g->id = world.next_group_id++;
+      g->size = static_cast<int>(members.size());
+      for (const auto& [key, parent_rank] : members) {
+        g->world_ranks.push_back(group_->world_ranks[parent_rank]);
+      }
+      for (int new_rank = 0; new_rank < g->size; ++new_rank) {
+        c.arrivals[members[new_rank].second].op->split_result =
+            std::make_unique<LocalCommunicator>(g, new_rank);
+      }
+    }
+    for (Arrival& a : c.arrivals) Complete(*a.op, absl::OkStatus());
+    c.arrivals.clear();
+  }
+
+  std::shared_ptr<GroupState> group_;
+  int rank_;
+  std::string label_;
+  int64_t next_seq_ = 0;
+};
+
+}  // namespace
+
+std::vector<std::unique_ptr<Communicator>> CreateLocalWorld(int size) {
+  std::vector<std::unique_ptr<Communicator>> comms;
+  if (size <= 0) return comms;
+  auto group = std::make_shared<GroupState>();
+  group->world = std::make_shared<WorldState>();
+  group->id = 0;
+  group->size = size;
+  for (int r = 0; r < size; ++r) group->world_ranks.push_back(r);
+  comms.reserve(size);
+  for (int r = 0; r < size; ++r) comms.push_back(std::make_unique<LocalCommunicator>(group, r));
+  return comms;
+}
+
+}  // namespace pipewright
