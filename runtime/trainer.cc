@@ -6,6 +6,7 @@
 #include "absl/time/clock.h"
 #include "pipewright/checkpoint.h"
 #include "pipewright/train.h"
+#include "runtime/train_state.h"
 
 namespace pipewright {
 
@@ -71,7 +72,11 @@ absl::StatusOr<StepResult> Trainer::Step() {
     PW_RETURN_IF_ERROR(stage_->BackwardInput(dloss, ctx, &saved).status());
     PW_RETURN_IF_ERROR(stage_->BackwardWeight(ctx, &saved));
   }
-  double norm = std::sqrt(GradSquaredNorm(params));
+  // Summed per layer, then over layers in model order: the same grouping the pipeline engine
+  // uses across stages, so both give bit-identical norms.
+  double norm2 = 0;
+  for (int i = 0; i < stage_->size(); ++i) norm2 += GradSquaredNorm(stage_->layer(i).Parameters());
+  double norm = std::sqrt(norm2);
   if (!std::isfinite(norm)) {
     return absl::InternalError(
         absl::StrCat("step ", step_, ": non-finite gradient norm; weights not updated"));
@@ -92,93 +97,31 @@ absl::StatusOr<StepResult> Trainer::Step() {
   return r;
 }
 
-namespace {
-constexpr char kCheckpointFormat[] = "pipewright.checkpoint/v1";
-
-const char* OptimizerName(OptimizerKind k) { return k == OptimizerKind::kAdamW ? "adamw" : "sgd"; }
-}  // namespace
-
 absl::Status Trainer::Save(const std::string& dir) const {
-  json m;
-  m["format"] = kCheckpointFormat;
-  m["model"] = {{"name", graph_.name()},
-                {"preset", options_.preset},
-                {"fingerprint", graph_.Fingerprint()},
-                {"num_layers", graph_.num_layers()},
-                {"micro_batch_size", graph_.shape().batch},
-                {"seq_len", graph_.shape().seq_len}};
-  m["plan"] = {{"pipeline_parallel", 1},
-               {"data_parallel", 1},
-               {"micro_batches", layout_.micro_batches},
-               {"micro_batch_size", layout_.micro_batch_size},
-               {"global_batch", layout_.global_batch()}};
-  m["step"] = step_;
-  const OptimizerConfig& oc = options_.optimizer;
-  m["optimizer"] = {{"kind", OptimizerName(oc.kind)},
-                    {"step", optimizer_->step_count()},
-                    {"beta1", oc.beta1},
-                    {"beta2", oc.beta2},
-                    {"eps", oc.eps},
-                    {"momentum", oc.momentum},
-                    {"weight_decay", oc.weight_decay}};
-  m["lr_schedule"] = {{"peak", schedule_.peak},
-                      {"warmup_steps", schedule_.warmup_steps},
-                      {"total_steps", schedule_.total_steps},
-                      {"min_ratio", schedule_.min_ratio}};
-  m["rng"] = {{"seed", options_.seed}};
-  m["data"] = {{"source", options_.data},
-               {"next_step", step_},
-               {"next_sample", step_ * layout_.global_batch()}};
+  internal::ManifestInfo info;
+  info.graph = &graph_;
+  info.options = &options_;
+  info.layout = layout_;
+  info.step = step_;
+  info.optimizer_step = optimizer_->step_count();
+  info.lr = schedule_;
   NamedTensors model, opt;
   for (Parameter* p : stage_->Parameters()) model.emplace_back(p->name, p->value);
   for (auto& [name, t] : optimizer_->State()) opt.emplace_back(name, t);
-  return WriteCheckpoint(dir, m.dump(2), model, opt);
+  return WriteCheckpoint(dir, internal::BuildManifest(info), model, opt);
 }
 
 absl::Status Trainer::Resume(const std::string& dir) {
   PW_ASSIGN_OR_RETURN(Checkpoint ck, ReadCheckpoint(dir, allocator_.get()));
-  json m = json::parse(ck.manifest_json, nullptr, false);
-  auto bad = [&](const std::string& what) {
-    return absl::InvalidArgumentError(absl::StrCat(dir, "/manifest.json: ", what));
-  };
-  if (m.is_discarded() || !m.is_object()) return bad("not valid JSON");
-  if (m.value("format", "") != kCheckpointFormat)
-    return bad("format is not pipewright.checkpoint/v1");
-  if (!m.contains("model") || !m["model"].is_object() ||
-      m["model"].value("fingerprint", "") != graph_.Fingerprint()) {
-    return bad(absl::StrCat("model.fingerprint does not match this model (", graph_.name(), ")"));
-  }
-  if (!m.contains("data") || !m["data"].contains("next_sample") ||
-      !m["data"]["next_sample"].is_number_integer() || !m.contains("step") ||
-      !m["step"].is_number_integer()) {
-    return bad("step or data.next_sample missing");
-  }
-  int64_t step = m["step"].get<int64_t>();
-  if (m["data"]["next_sample"].get<int64_t>() != step * layout_.global_batch()) {
-    return bad(absl::StrCat("data position ", m["data"]["next_sample"].get<int64_t>(),
-                            " does not match step ", step, " x global batch ",
-                            layout_.global_batch(), " (resume with the same global batch)"));
-  }
-  if (m.value("/optimizer/kind"_json_pointer, std::string()) !=
-      OptimizerName(options_.optimizer.kind)) {
-    return bad("optimizer.kind differs from this run's optimizer");
-  }
-  // Validate every tensor before touching the weights.
+  PW_ASSIGN_OR_RETURN(
+      internal::ResumePoint at,
+      internal::CheckManifest(dir, ck.manifest_json, graph_, layout_, options_.optimizer.kind));
   std::vector<Parameter*> params = stage_->Parameters();
-  for (Parameter* p : params) {
-    auto it = ck.model.find(p->name);
-    if (it == ck.model.end()) return bad(absl::StrCat("tensor '", p->name, "' missing"));
-    if (it->second.shape() != p->value.shape() || it->second.dtype() != DType::kF32) {
-      return bad(absl::StrCat("tensor '", p->name, "' is ", it->second.ShapeString(), ", expected ",
-                              p->value.ShapeString()));
-    }
-  }
-  PW_RETURN_IF_ERROR(optimizer_->LoadState(ck.optimizer, m["optimizer"].value("step", step)));
-  for (Parameter* p : params) {
-    const Tensor& src = ck.model.at(p->name);
-    std::copy_n(src.data<float>(), src.numel(), p->value.data<float>());
-  }
-  step_ = step;
+  // Validate every tensor before touching the weights or the optimizer.
+  PW_RETURN_IF_ERROR(internal::CheckParameters(dir, ck.model, params));
+  PW_RETURN_IF_ERROR(optimizer_->LoadState(ck.optimizer, at.optimizer_step));
+  internal::CopyParameters(ck.model, params);
+  step_ = at.step;
   loader_.reset();  // restarts at the checkpoint's data position
   return absl::OkStatus();
 }

@@ -1,0 +1,30 @@
+// Reports of a measured engine run: a Chrome trace of every rank's recorded events, and the
+// papers' timeline diagram drawn from the measured times of one step.
+#ifndef PIPEWRIGHT_TRACE_H_
+#define PIPEWRIGHT_TRACE_H_
+
+#include <string>
+#include <vector>
+
+#include "pipewright/comm.h"
+#include "pipewright/engine.h"
+#include "pipewright/simulator.h"
+
+namespace pipewright {
+
+// Chrome trace-event JSON (Perfetto / chrome://tracing): process = pipeline rank, thread =
+// replica; one slice per event (F/B/I/W, recompute, send, receive wait, all-reduce, optimizer,
+// data wait) named by its action ("F3@s1"), and a flow arrow from each send to the end of its
+// receive. `events` is Engine::Events() (index = global rank).
+std::string EngineChromeTrace(const Topology& topology,
+                              const std::vector<std::vector<RankEvent>>& events);
+
+// The compute events of `step` on `replica`'s ranks as a SimResult timeline (times from the
+// step's first event), so ToSvg draws the measured schedule like the simulated one.
+SimResult MeasuredTimeline(const Schedule& schedule, const Topology& topology,
+                           const std::vector<std::vector<RankEvent>>& events, int64_t step,
+                           int replica);
+
+}  // namespace pipewright
+
+#endif  // PIPEWRIGHT_TRACE_H_

@@ -1,0 +1,114 @@
+#include "runtime/train_state.h"
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+
+namespace pipewright::internal {
+namespace {
+using json = nlohmann::json;
+constexpr char kCheckpointFormat[] = "pipewright.checkpoint/v1";
+const char* OptimizerName(OptimizerKind k) { return k == OptimizerKind::kAdamW ? "adamw" : "sgd"; }
+}  // namespace
+
+std::string BuildManifest(const ManifestInfo& info) {
+  const LayerGraph& graph = *info.graph;
+  const TrainOptions& options = *info.options;
+  json m;
+  m["format"] = kCheckpointFormat;
+  m["model"] = {{"name", graph.name()},
+                {"preset", options.preset},
+                {"fingerprint", graph.Fingerprint()},
+                {"num_layers", graph.num_layers()},
+                {"micro_batch_size", graph.shape().batch},
+                {"seq_len", graph.shape().seq_len}};
+  m["plan"] = {{"pipeline_parallel", info.pp},
+               {"data_parallel", info.dp},
+               {"schedule", info.schedule},
+               {"chunks", info.chunks},
+               {"micro_batches", info.layout.micro_batches},
+               {"micro_batch_size", info.layout.micro_batch_size},
+               {"global_batch", info.layout.global_batch()}};
+  m["step"] = info.step;
+  const OptimizerConfig& oc = options.optimizer;
+  m["optimizer"] = {{"kind", OptimizerName(oc.kind)},
+                    {"step", info.optimizer_step},
+                    {"beta1", oc.beta1},
+                    {"beta2", oc.beta2},
+                    {"eps", oc.eps},
+                    {"momentum", oc.momentum},
+                    {"weight_decay", oc.weight_decay}};
+  m["lr_schedule"] = {{"peak", info.lr.peak},
+                      {"warmup_steps", info.lr.warmup_steps},
+                      {"total_steps", info.lr.total_steps},
+                      {"min_ratio", info.lr.min_ratio}};
+  m["rng"] = {{"seed", options.seed}};
+  m["data"] = {{"source", options.data},
+               {"next_step", info.step},
+               {"next_sample", info.step * info.layout.global_batch()}};
+  return m.dump(2);
+}
+
+absl::StatusOr<ResumePoint> CheckManifest(const std::string& dir, const std::string& manifest_json,
+                                          const LayerGraph& graph, const BatchLayout& layout,
+                                          OptimizerKind optimizer) {
+  json m = json::parse(manifest_json, nullptr, false);
+  auto bad = [&](const std::string& what) {
+    return absl::InvalidArgumentError(absl::StrCat(dir, "/manifest.json: ", what));
+  };
+  if (m.is_discarded() || !m.is_object()) return bad("not valid JSON");
+  if (m.value("format", "") != kCheckpointFormat)
+    return bad("format is not pipewright.checkpoint/v1");
+  if (!m.contains("model") || !m["model"].is_object() ||
+      m["model"].value("fingerprint", "") != graph.Fingerprint()) {
+    return bad(absl::StrCat("model.fingerprint does not match this model (", graph.name(), ")"));
+  }
+  if (!m.contains("data") || !m["data"].is_object() || !m["data"].contains("next_sample") ||
+      !m["data"]["next_sample"].is_number_integer() || !m.contains("step") ||
+      !m["step"].is_number_integer()) {
+    return bad("step or data.next_sample missing");
+  }
+  ResumePoint r;
+  r.step = m["step"].get<int64_t>();
+  if (m["data"]["next_sample"].get<int64_t>() != r.step * layout.global_batch()) {
+    return bad(absl::StrCat("data position ", m["data"]["next_sample"].get<int64_t>(),
+                            " does not match step ", r.step, " x global batch ",
+                            layout.global_batch(), " (resume with the same global batch)"));
+  }
+  if (!m.contains("optimizer") || !m["optimizer"].is_object() ||
+      m["optimizer"].value("kind", std::string()) != OptimizerName(optimizer)) {
+    return bad("optimizer.kind differs from this run's optimizer");
+  }
+  const json& step = m["optimizer"].contains("step") ? m["optimizer"]["step"] : m["step"];
+  if (!step.is_number_integer()) return bad("optimizer.step is not an integer");
+  r.optimizer_step = step.get<int64_t>();
+  return r;
+}
+
+absl::Status CheckParameters(const std::string& dir, const std::map<std::string, Tensor>& tensors,
+                             const std::vector<Parameter*>& params) {
+  for (Parameter* p : params) {
+    auto it = tensors.find(p->name);
+    if (it == tensors.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(dir, "/model.safetensors: tensor '", p->name, "' missing"));
+    }
+    if (it->second.shape() != p->value.shape() || it->second.dtype() != DType::kF32) {
+      return absl::InvalidArgumentError(absl::StrCat(dir, "/model.safetensors: tensor '", p->name,
+                                                     "' is ", it->second.ShapeString(),
+                                                     ", expected ", p->value.ShapeString()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void CopyParameters(const std::map<std::string, Tensor>& tensors,
+                    const std::vector<Parameter*>& params) {
+  for (Parameter* p : params) {
+    const Tensor& src = tensors.at(p->name);
+    std::copy_n(src.data<float>(), src.numel(), p->value.data<float>());
+  }
+}
+
+}  // namespace pipewright::internal

@@ -1,0 +1,48 @@
+// Checkpoint manifest shared by the single-stage Trainer and the pipeline Engine, so a
+// checkpoint written by either (under any plan) resumes in the other.
+#ifndef PIPEWRIGHT_RUNTIME_TRAIN_STATE_H_
+#define PIPEWRIGHT_RUNTIME_TRAIN_STATE_H_
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "pipewright/data.h"
+#include "pipewright/model.h"
+#include "pipewright/optimizer.h"
+#include "pipewright/train.h"
+
+namespace pipewright::internal {
+
+struct ManifestInfo {
+  const LayerGraph* graph = nullptr;
+  const TrainOptions* options = nullptr;
+  BatchLayout layout;
+  int pp = 1, dp = 1, chunks = 1;
+  std::string schedule = "1f1b";
+  int64_t step = 0;            // next step to run
+  int64_t optimizer_step = 0;  // optimizer updates applied
+  LrSchedule lr;
+};
+std::string BuildManifest(const ManifestInfo& info);
+
+struct ResumePoint {
+  int64_t step = 0;
+  int64_t optimizer_step = 0;
+};
+// Checks a checkpoint's manifest against this run: format, model fingerprint, data position
+// (same global batch) and optimizer kind. Errors name `dir`/manifest.json and the field.
+absl::StatusOr<ResumePoint> CheckManifest(const std::string& dir, const std::string& manifest_json,
+                                          const LayerGraph& graph, const BatchLayout& layout,
+                                          OptimizerKind optimizer);
+// Checks that every parameter is in `tensors` (from `dir`) with its shape, in f32.
+absl::Status CheckParameters(const std::string& dir, const std::map<std::string, Tensor>& tensors,
+                             const std::vector<Parameter*>& params);
+// Copies the checked tensors into the parameters' values.
+void CopyParameters(const std::map<std::string, Tensor>& tensors,
+                    const std::vector<Parameter*>& params);
+
+}  // namespace pipewright::internal
+
+#endif  // PIPEWRIGHT_RUNTIME_TRAIN_STATE_H_

@@ -1,0 +1,488 @@
+#include "pipewright/engine.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "pipewright/checkpoint.h"
+#include "pipewright/trace.h"
+#include "pipewright/train.h"
+#include "tests/test_util.h"
+
+namespace pipewright {
+namespace {
+
+constexpr int64_t kMicroBatches = 8;
+constexpr int kSteps = 3;
+
+LayerGraph Tiny() {
+  auto g = PresetModel("gpt-tiny", 2);
+  EXPECT_TRUE(g.ok()) << g.status();
+  return *std::move(g);
+}
+
+TrainOptions Train(int64_t micro_batches, int64_t steps = kSteps) {
+  TrainOptions o;
+  o.preset = "gpt-tiny";
+  o.micro_batches = micro_batches;
+  o.steps = steps;
+  o.seed = 7;
+  o.lr = 1e-2f;  // large enough that a wrong gradient shows up in the losses at once
+  o.warmup_steps = 1;
+  return o;
+}
+
+using WeightMap = std::map<std::string, std::vector<float>>;
+
+WeightMap ToMap(const std::vector<std::pair<std::string, Tensor>>& named) {
+  WeightMap m;
+  for (const auto& [name, t] : named) m[name] = t.ToVector();
+  return m;
+}
+
+struct RunResult {
+  std::vector<double> losses;
+  WeightMap weights;
+};
+
+// The single-stage reference: the Trainer, which shares no scheduling code with the engine.
+RunResult Reference(int64_t micro_batches) {
+  LayerGraph g = Tiny();
+  auto t = Trainer::Create(g, Train(micro_batches));
+  EXPECT_TRUE(t.ok()) << t.status();
+  RunResult r;
+  for (int i = 0; i < kSteps; ++i) {
+    auto s = (*t)->Step();
+    EXPECT_TRUE(s.ok()) << s.status();
+    if (!s.ok()) break;
+    r.losses.push_back(s->loss);
+  }
+  for (Parameter* p : (*t)->Parameters()) r.weights[p->name] = p->value.ToVector();
+  return r;
+}
+
+EngineOptions Options(int pp, int dp, ScheduleKind kind, int chunks, Recompute rc,
+                      int64_t micro_batches) {
+  EngineOptions o;
+  o.train = Train(micro_batches);
+  o.pp = pp;
+  o.dp = dp;
+  o.schedule = kind;
+  o.chunks = chunks;
+  o.recompute = rc;
+  o.timeout = absl::Seconds(30);
+  return o;
+}
+
+RunResult RunEngine(const EngineOptions& o, const LayerGraph& g) {
+  auto e = Engine::Create(g, o);
+  EXPECT_TRUE(e.ok()) << e.status();
+  RunResult r;
+  if (!e.ok()) return r;
+  for (int i = 0; i < kSteps; ++i) {
+    auto s = (*e)->Step();
+    EXPECT_TRUE(s.ok()) << s.status();
+    if (!s.ok()) break;
+    r.losses.push_back(s->result.loss);
+  }
+  r.weights = ToMap((*e)->Weights());
+  return r;
+}
+
+struct ParityCase {
+  int pp;
+  ScheduleKind kind;
+  int chunks;
+  Recompute recompute;
+};
+
+std::string CaseName(const testing::TestParamInfo<ParityCase>& info) {
+  std::string k = ScheduleKindName(info.param.kind);
+  for (char& c : k) {
+    if (c == '-') c = '_';
+  }
+  return absl::StrCat("pp", info.param.pp, "_", k, "_v", info.param.chunks,
+                      info.param.recompute == Recompute::kFull ? "_recompute" : "");
+}
+
+class EngineParityTest : public testing::TestWithParam<ParityCase> {};
+
+// Same global batch, any depth / schedule / recompute: bit-identical losses and weights.
+TEST_P(EngineParityTest, BitIdenticalToSingleStage) {
+  static const RunResult* ref = new RunResult(Reference(kMicroBatches));
+  ASSERT_EQ(ref->losses.size(), static_cast<size_t>(kSteps));
+  const ParityCase& c = GetParam();
+  RunResult got = RunEngine(Options(c.pp, 1, c.kind, c.chunks, c.recompute, kMicroBatches), Tiny());
+  ASSERT_EQ(got.losses.size(), ref->losses.size());
+  for (size_t i = 0; i < got.losses.size(); ++i) {
+    EXPECT_EQ(got.losses[i], ref->losses[i]) << "step " << i;
+  }
+  ASSERT_EQ(got.weights.size(), ref->weights.size());
+  for (const auto& [name, w] : ref->weights) {
+    ASSERT_TRUE(got.weights.count(name)) << name;
+    const std::vector<float>& v = got.weights.at(name);
+    ASSERT_EQ(v.size(), w.size()) << name;
+    EXPECT_EQ(std::memcmp(v.data(), w.data(), w.size() * sizeof(float)), 0) << name << " differs";
+  }
+  EXPECT_GT(ref->losses.front(), ref->losses.back());  // training moved the weights
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Schedules, EngineParityTest,
+    testing::Values(ParityCase{1, ScheduleKind::k1F1B, 1, Recompute::kNone},
+                    ParityCase{2, ScheduleKind::kGpipe, 1, Recompute::kNone},
+                    ParityCase{4, ScheduleKind::kGpipe, 1, Recompute::kFull},
+                    ParityCase{2, ScheduleKind::k1F1B, 1, Recompute::kNone},
+                    ParityCase{4, ScheduleKind::k1F1B, 1, Recompute::kNone},
+                    ParityCase{4, ScheduleKind::k1F1B, 1, Recompute::kFull},
+                    ParityCase{2, ScheduleKind::kInterleaved, 2, Recompute::kNone},
+                    ParityCase{4, ScheduleKind::kInterleaved, 2, Recompute::kFull},
+                    ParityCase{2, ScheduleKind::kZbH1, 1, Recompute::kNone},
+                    ParityCase{4, ScheduleKind::kZbH1, 1, Recompute::kFull},
+                    ParityCase{2, ScheduleKind::kZbV, 2, Recompute::kNone},
+                    ParityCase{4, ScheduleKind::kZbV, 2, Recompute::kFull}),
+    CaseName);
+
+double RelDiff(double a, double b) { return std::abs(a - b) / std::max(1e-30, std::abs(b)); }
+
+// dp = 2 with half the micro-batches sees the same global batch: fp32 rounding apart.
+TEST(EngineDataParallel, MatchesSingleReplicaWithinRounding) {
+  RunResult one = RunEngine(Options(1, 1, ScheduleKind::k1F1B, 1, Recompute::kNone, 8), Tiny());
+  for (int pp : {1, 2}) {
+    EngineOptions o = Options(pp, 2, ScheduleKind::k1F1B, 1, Recompute::kNone, 4);
+    o.bucket_bytes = 16 << 10;  // several buckets per stage
+    RunResult two = RunEngine(o, Tiny());
+    ASSERT_EQ(two.losses.size(), one.losses.size());
+    for (size_t i = 0; i < one.losses.size(); ++i) {
+      EXPECT_LT(RelDiff(two.losses[i], one.losses[i]), 1e-5) << "pp " << pp << " step " << i;
+    }
+    double worst = 0;
+    for (const auto& [name, w] : one.weights) {
+      const std::vector<float>& v = two.weights.at(name);
+      for (size_t k = 0; k < w.size(); ++k) worst = std::max(worst, std::abs(double(v[k]) - w[k]));
+    }
+    EXPECT_LT(worst, 1e-4) << "pp " << pp;
+  }
+}
+
+// dp runs are bit-stable run to run (the all-reduce sums in a fixed order).
+TEST(EngineDataParallel, BitStableAcrossRuns) {
+  EngineOptions o = Options(2, 2, ScheduleKind::kZbH1, 1, Recompute::kNone, 4);
+  RunResult a = RunEngine(o, Tiny()), b = RunEngine(o, Tiny());
+  EXPECT_EQ(a.losses, b.losses);
+  EXPECT_EQ(a.weights, b.weights);
+}
+
+// GPipe holds all 8 micro-batches' activations; recomputation keeps only their stage inputs.
+TEST(EngineMemory, RecomputeLowersPeakActivations) {
+  auto peak = [](Recompute rc) {
+    auto e = Engine::Create(Tiny(), Options(2, 1, ScheduleKind::kGpipe, 1, rc, 8));
+    EXPECT_TRUE(e.ok()) << e.status();
+    auto s = (*e)->Step();
+    EXPECT_TRUE(s.ok()) << s.status();
+    int64_t worst = 0;
+    for (const RankTimes& t : s->ranks) worst = std::max(worst, t.peak_activation_bytes);
+    return worst;
+  };
+  int64_t keep = peak(Recompute::kNone), recompute = peak(Recompute::kFull);
+  EXPECT_GT(keep, 0);
+  EXPECT_LT(recompute * 3, keep) << "recompute " << recompute << " vs " << keep;
+}
+
+// --- Faults ---------------------------------------------------------------------------------
+
+enum class Fault { kNone, kError, kThrow, kStall, kNan };
+
+// Identity on [B, T, C] that misbehaves on its `trigger`-th forward call (counting from 1).
+class FaultLayer final : public Layer {
+ public:
+  FaultLayer(Fault fault, int trigger, std::shared_ptr<std::atomic<int>> calls)
+      : fault_(fault), trigger_(trigger), calls_(std::move(calls)) {}
+  absl::string_view kind() const override { return "fault"; }
+  absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved*) override {
+    Tensor y = x.Clone(ctx.allocator);
+    if (++*calls_ != trigger_) return y;
+    switch (fault_) {
+      case Fault::kError:
+        return absl::InternalError("injected layer failure");
+      case Fault::kThrow:
+        throw std::runtime_error("injected exception");
+      case Fault::kStall:
+        std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+        return y;
+      case Fault::kNan:
+        y.data<float>()[0] = std::nanf("");
+        return y;
+      case Fault::kNone:
+        break;
+    }
+    return y;
+  }
+  absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx, Saved*) override {
+    return dy.Clone(ctx.allocator);
+  }
+  absl::Status BackwardWeight(const LayerContext&, Saved*) override { return absl::OkStatus(); }
+
+ private:
+  Fault fault_;
+  int trigger_;
+  std::shared_ptr<std::atomic<int>> calls_;
+};
+
+class FaultSpec final : public LayerSpec {
+ public:
+  FaultSpec(Fault fault, int trigger) : fault_(fault), trigger_(trigger) {}
+  std::string kind() const override { return "fault"; }
+  Cost GetCost(const MicroBatchShape&, int64_t input_bytes) const override {
+    Cost c;
+    c.output_bytes = input_bytes;
+    return c;
+  }
+  absl::StatusOr<std::unique_ptr<Layer>> Create(const InitContext&) const override {
+    return std::unique_ptr<Layer>(new FaultLayer(fault_, trigger_, calls_));
+  }
+  std::string Config() const override { return "test"; }
+
+ private:
+  Fault fault_;
+  int trigger_;
+  // Shared by every instance: counts calls over all replicas.
+  std::shared_ptr<std::atomic<int>> calls_ = std::make_shared<std::atomic<int>>(0);
+};
+
+// gpt-tiny-like model with a fault layer after block 1 (layer 3 of 9: stage 1 of pp=3).
+LayerGraph FaultyModel(Fault fault, int trigger) {
+  ModelBuilder b("faulty", {.batch = 2, .seq_len = 16});
+  b.Add("embed", layers::Embedding(256, 16, 32));
+  b.Add("blocks.0", layers::TransformerBlock(32, 4));
+  b.Add("blocks.1", layers::TransformerBlock(32, 4));
+  b.Add("fault", std::make_shared<FaultSpec>(fault, trigger));
+  b.Add("blocks.2", layers::TransformerBlock(32, 4));
+  b.Add("ln_f", layers::LayerNorm(32));
+  b.Add("lm_head", layers::LmHead(32, 256));
+  b.Add("loss", layers::CrossEntropyLoss());
+  auto g = b.Build();
+  EXPECT_TRUE(g.ok()) << g.status();
+  return *std::move(g);
+}
+
+struct FaultRun {
+  absl::Status status;
+  WeightMap before, after;
+  double seconds = 0;
+};
+
+// Step 0 succeeds; the fault fires during step 1 (forward call 4 + 1 of the stage's 4 per step).
+FaultRun RunFault(Fault fault, absl::Duration timeout) {
+  LayerGraph g = FaultyModel(fault, 6);
+  EngineOptions o = Options(3, 1, ScheduleKind::k1F1B, 1, Recompute::kNone, 4);
+  o.stage_boundaries = {0, 3, 5, 8};
+  o.timeout = timeout;
+  auto e = Engine::Create(g, o);
+  EXPECT_TRUE(e.ok()) << e.status();
+  FaultRun r;
+  auto first = (*e)->Step();
+  EXPECT_TRUE(first.ok()) << first.status();
+  r.before = ToMap((*e)->Weights());
+  auto t0 = std::chrono::steady_clock::now();
+  auto second = (*e)->Step();
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  r.status = second.status();
+  r.after = ToMap((*e)->Weights());
+  auto third = (*e)->Step();  // a failed engine refuses to continue
+  EXPECT_FALSE(third.ok());
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kFailedPrecondition);
+  return r;
+}
+
+TEST(EngineFaults, LayerErrorStopsEveryRankAndNamesIt) {
+  FaultRun r = RunFault(Fault::kError, absl::Seconds(30));
+  ASSERT_FALSE(r.status.ok());
+  std::string msg(r.status.message());
+  EXPECT_NE(msg.find("injected layer failure"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("rank 1"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("F1@s1"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("layer 3 (fault)"), std::string::npos) << msg;
+  EXPECT_EQ(r.before, r.after) << "a failed step must not be applied on any rank";
+}
+
+TEST(EngineFaults, ExceptionBecomesAnError) {
+  FaultRun r = RunFault(Fault::kThrow, absl::Seconds(30));
+  ASSERT_FALSE(r.status.ok());
+  EXPECT_NE(std::string(r.status.message()).find("injected exception"), std::string::npos)
+      << r.status;
+  EXPECT_EQ(r.before, r.after);
+}
+
+TEST(EngineFaults, NonFiniteLossStopsTheStep) {
+  FaultRun r = RunFault(Fault::kNan, absl::Seconds(30));
+  ASSERT_FALSE(r.status.ok());
+  std::string msg(r.status.message());
+  EXPECT_NE(msg.find("non-finite loss"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("rank 2"), std::string::npos) << msg;  // the last stage detects it
+  EXPECT_EQ(r.before, r.after);
+}
+
+TEST(EngineFaults, StalledRankTimesOutTheOthers) {
+  FaultRun r = RunFault(Fault::kStall, absl::Milliseconds(300));
+  ASSERT_FALSE(r.status.ok());
+  EXPECT_EQ(r.status.code(), absl::StatusCode::kDeadlineExceeded) << r.status;
+  std::string msg(r.status.message());
+  EXPECT_NE(msg.find("timed out"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("from rank 1"), std::string::npos) << msg;  // waiting on the stalled rank
+  EXPECT_EQ(r.before, r.after);
+}
+
+// --- Options, summary, trace, checkpoints -----------------------------------------------------
+
+TEST(EngineOptionsTest, RejectsBadShapesClearly) {
+  EngineOptions o = Options(16, 1, ScheduleKind::k1F1B, 1, Recompute::kNone, 8);
+  auto e = Engine::Create(Tiny(), o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(std::string(e.status().message()).find("non-empty stages"), std::string::npos)
+      << e.status();
+  o = Options(2, 1, ScheduleKind::kInterleaved, 2, Recompute::kNone, 3);
+  e = Engine::Create(Tiny(), o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(std::string(e.status().message()).find("multiple"), std::string::npos) << e.status();
+  o = Options(2, 1, ScheduleKind::k1F1B, 1, Recompute::kNone, 8);
+  o.stage_boundaries = {0, 5, 5};
+  e = Engine::Create(Tiny(), o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(std::string(e.status().message()).find("boundaries"), std::string::npos) << e.status();
+}
+
+TEST(EngineBoundaries, BalancedSplitIsContiguousAndMinimisesTheMax) {
+  LayerGraph g = Tiny();
+  for (int stages = 1; stages <= g.num_layers(); ++stages) {
+    auto b = BalancedBoundaries(g, stages);
+    ASSERT_TRUE(b.ok()) << b.status();
+    ASSERT_EQ(b->size(), static_cast<size_t>(stages + 1));
+    EXPECT_EQ(b->front(), 0);
+    EXPECT_EQ(b->back(), g.num_layers());
+    for (int s = 0; s < stages; ++s) EXPECT_LT((*b)[s], (*b)[s + 1]);
+  }
+  // Brute force over every 3-way split.
+  auto cost = [&](int i) {
+    return std::max(1.0, g.node(i).cost.forward_flops + g.node(i).cost.backward_flops);
+  };
+  auto range = [&](int a, int b) {
+    double s = 0;
+    for (int i = a; i < b; ++i) s += cost(i);
+    return s;
+  };
+  double best = 1e300;
+  const int n = g.num_layers();
+  for (int x = 1; x < n; ++x) {
+    for (int y = x + 1; y < n; ++y) {
+      best = std::min(best, std::max({range(0, x), range(x, y), range(y, n)}));
+    }
+  }
+  auto b = BalancedBoundaries(g, 3);
+  ASSERT_TRUE(b.ok());
+  EXPECT_DOUBLE_EQ(std::max({range(0, (*b)[1]), range((*b)[1], (*b)[2]), range((*b)[2], n)}), best);
+}
+
+TEST(EngineReport, SummaryAndTraceDescribeEveryRank) {
+  EngineOptions o = Options(2, 2, ScheduleKind::k1F1B, 1, Recompute::kNone, 4);
+  auto e = Engine::Create(Tiny(), o);
+  ASSERT_TRUE(e.ok()) << e.status();
+  for (int i = 0; i < 2; ++i) ASSERT_TRUE((*e)->Step().ok());
+  RunSummary s = (*e)->Summary();
+  ASSERT_EQ(s.ranks.size(), 4u);
+  EXPECT_EQ(s.steps, 2);
+  for (const RankTimes& t : s.ranks) {
+    EXPECT_GT(t.compute, 0);
+    EXPECT_GT(t.wall, 0);
+    EXPECT_GT(t.peak_memory_bytes, t.static_memory_bytes);
+    EXPECT_EQ(t.stage_f.size(), 1u);
+    EXPECT_GT(t.stage_f[0], 0);
+  }
+  EXPECT_GE(s.measured_bubble, 0);
+  EXPECT_LE(s.measured_bubble, 1);
+  EXPECT_GT(s.predicted_step_s, 0);
+  EXPECT_FALSE(s.bottleneck_reason.empty());
+
+  std::string trace = EngineChromeTrace((*e)->topology(), (*e)->Events());
+  auto j = nlohmann::json::parse(trace, nullptr, false);
+  ASSERT_FALSE(j.is_discarded());
+  int starts = 0, finishes = 0, slices = 0;
+  std::map<int, int> pids;
+  for (const auto& ev : j["traceEvents"]) {
+    std::string ph = ev["ph"];
+    if (ph == "s") ++starts;
+    if (ph == "f") ++finishes;
+    if (ph == "X") {
+      ++slices;
+      ++pids[ev["pid"].get<int>()];
+    }
+  }
+  // 2 steps x 2 replicas x 4 micro-batches x (activation + gradient) messages.
+  EXPECT_EQ(starts, 2 * 2 * 4 * 2);
+  EXPECT_EQ(finishes, starts);
+  EXPECT_EQ(pids.size(), 2u);
+  EXPECT_GT(slices, 0);
+
+  SimResult tl = MeasuredTimeline((*e)->schedule(), (*e)->topology(), (*e)->Events(), 1, 0);
+  EXPECT_EQ(tl.timeline.size(), 2u * 4u * 2u);  // 2 ranks x 4 micro-batches x (F, B)
+  EXPECT_GT(tl.makespan, 0);
+  EXPECT_NE(ToSvg((*e)->schedule(), tl).find("<svg"), std::string::npos);
+}
+
+class EngineCheckpointTest : public testing_util::ScratchDirTest {};
+
+// A checkpoint saved by a pp=2 run resumes under pp=4 zb-h1 bit-identically to a run that was
+// never interrupted.
+TEST_F(EngineCheckpointTest, ResumesUnderAnotherPlan) {
+  LayerGraph g = Tiny();
+  EngineOptions o = Options(2, 1, ScheduleKind::k1F1B, 1, Recompute::kNone, 8);
+  o.train.steps = 4;
+  RunResult whole;
+  {
+    auto e = Engine::Create(g, o);
+    ASSERT_TRUE(e.ok()) << e.status();
+    for (int i = 0; i < 4; ++i) {
+      auto s = (*e)->Step();
+      ASSERT_TRUE(s.ok()) << s.status();
+      whole.losses.push_back(s->result.loss);
+    }
+    whole.weights = ToMap((*e)->Weights());
+  }
+  {
+    auto e = Engine::Create(g, o);
+    ASSERT_TRUE(e.ok());
+    for (int i = 0; i < 2; ++i) ASSERT_TRUE((*e)->Step().ok());
+    ASSERT_TRUE((*e)->Save(Path("ck")).ok());
+  }
+  EngineOptions o4 = Options(4, 1, ScheduleKind::kZbH1, 1, Recompute::kNone, 8);
+  o4.train.steps = 4;
+  auto e = Engine::Create(g, o4);
+  ASSERT_TRUE(e.ok()) << e.status();
+  absl::Status rs = (*e)->Resume(Path("ck"));
+  ASSERT_TRUE(rs.ok()) << rs;
+  EXPECT_EQ((*e)->step(), 2);
+  for (int i = 2; i < 4; ++i) {
+    auto s = (*e)->Step();
+    ASSERT_TRUE(s.ok()) << s.status();
+    EXPECT_EQ(s->result.loss, whole.losses[i]) << "step " << i;
+  }
+  EXPECT_EQ(ToMap((*e)->Weights()), whole.weights);
+  // The single-stage trainer reads it too.
+  auto t = Trainer::Create(g, o.train);
+  ASSERT_TRUE(t.ok());
+  EXPECT_TRUE((*t)->Resume(Path("ck")).ok());
+}
+
+}  // namespace
+}  // namespace pipewright
