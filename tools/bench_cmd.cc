@@ -1,26 +1,115 @@
-// `pipewright bench`: benchmark suites (more suites arrive with the runtime issue).
+// `pipewright bench`: benchmark suites (kernels, overhead, scaling).
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
 #include "bench/kernel_suite.h"
+#include "bench/pipeline_suite.h"
 #include "tools/commands.h"
 
 namespace pipewright::tools {
+
+namespace {
+
+int RunOverhead(int steps, double stage_ms, bool as_json) {
+  bench::OverheadConfig c;
+  c.steps = steps;
+  c.stage_seconds = stage_ms / 1e3;
+  auto r = bench::RunOverheadSuite(c);
+  if (!r.ok()) return ReportError(r.status());
+  nlohmann::json rows = nlohmann::json::array();
+  for (const auto& row : *r) {
+    rows.push_back({{"schedule", row.schedule},
+                    {"stages", row.stages},
+                    {"micro_batches", row.micro_batches},
+                    {"chunks", row.chunks},
+                    {"measured_step_s", row.measured_step_s},
+                    {"predicted_step_s", row.predicted_step_s},
+                    {"ratio", row.ratio},
+                    {"measured_bubble", row.measured_bubble},
+                    {"predicted_bubble", row.predicted_bubble}});
+  }
+  if (as_json) {
+    nlohmann::json j = {{"suite", "overhead"},
+                        {"stage_seconds", c.stage_seconds},
+                        {"steps", steps},
+                        {"rows", rows}};
+    std::printf("%s\n", j.dump(2).c_str());
+    return 0;
+  }
+  std::printf(
+      "engine overhead: p=%d m=%d, stage F = I = W = %.1f ms (Delay layers), median of %d "
+      "steps\n%-12s %8s %12s %12s %8s %10s %10s\n",
+      c.stages, c.micro_batches, stage_ms, steps, "schedule", "chunks", "measured s", "simulator s",
+      "ratio", "bubble", "sim bubble");
+  for (const auto& row : *r) {
+    std::printf("%-12s %8d %12.4f %12.4f %8.3f %9.1f%% %9.1f%%\n", row.schedule.c_str(), row.chunks,
+                row.measured_step_s, row.predicted_step_s, row.ratio, 100 * row.measured_bubble,
+                100 * row.predicted_bubble);
+  }
+  return 0;
+}
+
+int RunScaling(int micro_batches, int steps, bool as_json) {
+  auto r = bench::RunScalingSuite(micro_batches, steps);
+  if (!r.ok()) return ReportError(r.status());
+  nlohmann::json rows = nlohmann::json::array();
+  for (const auto& row : r->rows) {
+    rows.push_back({{"stages", row.stages},
+                    {"micro_batches", row.micro_batches},
+                    {"step_s", row.step_s},
+                    {"tokens_per_s", row.tokens_per_s}});
+  }
+  if (as_json) {
+    nlohmann::json j = {{"suite", "scaling"},         {"model", "gpt-small"},
+                        {"blas_threads_per_rank", 1}, {"rows", rows},
+                        {"speedup", r->speedup},      {"ideal_speedup", r->ideal},
+                        {"efficiency", r->efficiency}};
+    std::printf("%s\n", j.dump(2).c_str());
+    return 0;
+  }
+  for (const auto& row : r->rows) {
+    std::printf("gpt-small pp=%d m=%d: %.3f s/step, %.0f tokens/s\n", row.stages, row.micro_batches,
+                row.step_s, row.tokens_per_s);
+  }
+  std::printf("speedup %.2fx of ideal 2m/(m+1) = %.2fx: %.0f%% efficiency\n", r->speedup, r->ideal,
+              100 * r->efficiency);
+  return 0;
+}
+
+}  // namespace
 
 void RegisterBench(CLI::App& app, int* exit_code) {
   struct BenchFlags {
     std::string suite = "kernels";
     int repetitions = 5;
+    int steps = 3;
+    int micro_batches = 8;
+    double stage_ms = 10;
     bool json = false;
   };
   auto f = std::make_shared<BenchFlags>();
   CLI::App* cmd = app.add_subcommand("bench", "Run a benchmark suite");
-  cmd->add_option("--suite", f->suite, "kernels")->check(CLI::IsMember({"kernels"}));
+  cmd->add_option("--suite", f->suite, "kernels | overhead | scaling")
+      ->check(CLI::IsMember({"kernels", "overhead", "scaling"}));
+  cmd->add_option("--steps", f->steps, "Timed steps per row (overhead, scaling)")
+      ->check(CLI::Range(1, 1000));
+  cmd->add_option("--micro-batches", f->micro_batches, "Micro-batches (scaling)")
+      ->check(CLI::Range(1, 4096));
+  cmd->add_option("--stage-ms", f->stage_ms, "Delay of one stage's F, I and W (overhead)")
+      ->check(CLI::Range(0.01, 10000.0));
   cmd->add_option("--repetitions", f->repetitions, "Timed repetitions per row (median)")
       ->check(CLI::Range(1, 1000));
   cmd->add_flag("--json", f->json, "Print JSON");
   cmd->callback([f, exit_code] {
+    if (f->suite == "overhead") {
+      *exit_code = RunOverhead(f->steps, f->stage_ms, f->json);
+      return;
+    }
+    if (f->suite == "scaling") {
+      *exit_code = RunScaling(f->micro_batches, f->steps, f->json);
+      return;
+    }
     auto r = bench::RunKernelSuite(f->repetitions);
     if (!r.ok()) {
       *exit_code = ReportError(r.status());

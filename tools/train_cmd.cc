@@ -4,10 +4,13 @@
 #include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "pipewright/engine.h"
+#include "pipewright/trace.h"
 #include "pipewright/train.h"
 #include "tools/commands.h"
 
@@ -19,7 +22,8 @@ using json = nlohmann::json;
 struct TrainFlags {
   std::string preset = "gpt-tiny";
   int pp = 1, dp = 1, chunks = 1;
-  std::string schedule = "1f1b", recompute = "none", plan, trace;
+  std::string schedule = "1f1b", recompute = "none", plan, trace, svg;
+  double timeout_s = 60, bucket_mb = 1;
   int64_t micro_batches = 4, micro_batch_size = 0, steps = 60, warmup = 5, base_batch = 32;
   int64_t stop_after = 0;
   uint64_t seed = 1;
@@ -29,11 +33,9 @@ struct TrainFlags {
   bool json = false;
 };
 
-absl::Status Unsupported(const std::string& what) {
+absl::Status Unsupported(const std::string& what, const std::string& when) {
   return absl::UnimplementedError(
-      absl::StrCat(what,
-                   " is not yet supported: this build trains a single CPU stage "
-                   "(--pp 1 --dp 1); pipelined runs arrive with the runtime issue"));
+      absl::StrCat(what, " is not yet supported (arrives with ", when, ")"));
 }
 
 absl::Status CheckFlags(const TrainFlags& f) {
@@ -56,18 +58,71 @@ absl::Status CheckFlags(const TrainFlags& f) {
         absl::StrCat("--precision must be fp32, bf16 or fp16, not '", f.precision, "'"));
   }
   PW_RETURN_IF_ERROR(Device::Parse(f.device).status());
-  if (f.pp != 1 || f.dp != 1) {
-    return Unsupported(absl::StrCat("--pp ", f.pp, " --dp ", f.dp));
+  if (!(f.timeout_s > 0)) return absl::InvalidArgumentError("--timeout must be > 0 seconds");
+  if (!(f.bucket_mb > 0)) return absl::InvalidArgumentError("--bucket-mb must be > 0");
+  if (!f.plan.empty()) return Unsupported("--plan", "the partitioner issue");
+  if (f.precision != "fp32") {
+    return Unsupported(absl::StrCat("--precision ", f.precision), "the CUDA backend issue");
   }
-  if (f.chunks != 1) return Unsupported("--chunks > 1");
-  if (f.recompute != "none") return Unsupported("--recompute full");
-  if (!f.plan.empty()) return Unsupported("--plan");
-  if (!f.trace.empty()) return Unsupported("--trace");
-  if (f.precision != "fp32") return Unsupported(absl::StrCat("--precision ", f.precision));
   if (f.device != "cpu" && f.device.rfind("cpu:", 0) != 0) {
     return Unsupported(absl::StrCat("--device ", f.device,
-                                    CudaDeviceCount() == 0 ? " (and no CUDA GPU is present)" : ""));
+                                    CudaDeviceCount() == 0 ? " (and no CUDA GPU is present)" : ""),
+                       "the CUDA backend issue");
   }
+  return absl::OkStatus();
+}
+
+json RankJson(const RankTimes& t) {
+  return {{"rank", t.global_rank},
+          {"pipeline_rank", t.pipeline_rank},
+          {"replica", t.replica},
+          {"stages", t.stages},
+          {"compute_s", t.compute},
+          {"recompute_s", t.recompute},
+          {"p2p_wait_s", t.p2p_wait},
+          {"all_reduce_s", t.all_reduce},
+          {"optimizer_s", t.optimizer},
+          {"data_wait_s", t.data_wait},
+          {"idle_s", t.idle},
+          {"wall_s", t.wall},
+          {"stage_forward_s", t.stage_f},
+          {"stage_backward_s", t.stage_b},
+          {"stage_weight_s", t.stage_w},
+          {"peak_memory_bytes", t.peak_memory_bytes},
+          {"peak_activation_bytes", t.peak_activation_bytes},
+          {"static_memory_bytes", t.static_memory_bytes}};
+}
+
+void PrintRankTable(const RunSummary& s) {
+  const double n = std::max<int64_t>(1, s.steps);
+  std::printf(
+      "  rank  pp dp  stages      compute  recompute   p2p wait  all-reduce  optimizer  data wait"
+      "       idle   peak MiB  act MiB\n");
+  for (const RankTimes& t : s.ranks) {
+    std::string stages;
+    for (int st : t.stages) stages += absl::StrCat(stages.empty() ? "" : ",", st);
+    std::printf(
+        "  %4d  %2d %2d  %-8s %8.1fms %8.1fms %8.1fms %9.1fms %8.1fms %8.1fms %8.1fms"
+        " %10.2f %8.2f%s\n",
+        t.global_rank, t.pipeline_rank, t.replica, stages.c_str(), 1e3 * t.compute / n,
+        1e3 * t.recompute / n, 1e3 * t.p2p_wait / n, 1e3 * t.all_reduce / n, 1e3 * t.optimizer / n,
+        1e3 * t.data_wait / n, 1e3 * t.idle / n, t.peak_memory_bytes / 1048576.0,
+        t.peak_activation_bytes / 1048576.0,
+        t.global_rank == s.bottleneck_rank ? "  <- bottleneck" : "");
+  }
+  std::printf(
+      "  (per step)  bubble measured %.1f%%, simulator %.1f%%; step %.1f ms, simulator "
+      "%.1f ms\n  bottleneck: %s\n",
+      100 * s.measured_bubble, 100 * s.predicted_bubble, 1e3 * s.measured_step_s,
+      1e3 * s.predicted_step_s, s.bottleneck_reason.c_str());
+}
+
+absl::Status WriteFile(const std::string& path, const std::string& text) {
+  FILE* f = std::fopen(path.c_str(), "wb");
+  if (f == nullptr) return absl::NotFoundError(absl::StrCat("cannot write ", path));
+  bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  ok = std::fclose(f) == 0 && ok;
+  if (!ok) return absl::DataLossError(absl::StrCat("short write to ", path));
   return absl::OkStatus();
 }
 
@@ -76,7 +131,8 @@ int RunTrain(const TrainFlags& f) {
   openblas_set_num_threads(1);
   auto graph = PresetModel(f.preset, f.micro_batch_size);
   if (!graph.ok()) return ReportError(graph.status());
-  TrainOptions o;
+  EngineOptions eo;
+  TrainOptions& o = eo.train;
   o.preset = f.preset;
   o.micro_batches = f.micro_batches;
   o.steps = f.steps;
@@ -94,60 +150,110 @@ int RunTrain(const TrainFlags& f) {
   auto kind = ParseOptimizerKind(f.optimizer);
   if (!kind.ok()) return ReportError(kind.status());
   o.optimizer.kind = *kind;
-  auto trainer = Trainer::Create(*graph, o);
-  if (!trainer.ok()) return ReportError(trainer.status());
-  Trainer& t = **trainer;
+  auto sched = ParseScheduleKind(f.schedule);
+  if (!sched.ok()) return ReportError(sched.status());
+  auto recompute = ParseRecompute(f.recompute);
+  if (!recompute.ok()) return ReportError(recompute.status());
+  eo.pp = f.pp;
+  eo.dp = f.dp;
+  eo.schedule = *sched;
+  eo.chunks = f.chunks;
+  eo.recompute = *recompute;
+  eo.timeout = absl::Seconds(f.timeout_s);
+  eo.bucket_bytes = static_cast<int64_t>(f.bucket_mb * 1048576.0);
+  auto engine = Engine::Create(*graph, eo);
+  if (!engine.ok()) return ReportError(engine.status());
+  Engine& t = **engine;
   if (!f.resume.empty()) {
     if (absl::Status s = t.Resume(f.resume); !s.ok()) return ReportError(s);
   }
   const Cost cost = graph->TotalCost();
+  const std::vector<int>& bounds = t.stage_boundaries();
   if (!f.json) {
     std::printf("pipewright train: %s (%lld layers, %.2fM parameters), data %s\n",
                 graph->name().c_str(), static_cast<long long>(graph->num_layers()),
                 cost.params / 1e6, f.data.c_str());
-    std::printf("  pp=1 dp=1, %lld micro-batches x %lld sequences x %lld tokens, peak lr %.3g\n",
-                static_cast<long long>(f.micro_batches),
-                static_cast<long long>(graph->shape().batch),
-                static_cast<long long>(graph->shape().seq_len), t.PeakLr());
+    std::string split;
+    for (size_t i = 0; i + 1 < bounds.size(); ++i) {
+      split += absl::StrFormat("%s[%d,%d)", i ? " " : "", bounds[i], bounds[i + 1]);
+    }
+    std::printf(
+        "  pp=%d dp=%d %s chunks=%d recompute=%s; stages %s\n  %lld micro-batches x %lld "
+        "sequences x %lld tokens per replica, global batch %lld, peak lr %.3g\n",
+        f.pp, f.dp, f.schedule.c_str(), t.schedule().spec.chunks, f.recompute.c_str(),
+        split.c_str(), static_cast<long long>(f.micro_batches),
+        static_cast<long long>(graph->shape().batch),
+        static_cast<long long>(graph->shape().seq_len), static_cast<long long>(t.global_batch()),
+        t.PeakLr());
   }
   ProgressBar bar(f.steps, !f.json);
   std::vector<double> losses;
   double total_time = 0, data_wait = 0;
   int64_t first_step = t.step();
   absl::Time start = absl::Now();
+  absl::Status failure;
   while (t.step() < f.steps && (f.stop_after == 0 || t.step() - first_step < f.stop_after)) {
     auto r = t.Step();
     if (!r.ok()) {
-      bar.Finish();
-      return ReportError(r.status());
+      failure = r.status();
+      break;
     }
-    losses.push_back(r->loss);
-    total_time += r->step_time_s;
-    data_wait += r->data_wait_s;
+    const StepResult& res = r->result;
+    losses.push_back(res.loss);
+    total_time += res.step_time_s;
+    data_wait += res.data_wait_s;
     if (f.json) {
-      json line = {{"step", r->step},
-                   {"loss", r->loss},
-                   {"lr", r->lr},
-                   {"grad_norm", r->grad_norm},
-                   {"step_time_s", r->step_time_s},
-                   {"samples_per_s", r->samples_per_s}};
+      json line = {{"step", res.step},
+                   {"loss", res.loss},
+                   {"lr", res.lr},
+                   {"grad_norm", res.grad_norm},
+                   {"step_time_s", res.step_time_s},
+                   {"samples_per_s", res.samples_per_s}};
       std::printf("%s\n", line.dump().c_str());
       std::fflush(stdout);
     } else {
-      bar.Update(r->step + 1, absl::StrFormat("loss %.4f lr %.2e %.0f samples/s", r->loss, r->lr,
-                                              r->samples_per_s));
+      bar.Update(res.step + 1, absl::StrFormat("loss %.4f lr %.2e %.0f samples/s", res.loss, res.lr,
+                                               res.samples_per_s));
     }
   }
   bar.Finish();
+  // The trace is written even after a failure: it shows where each rank was.
+  if (!f.trace.empty()) {
+    if (absl::Status s = WriteFile(f.trace, EngineChromeTrace(t.topology(), t.Events())); !s.ok()) {
+      return ReportError(s);
+    }
+  }
+  if (!failure.ok()) return ReportError(failure);
+  if (!f.svg.empty() && t.step() > first_step) {
+    // The last step's measured timeline of replica 0, drawn like the simulator's.
+    SimResult measured = MeasuredTimeline(t.schedule(), t.topology(), t.Events(), t.step() - 1, 0);
+    if (absl::Status s = WriteFile(f.svg, ToSvg(t.schedule(), measured)); !s.ok()) {
+      return ReportError(s);
+    }
+  }
   double wall = absl::ToDoubleSeconds(absl::Now() - start);
   if (!f.save.empty()) {
     if (absl::Status s = t.Save(f.save); !s.ok()) return ReportError(s);
   }
+  RunSummary rs = t.Summary();
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
   int64_t steps_run = t.step() - first_step;
-  double flops_per_step = (cost.forward_flops + cost.backward_flops) * f.micro_batches;
+  double flops_per_step = (cost.forward_flops + cost.backward_flops) * f.micro_batches * f.dp;
+  int64_t peak = 0;
+  json ranks = json::array();
+  for (const RankTimes& rt : rs.ranks) {
+    peak = std::max(peak, rt.peak_memory_bytes);
+    ranks.push_back(RankJson(rt));
+  }
   json summary = {
       {"model", graph->name()},
       {"parameters", cost.params},
+      {"pipeline_parallel", f.pp},
+      {"data_parallel", f.dp},
+      {"schedule", f.schedule},
+      {"chunks", t.schedule().spec.chunks},
+      {"recompute", f.recompute},
+      {"stage_boundaries", bounds},
       {"steps", steps_run},
       {"final_step", t.step()},
       {"global_batch", t.global_batch()},
@@ -160,7 +266,15 @@ int RunTrain(const TrainFlags& f) {
       {"model_gflops_per_s", total_time > 0 ? steps_run * flops_per_step / total_time / 1e9 : 0.0},
       {"data_wait_s", data_wait},
       {"wall_time_s", wall},
-      {"peak_memory_bytes", t.peak_memory_bytes()},
+      {"peak_memory_bytes", peak},
+      {"measured_bubble", rs.measured_bubble},
+      {"predicted_bubble", rs.predicted_bubble},
+      {"predicted_step_s", rs.predicted_step_s},
+      {"bottleneck_rank", rs.bottleneck_rank},
+      {"bottleneck", rs.bottleneck_reason},
+      {"cpu_cores", cores},
+      {"ranks", ranks},
+      {"trace", f.trace},
       {"checkpoint", f.save}};
   if (f.json) {
     std::printf("%s\n", json{{"summary", summary}}.dump().c_str());
@@ -170,8 +284,17 @@ int RunTrain(const TrainFlags& f) {
         "peak memory %.1f MiB, data wait %.3f s%s\n",
         static_cast<long long>(steps_run), wall, summary["first_loss"].get<double>(),
         summary["final_loss"].get<double>(), summary["samples_per_s"].get<double>(),
-        summary["model_gflops_per_s"].get<double>(), t.peak_memory_bytes() / 1048576.0, data_wait,
+        summary["model_gflops_per_s"].get<double>(), peak / 1048576.0, data_wait,
         f.save.empty() ? "" : absl::StrCat(", saved to ", f.save).c_str());
+    if (steps_run > 0) PrintRankTable(rs);
+    if (cores > 0 && f.pp * f.dp > cores) {
+      std::printf(
+          "  note: %d ranks share %d CPU cores, so measured compute includes contention; "
+          "the simulator assumes one device per rank\n",
+          f.pp * f.dp, cores);
+    }
+    if (!f.trace.empty()) std::printf("  trace: %s\n", f.trace.c_str());
+    if (!f.svg.empty()) std::printf("  timeline: %s\n", f.svg.c_str());
   }
   return 0;
 }
@@ -180,7 +303,7 @@ int RunTrain(const TrainFlags& f) {
 
 void RegisterTrain(CLI::App& app, int* exit_code) {
   auto f = std::make_shared<TrainFlags>();
-  CLI::App* cmd = app.add_subcommand("train", "Train a model (single CPU stage for now)");
+  CLI::App* cmd = app.add_subcommand("train", "Train a model: pp x dp ranks on CPU threads");
   cmd->add_option("--preset", f->preset, "Model preset: mlp, gpt-tiny, gpt-small")
       ->check(CLI::IsMember({"mlp", "gpt-tiny", "gpt-small"}));
   cmd->add_option("--pp", f->pp, "Pipeline-parallel stages");
@@ -208,7 +331,11 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
   cmd->add_option("--weight-decay", f->weight_decay, "Decoupled weight decay");
   cmd->add_option("--device", f->device, "cpu|cuda");
   cmd->add_option("--precision", f->precision, "fp32|bf16|fp16");
-  cmd->add_option("--trace", f->trace, "Write a Chrome trace here");
+  cmd->add_option("--trace", f->trace, "Write a Chrome trace of every rank here");
+  cmd->add_option("--svg", f->svg, "Write the last step's measured timeline (SVG) here");
+  cmd->add_option("--timeout", f->timeout_s,
+                  "Seconds a receive or collective may wait before the run fails");
+  cmd->add_option("--bucket-mb", f->bucket_mb, "Gradient all-reduce bucket size (MiB)");
   cmd->add_option("--save", f->save, "Write a checkpoint directory at the end");
   cmd->add_option("--resume", f->resume, "Continue from a checkpoint directory");
   cmd->add_flag("--json", f->json, "One JSON object per step and a final summary");

@@ -3,6 +3,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -92,11 +93,84 @@ TEST(Cli, BadValuesAreUsageErrors) {
   }
 }
 
-TEST(Cli, PipelineFlagsNotYetSupported) {
-  Result r = RunCli("train --pp 2 --steps 1");
+std::vector<double> Losses(const Result& r) {
+  std::vector<double> out;
+  for (const auto& j : JsonLines(r.out)) {
+    if (j.contains("loss")) out.push_back(j["loss"].get<double>());
+  }
+  return out;
+}
+
+// The runtime issue's acceptance check: every schedule and depth gives the single-stage losses.
+TEST(CliPipeline, SameLossesForEveryScheduleAndDepth) {
+  const std::string base =
+      "train --preset gpt-tiny --steps 4 --seed 7 --micro-batch-size 2 --json ";
+  Result ref = RunCli(base + "--pp 1 --dp 1 --micro-batches 8");
+  ASSERT_EQ(ref.exit_code, 0) << ref.err;
+  std::vector<double> want = Losses(ref);
+  ASSERT_EQ(want.size(), 4u);
+  for (const char* args :
+       {"--pp 4 --schedule 1f1b --micro-batches 8", "--pp 2 --schedule gpipe --micro-batches 8",
+        "--pp 4 --schedule 1f1b --recompute full --micro-batches 8",
+        "--pp 2 --schedule interleaved --chunks 2 --micro-batches 8",
+        "--pp 2 --schedule zb-h1 --micro-batches 8", "--pp 2 --schedule zb-v --micro-batches 8"}) {
+    Result r = RunCli(base + args);
+    ASSERT_EQ(r.exit_code, 0) << args << ": " << r.err;
+    EXPECT_EQ(Losses(r), want) << args;
+  }
+  Result dp = RunCli(base + "--pp 2 --dp 2 --micro-batches 4");
+  ASSERT_EQ(dp.exit_code, 0) << dp.err;
+  std::vector<double> got = Losses(dp);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_LT(std::abs(got[i] - want[i]) / want[i], 1e-5) << "step " << i;
+  }
+}
+
+TEST(CliPipeline, SummaryTraceAndTimeline) {
+  std::string trace = TempPath("pipe_trace.json"), svg = TempPath("pipe_timeline.svg");
+  Result r = RunCli(
+      "train --preset gpt-tiny --pp 4 --dp 2 --schedule 1f1b --micro-batches 4 "
+      "--steps 2 --json --trace " +
+      trace + " --svg " + svg);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto lines = JsonLines(r.out);
+  ASSERT_FALSE(lines.empty());
+  const auto& s = lines.back()["summary"];
+  EXPECT_EQ(s["pipeline_parallel"], 4);
+  EXPECT_EQ(s["data_parallel"], 2);
+  ASSERT_EQ(s["ranks"].size(), 8u);
+  for (const auto& rank : s["ranks"]) {
+    EXPECT_GT(rank["compute_s"].get<double>(), 0);
+    EXPECT_GT(rank["peak_memory_bytes"].get<int64_t>(), 0);
+  }
+  EXPECT_GE(s["bottleneck_rank"].get<int>(), 0);
+  EXPECT_GT(s["predicted_step_s"].get<double>(), 0);
+  std::ifstream t(trace);
+  auto tj = nlohmann::json::parse(t, nullptr, false);
+  ASSERT_FALSE(tj.is_discarded());
+  EXPECT_GT(tj["traceEvents"].size(), 50u);
+  std::ifstream v(svg);
+  std::string text((std::istreambuf_iterator<char>(v)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("<svg"), std::string::npos);
+  // A human run prints the per-rank table.
+  Result h = RunCli("train --preset gpt-tiny --pp 2 --micro-batches 2 --steps 1");
+  ASSERT_EQ(h.exit_code, 0) << h.err;
+  EXPECT_NE(h.out.find("bottleneck"), std::string::npos) << h.out;
+}
+
+TEST(CliPipeline, ImpossibleSplitsAreUsageErrors) {
+  Result r = RunCli("train --preset gpt-tiny --pp 16 --steps 1");
   EXPECT_EQ(r.exit_code, 2);
-  EXPECT_NE(r.err.find("not yet supported"), std::string::npos) << r.err;
-  r = RunCli("train --dp 4 --steps 1");
+  EXPECT_NE(r.err.find("non-empty stages"), std::string::npos) << r.err;
+  r = RunCli(
+      "train --preset gpt-tiny --pp 2 --schedule interleaved --chunks 2 "
+      "--micro-batches 3 --steps 1");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("multiple of pipeline ranks"), std::string::npos) << r.err;
+  r = RunCli("train --preset gpt-tiny --pp 2 --timeout 0 --steps 1");
+  EXPECT_EQ(r.exit_code, 2);
+  r = RunCli("train --plan p.json --steps 1");
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("not yet supported"), std::string::npos) << r.err;
 }
