@@ -6,24 +6,12 @@
 
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "bench/bench_util.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "pipewright/train.h"
 
 namespace pipewright::bench {
 namespace {
-
-template <typename Fn>
-double MedianSeconds(int reps, Fn&& fn) {
-  fn();  // warm-up
-  std::vector<double> t;
-  for (int i = 0; i < reps; ++i) {
-    absl::Time s = absl::Now();
-    fn();
-    t.push_back(absl::ToDoubleSeconds(absl::Now() - s));
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
 
 BenchRow SgemmRow(int m, int n, int k, int reps) {
   std::vector<float> a(static_cast<size_t>(m) * k, 0.5f), b(static_cast<size_t>(k) * n, 0.25f),

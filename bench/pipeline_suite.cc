@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "bench/bench_util.h"
 #include "pipewright/engine.h"
 #include "pipewright/simulator.h"
 
@@ -12,12 +13,6 @@ namespace pipewright::bench {
 namespace {
 
 constexpr int kDelayLayers = 8;
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  if (v.empty()) return 0;
-  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-}
 
 // Embedding -> 8 Delay layers -> LM head -> loss; the tiny real layers at both ends take
 // microseconds. Each virtual stage of S gets 8 / S delay layers.

@@ -15,15 +15,6 @@
 
 namespace pipewright {
 
-absl::StatusOr<Recompute> ParseRecompute(absl::string_view name) {
-  if (name == "none") return Recompute::kNone;
-  if (name == "full") return Recompute::kFull;
-  return absl::InvalidArgumentError(
-      absl::StrCat("--recompute must be none or full, not '", name, "'"));
-}
-
-const char* RecomputeName(Recompute r) { return r == Recompute::kFull ? "full" : "none"; }
-
 const char* EventKindName(EventKind k) {
   switch (k) {
     case EventKind::kCompute:
@@ -106,6 +97,7 @@ struct StageRt {
   int index = 0;  // virtual stage
   int begin = 0, end = 0;
   bool first = false, last = false;
+  bool recompute = false;  // keep only the stage input; recompute the forward before backward
   std::unique_ptr<Stage> stage;
   std::vector<int64_t> in_shape, out_shape;
   DType in_dtype = DType::kF32;
@@ -408,7 +400,7 @@ absl::Status RankExecutor::Forward(StageRt& st, int mb) {
   }
   LayerContext ctx{alloc.get(), st.last ? &batch_.targets[mb] : nullptr};
   Tensor y;
-  if (opts->recompute == Recompute::kFull) {
+  if (st.recompute) {
     // Keep only the stage input; every layer's saved state is dropped as soon as it is made.
     Tensor h = x;
     for (int i = 0; i < st.stage->size(); ++i) {
@@ -450,7 +442,7 @@ absl::Status RankExecutor::Backward(StageRt& st, const Action& a, int index) {
   const bool final_w = index == st.last_backward;
   std::vector<Saved>& saved = st.saved[mb];
   if (a.kind != ActionKind::kW) {
-    if (opts->recompute == Recompute::kFull) {
+    if (st.recompute) {
       Tensor x = st.first ? batch_.inputs[mb] : st.input[mb];
       if (!x.defined()) return absl::FailedPreconditionError("no stage input to recompute from");
       Clock::time_point t = Clock::now();
@@ -695,6 +687,11 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const LayerGraph& graph,
     }
     impl->boundaries = b;
   }
+  if (!options.stage_recompute.empty() && static_cast<int>(options.stage_recompute.size()) != S) {
+    return absl::InvalidArgumentError(absl::StrCat("per-stage recompute lists ",
+                                                   options.stage_recompute.size(),
+                                                   " stages; the schedule has ", S));
+  }
   impl->layout = {to.micro_batches, graph.shape().batch, graph.shape().seq_len, options.dp};
   PW_ASSIGN_OR_RETURN(std::unique_ptr<Dataset> ds,
                       OpenDataset(to.data, graph.shape().seq_len, to.seed));
@@ -735,6 +732,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const LayerGraph& graph,
       st.end = impl->boundaries[s + 1];
       st.first = s == 0;
       st.last = s == S - 1;
+      st.recompute =
+          (options.stage_recompute.empty() ? options.recompute : options.stage_recompute[s]) ==
+          Recompute::kFull;
       PW_ASSIGN_OR_RETURN(st.stage, graph.Instantiate(st.begin, st.end, to.seed, ex->alloc.get()));
       st.in_shape = shape_at[st.begin];
       st.in_dtype = st.first ? DType::kI32 : DType::kF32;

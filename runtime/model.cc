@@ -2,8 +2,12 @@
 
 #include <set>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "runtime/sha256.h"
 
 namespace pipewright {
@@ -96,7 +100,9 @@ absl::StatusOr<std::unique_ptr<Stage>> LayerGraph::Instantiate(int begin, int en
 }
 
 std::string LayerGraph::Fingerprint() const {
-  std::string text = absl::StrCat(name_, "|b=", shape_.batch, "|s=", shape_.seq_len);
+  // The micro-batch size is not part of it: a plan or checkpoint of the same model at another
+  // micro-batch size still matches.
+  std::string text = absl::StrCat(name_, "|s=", shape_.seq_len);
   for (const LayerNode& n : nodes_) {
     absl::StrAppend(&text, "|", n.name, ":", n.spec->kind(), "(", n.spec->Config(), ")");
   }
@@ -163,17 +169,115 @@ absl::StatusOr<LayerGraph> GptModel(const std::string& name, const GptConfig& c,
   return b.Build();
 }
 
-std::vector<std::string> PresetNames() { return {"mlp", "gpt-tiny", "gpt-small"}; }
+ModelCosts ToModelCosts(const LayerGraph& graph) {
+  ModelCosts m;
+  m.name = graph.name();
+  m.fingerprint = graph.Fingerprint();
+  m.micro_batch_size = graph.shape().batch;
+  m.seq_len = graph.shape().seq_len;
+  m.input_bytes = graph.shape().tokens() * 4;  // i32 tokens
+  for (const LayerNode& n : graph.nodes()) {
+    LayerCost c;
+    c.name = n.name;
+    c.kind = n.spec->kind();
+    c.params = n.cost.params;
+    c.forward_flops = n.cost.forward_flops;
+    c.backward_flops = n.cost.backward_flops;
+    c.activation_bytes = n.cost.activation_bytes;
+    c.output_bytes = n.cost.output_bytes;
+    m.layers.push_back(std::move(c));
+  }
+  return m;
+}
+
+namespace {
+
+struct GptPreset {
+  const char* name;
+  GptConfig config;
+  int64_t default_micro_batch_size;
+};
+
+// The runnable presets keep the runtime's untied head. The analytic ones are the published
+// models: GPT-3 175B (Brown et al. 2020) and the weak-scaling series of Narayanan et al. 2021
+// ("Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"), Table 1,
+// whose published sizes (1.7B ... 1008.0B) are 12lh^2 + 13lh + (V + s)h with a tied head.
+constexpr int64_t kPaperSeq = 2048, kPaperVocab = 51200;
+constexpr GptConfig Paper(int64_t heads, int64_t hidden, int64_t layers) {
+  return {.layers = layers,
+          .hidden = hidden,
+          .heads = heads,
+          .seq = kPaperSeq,
+          .vocab = kPaperVocab,
+          .tied = true};
+}
+const GptPreset kGptPresets[] = {
+    {"gpt-tiny", {.layers = 4, .hidden = 64, .heads = 4, .seq = 32, .vocab = 256}, 8},
+    {"gpt-small", {.layers = 6, .hidden = 256, .heads = 8, .seq = 128, .vocab = 256}, 8},
+    {"gpt3-175b", Paper(96, 12288, 96), 1},
+    {"megatron-1.7b", Paper(24, 2304, 24), 1},
+    {"megatron-3.6b", Paper(32, 3072, 30), 1},
+    {"megatron-7.5b", Paper(32, 4096, 36), 1},
+    {"megatron-18.4b", Paper(48, 6144, 40), 1},
+    {"megatron-39.1b", Paper(64, 8192, 48), 1},
+    {"megatron-76.1b", Paper(80, 10240, 60), 1},
+    {"megatron-145.6b", Paper(96, 12288, 80), 1},
+    {"megatron-310.1b", Paper(128, 16384, 96), 1},
+    {"megatron-529.6b", Paper(128, 20480, 105), 1},
+    {"megatron-1t", Paper(160, 25600, 128), 1},
+};
+
+const GptPreset* FindGptPreset(absl::string_view name) {
+  for (const GptPreset& p : kGptPresets) {
+    if (name == p.name) return &p;
+  }
+  return nullptr;
+}
+
+absl::Status UnknownPreset(absl::string_view preset) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown preset '", preset, "' (known: ", absl::StrJoin(PresetNames(), ", "), ")"));
+}
+
+// The cost model keeps parameters and bytes in int64: refuse a configuration whose largest
+// counts would overflow it, instead of wrapping around silently.
+absl::Status CheckGptFits(const GptConfig& c, int64_t micro_batch_size) {
+  const double l = c.layers, h = c.hidden, s = c.seq, v = c.vocab, b = micro_batch_size;
+  const double params = 12 * l * h * h + 13 * l * h + (2 * v + s) * h;
+  const double attention_bytes = 4 * b * c.heads * s * s + 12 * b * s * h;
+  const double logits_bytes = 4 * b * s * v;
+  constexpr double kMax = 4.0e18;  // below 2^63 with headroom for the sums over layers
+  if (params > kMax || attention_bytes * l > kMax || logits_bytes > kMax) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "GPT config layers=%d,hidden=%d,heads=%d,seq=%d,vocab=%d at micro-batch size %d is too "
+        "large: its parameter or byte counts overflow 64-bit integers",
+        c.layers, c.hidden, c.heads, c.seq, c.vocab, micro_batch_size));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::vector<std::string> PresetNames() {
+  std::vector<std::string> names = {"mlp"};
+  for (const GptPreset& p : kGptPresets) names.push_back(p.name);
+  return names;
+}
+
+absl::StatusOr<GptConfig> PresetGptConfig(absl::string_view preset) {
+  if (const GptPreset* p = FindGptPreset(preset)) return p->config;
+  if (preset == "mlp") {
+    return absl::InvalidArgumentError("preset 'mlp' is not a GPT (it has no attention)");
+  }
+  return UnknownPreset(preset);
+}
 
 absl::StatusOr<LayerGraph> PresetModel(absl::string_view preset, int64_t micro_batch_size) {
   if (micro_batch_size < 0) return absl::InvalidArgumentError("micro-batch size must be >= 1");
-  if (preset == "gpt-tiny") {
-    return GptModel("gpt-tiny", {.layers = 4, .hidden = 64, .heads = 4, .seq = 32, .vocab = 256},
-                    micro_batch_size ? micro_batch_size : 8);
-  }
-  if (preset == "gpt-small") {
-    return GptModel("gpt-small", {.layers = 6, .hidden = 256, .heads = 8, .seq = 128, .vocab = 256},
-                    micro_batch_size ? micro_batch_size : 8);
+  if (const GptPreset* p = FindGptPreset(preset)) {
+    const int64_t b = micro_batch_size ? micro_batch_size : p->default_micro_batch_size;
+    PW_RETURN_IF_ERROR(CheckGptFits(p->config, b));
+    return GptModel(p->name, p->config, b);
   }
   if (preset == "mlp") {
     // A per-position next-byte model without attention: embed, 3 x (linear, gelu), head, loss.
@@ -190,8 +294,96 @@ absl::StatusOr<LayerGraph> PresetModel(absl::string_view preset, int64_t micro_b
     b.Add("loss", layers::CrossEntropyLoss());
     return b.Build();
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown preset '", preset, "' (known: mlp, gpt-tiny, gpt-small)"));
+  return UnknownPreset(preset);
+}
+
+absl::StatusOr<GptConfig> ParseGptSpec(absl::string_view spec) {
+  GptConfig c;
+  c.tied = true;  // GPT-3 and Megatron-LM tie the LM head (docs in the header)
+  struct Key {
+    const char* name;
+    int64_t* value;
+    bool seen = false;
+  };
+  int64_t tied = 1;
+  Key keys[] = {{"layers", &c.layers}, {"hidden", &c.hidden}, {"heads", &c.heads},
+                {"seq", &c.seq},       {"vocab", &c.vocab},   {"tied", &tied}};
+  const std::string context = absl::StrCat("--gpt '", spec, "'");
+  if (absl::StripAsciiWhitespace(spec).empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(context, ": empty; expected layers=L,hidden=H,heads=A,seq=S,vocab=V"));
+  }
+  for (absl::string_view item : absl::StrSplit(spec, ',')) {
+    item = absl::StripAsciiWhitespace(item);
+    const size_t eq = item.find('=');
+    if (eq == absl::string_view::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(context, ": '", item, "' is not key=value"));
+    }
+    const absl::string_view name = absl::StripAsciiWhitespace(item.substr(0, eq));
+    const absl::string_view text = absl::StripAsciiWhitespace(item.substr(eq + 1));
+    Key* key = nullptr;
+    for (Key& k : keys) {
+      if (name == k.name) key = &k;
+    }
+    if (key == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          context, ": unknown key '", name, "' (keys: layers, hidden, heads, seq, vocab, tied)"));
+    }
+    if (key->seen) {
+      return absl::InvalidArgumentError(absl::StrCat(context, ": ", name, " given twice"));
+    }
+    key->seen = true;
+    int64_t v = 0;
+    if (!absl::SimpleAtoi(text, &v)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(context, ": ", name, "='", text, "' is not an integer"));
+    }
+    if (key->value == &tied) {
+      if (v != 0 && v != 1) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(context, ": tied=", text, " must be 0 or 1"));
+      }
+    } else if (v < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(context, ": ", name, "=", v, " must be >= 1"));
+    }
+    *key->value = v;
+  }
+  for (const Key& k : keys) {
+    if (!k.seen && k.value != &tied) {
+      return absl::InvalidArgumentError(absl::StrCat(context, ": missing ", k.name, "="));
+    }
+  }
+  if (c.hidden % c.heads != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: hidden=%d is not divisible by heads=%d", context, c.hidden, c.heads));
+  }
+  c.tied = tied == 1;
+  PW_RETURN_IF_ERROR(CheckGptFits(c, 1));
+  return c;
+}
+
+absl::StatusOr<ModelCosts> GptModelCosts(const std::string& name, const GptConfig& c,
+                                         int64_t micro_batch_size) {
+  if (micro_batch_size < 1) return absl::InvalidArgumentError("micro-batch size must be >= 1");
+  PW_RETURN_IF_ERROR(CheckGptFits(c, micro_batch_size));
+  PW_ASSIGN_OR_RETURN(LayerGraph graph, GptModel(name, c, micro_batch_size));
+  ModelCosts m = ToModelCosts(graph);
+  if (c.tied) {
+    for (LayerCost& l : m.layers) {
+      if (l.name == "lm_head") l.tied_to = "embed";
+    }
+  }
+  return m;
+}
+
+absl::StatusOr<ModelCosts> PresetModelCosts(absl::string_view preset, int64_t micro_batch_size) {
+  if (micro_batch_size < 0) return absl::InvalidArgumentError("micro-batch size must be >= 1");
+  if (const GptPreset* p = FindGptPreset(preset)) {
+    return GptModelCosts(p->name, p->config,
+                         micro_batch_size ? micro_batch_size : p->default_micro_batch_size);
+  }
+  PW_ASSIGN_OR_RETURN(LayerGraph graph, PresetModel(preset, micro_batch_size));
+  return ToModelCosts(graph);
 }
 
 }  // namespace pipewright

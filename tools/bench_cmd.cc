@@ -1,9 +1,10 @@
-// `pipewright bench`: benchmark suites (kernels, overhead, scaling).
+// `pipewright bench`: benchmark suites (kernels, overhead, scaling, partitioner).
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
 #include "bench/kernel_suite.h"
+#include "bench/partitioner_suite.h"
 #include "bench/pipeline_suite.h"
 #include "tools/commands.h"
 
@@ -77,6 +78,37 @@ int RunScaling(int micro_batches, int steps, bool as_json) {
   return 0;
 }
 
+int RunPartitioner(int repetitions, bool as_json) {
+  auto r = bench::RunPartitionerSuite(repetitions);
+  if (!r.ok()) return ReportError(r.status());
+  nlohmann::json rows = nlohmann::json::array();
+  for (const auto& row : *r) {
+    rows.push_back({{"name", row.name},
+                    {"layers", row.layers},
+                    {"stages", row.stages},
+                    {"micro_batches", row.micro_batches},
+                    {"schedule", row.schedule},
+                    {"seconds", row.seconds},
+                    {"candidates", row.candidates},
+                    {"bottleneck_s", row.bottleneck_s},
+                    {"lower_bound_s", row.lower_bound_s},
+                    {"recomputed_stages", row.recomputed_stages}});
+  }
+  if (as_json) {
+    nlohmann::json j = {{"suite", "partitioner"}, {"repetitions", repetitions}, {"rows", rows}};
+    std::printf("%s\n", j.dump(2).c_str());
+    return 0;
+  }
+  std::printf("%-60s %6s %6s %10s %10s %12s %12s %6s\n", "partition", "layers", "stages", "seconds",
+              "partitions", "bottleneck", "lower bound", "recomp");
+  for (const auto& row : *r) {
+    std::printf("%-60s %6d %6d %10.4f %10d %11.4gs %11.4gs %6d\n", row.name.c_str(), row.layers,
+                row.stages, row.seconds, row.candidates, row.bottleneck_s, row.lower_bound_s,
+                row.recomputed_stages);
+  }
+  return 0;
+}
+
 }  // namespace
 
 void RegisterBench(CLI::App& app, int* exit_code) {
@@ -90,8 +122,8 @@ void RegisterBench(CLI::App& app, int* exit_code) {
   };
   auto f = std::make_shared<BenchFlags>();
   CLI::App* cmd = app.add_subcommand("bench", "Run a benchmark suite");
-  cmd->add_option("--suite", f->suite, "kernels | overhead | scaling")
-      ->check(CLI::IsMember({"kernels", "overhead", "scaling"}));
+  cmd->add_option("--suite", f->suite, "kernels | overhead | scaling | partitioner")
+      ->check(CLI::IsMember({"kernels", "overhead", "scaling", "partitioner"}));
   cmd->add_option("--steps", f->steps, "Timed steps per row (overhead, scaling)")
       ->check(CLI::Range(1, 1000));
   cmd->add_option("--micro-batches", f->micro_batches, "Micro-batches (scaling)")
@@ -104,6 +136,10 @@ void RegisterBench(CLI::App& app, int* exit_code) {
   cmd->callback([f, exit_code] {
     if (f->suite == "overhead") {
       *exit_code = RunOverhead(f->steps, f->stage_ms, f->json);
+      return;
+    }
+    if (f->suite == "partitioner") {
+      *exit_code = RunPartitioner(f->repetitions, f->json);
       return;
     }
     if (f->suite == "scaling") {

@@ -30,6 +30,9 @@ int main(int argc, char** argv) {
   pipewright::tools::RegisterEval(app, &exit_code);
   pipewright::tools::RegisterBench(app, &exit_code);
   pipewright::tools::RegisterSimulate(app, &exit_code);
+  pipewright::tools::RegisterModel(app, &exit_code);
+  pipewright::tools::RegisterPlan(app, &exit_code);
+  pipewright::tools::RegisterValidate(app, &exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

@@ -1,13 +1,12 @@
 // `pipewright simulate`: generate (or load) a pipeline schedule, lower and validate it, then
 // predict its makespan, bubble and peak memory; optionally write a Chrome trace and an SVG.
 #include <cstdio>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "pipewright/schedule.h"
 #include "pipewright/simulator.h"
+#include "pipewright/status.h"
 #include "tools/commands.h"
 
 namespace pipewright::tools {
@@ -23,15 +22,6 @@ struct SimulateFlags {
   std::string trace, svg, program;
 };
 
-absl::Status WriteFile(const std::string& path, const std::string& text) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) return absl::InternalError(absl::StrCat("cannot open '", path, "' for writing"));
-  out << text;
-  out.close();
-  if (!out) return absl::InternalError(absl::StrCat("cannot write '", path, "'"));
-  return absl::OkStatus();
-}
-
 absl::StatusOr<Schedule> BuildSchedule(const SimulateFlags& f) {
   if (f.stages < 1) return absl::InvalidArgumentError("--stages must be >= 1");
   if (f.micro_batches < 1) return absl::InvalidArgumentError("--micro-batches must be >= 1");
@@ -40,14 +30,11 @@ absl::StatusOr<Schedule> BuildSchedule(const SimulateFlags& f) {
   spec.ranks = f.stages;
   spec.micro_batches = f.micro_batches;
   if (!f.program.empty()) {
-    std::ifstream in(f.program, std::ios::binary);
-    if (!in) return absl::NotFoundError(absl::StrCat("cannot read --program '", f.program, "'"));
-    std::stringstream text;
-    text << in.rdbuf();
+    PW_ASSIGN_OR_RETURN(std::string text, ReadFile(f.program, "--program"));
     spec.kind = ScheduleKind::kCustom;
     spec.chunks = f.chunks > 0 ? f.chunks : 1;
     // ParseSchedule marks a text that spells out its communication as lowered.
-    return ParseSchedule(text.str(), spec);
+    return ParseSchedule(text, spec);
   }
   auto kind = ParseScheduleKind(f.schedule);
   if (!kind.ok()) return kind.status();

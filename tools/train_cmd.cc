@@ -4,12 +4,14 @@
 #include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "pipewright/engine.h"
+#include "pipewright/plan.h"
 #include "pipewright/trace.h"
 #include "pipewright/train.h"
 #include "tools/commands.h"
@@ -31,6 +33,8 @@ struct TrainFlags {
   std::string lr_scaling = "none", optimizer = "adamw", data = "synthetic";
   std::string device = "cpu", precision = "fp32", save, resume;
   bool json = false;
+  // Layout flags the user gave explicitly: they may not be combined with --plan.
+  std::vector<std::string> layout_flags;
 };
 
 absl::Status Unsupported(const std::string& what, const std::string& when) {
@@ -60,7 +64,6 @@ absl::Status CheckFlags(const TrainFlags& f) {
   PW_RETURN_IF_ERROR(Device::Parse(f.device).status());
   if (!(f.timeout_s > 0)) return absl::InvalidArgumentError("--timeout must be > 0 seconds");
   if (!(f.bucket_mb > 0)) return absl::InvalidArgumentError("--bucket-mb must be > 0");
-  if (!f.plan.empty()) return Unsupported("--plan", "the partitioner issue");
   if (f.precision != "fp32") {
     return Unsupported(absl::StrCat("--precision ", f.precision), "the CUDA backend issue");
   }
@@ -117,19 +120,100 @@ void PrintRankTable(const RunSummary& s) {
       1e3 * s.predicted_step_s, s.bottleneck_reason.c_str());
 }
 
-absl::Status WriteFile(const std::string& path, const std::string& text) {
-  FILE* f = std::fopen(path.c_str(), "wb");
-  if (f == nullptr) return absl::NotFoundError(absl::StrCat("cannot write ", path));
-  bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
-  ok = std::fclose(f) == 0 && ok;
-  if (!ok) return absl::DataLossError(absl::StrCat("short write to ", path));
-  return absl::OkStatus();
+// A plan from `pipewright plan`, checked against the model it will run: the preset named by
+// the plan (or --preset) at the plan's micro-batch size.
+struct LoadedPlan {
+  Plan plan;
+  LayerGraph graph;
+};
+
+absl::StatusOr<LoadedPlan> LoadPlan(const TrainFlags& f, bool preset_given) {
+  if (!f.layout_flags.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(f.layout_flags.front(),
+                     " conflicts with --plan: the plan sets pp, dp, the schedule, "
+                     "the micro-batching and recomputation"));
+  }
+  PW_ASSIGN_OR_RETURN(std::string text, ReadFile(f.plan, "--plan"));
+  absl::StatusOr<Plan> plan = PlanFromJson(text);
+  if (!plan.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(f.plan, ":\n", plan.status().message()));
+  }
+  const std::string preset = preset_given ? f.preset : plan->model_name;
+  std::vector<std::string> runnable = {"mlp", "gpt-tiny", "gpt-small"};
+  if (std::find(runnable.begin(), runnable.end(), preset) == runnable.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(f.plan, ": model.name '", preset,
+                     "' is not a preset train can run (mlp, gpt-tiny, gpt-small); pass --preset"));
+  }
+  PW_ASSIGN_OR_RETURN(LayerGraph graph, PresetModel(preset, plan->micro_batch_size));
+  const ModelCosts costs = ToModelCosts(graph);
+  absl::StatusOr<Plan> checked = PlanFromJson(text, &costs);
+  if (!checked.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(f.plan, " does not fit preset ", preset, ":\n", checked.status().message()));
+  }
+  return LoadedPlan{*std::move(checked), std::move(graph)};
 }
 
-int RunTrain(const TrainFlags& f) {
+// The plan's per-stage predictions next to what the run measured (replica 0's ranks).
+json PlanComparison(const Plan& plan, const RunSummary& s) {
+  json rows = json::array();
+  for (const PlanStage& st : plan.stages) {
+    json row = {{"stage", st.index},
+                {"rank", st.rank},
+                {"layers", {st.begin, st.end}},
+                {"recompute", RecomputeName(st.recompute)},
+                {"predicted_forward_s", st.forward_s},
+                {"predicted_backward_s", st.backward_s},
+                {"predicted_memory_bytes", st.memory.total}};
+    for (const RankTimes& t : s.ranks) {
+      if (t.replica != 0 || t.pipeline_rank != st.rank) continue;
+      for (size_t i = 0; i < t.stages.size(); ++i) {
+        if (t.stages[i] != st.index) continue;
+        row["measured_forward_s"] = t.stage_f[i];
+        row["measured_backward_s"] = t.stage_b[i] + t.stage_w[i];
+      }
+      row["measured_rank_peak_memory_bytes"] = t.peak_memory_bytes;
+    }
+    int64_t rank_total = 0;
+    for (const PlanStage& o : plan.stages) rank_total += o.rank == st.rank ? o.memory.total : 0;
+    row["predicted_rank_memory_bytes"] = rank_total;
+    rows.push_back(row);
+  }
+  return rows;
+}
+
+void PrintPlanComparison(const json& rows, double predicted_step, double measured_step) {
+  std::printf(
+      "  plan vs run (per micro-batch; memory per rank)\n"
+      "  stage rank  layers     recompute   forward ms pred/meas   backward ms pred/meas"
+      "   memory MiB pred/meas\n");
+  for (const json& r : rows) {
+    auto ms = [&](const char* k) { return r.contains(k) ? 1e3 * r[k].get<double>() : 0.0; };
+    auto mib = [&](const char* k) { return r.contains(k) ? r[k].get<double>() / 1048576.0 : 0.0; };
+    std::printf("  %5d %4d  [%3d, %3d)  %-9s %10.2f / %-9.2f %10.2f / %-9.2f %9.2f / %-8.2f\n",
+                r["stage"].get<int>(), r["rank"].get<int>(), r["layers"][0].get<int>(),
+                r["layers"][1].get<int>(), r["recompute"].get<std::string>().c_str(),
+                ms("predicted_forward_s"), ms("measured_forward_s"), ms("predicted_backward_s"),
+                ms("measured_backward_s"), mib("predicted_rank_memory_bytes"),
+                mib("measured_rank_peak_memory_bytes"));
+  }
+  std::printf("  step: plan predicted %.1f ms, measured %.1f ms\n", 1e3 * predicted_step,
+              1e3 * measured_step);
+}
+
+int RunTrain(const TrainFlags& f, bool preset_given) {
   if (absl::Status s = CheckFlags(f); !s.ok()) return ReportError(s);
   openblas_set_num_threads(1);
-  auto graph = PresetModel(f.preset, f.micro_batch_size);
+  std::optional<LoadedPlan> loaded;
+  if (!f.plan.empty()) {
+    absl::StatusOr<LoadedPlan> l = LoadPlan(f, preset_given);
+    if (!l.ok()) return ReportError(l.status());
+    loaded = *std::move(l);
+  }
+  absl::StatusOr<LayerGraph> graph = loaded ? absl::StatusOr<LayerGraph>(loaded->graph)
+                                            : PresetModel(f.preset, f.micro_batch_size);
   if (!graph.ok()) return ReportError(graph.status());
   EngineOptions eo;
   TrainOptions& o = eo.train;
@@ -159,6 +243,16 @@ int RunTrain(const TrainFlags& f) {
   eo.schedule = *sched;
   eo.chunks = f.chunks;
   eo.recompute = *recompute;
+  if (loaded) {
+    const Plan& p = loaded->plan;
+    eo.pp = p.pipeline_parallel;
+    eo.dp = p.data_parallel;
+    eo.schedule = p.schedule.kind;
+    eo.chunks = p.schedule.chunks;
+    o.micro_batches = p.schedule.micro_batches;
+    eo.stage_boundaries = p.Boundaries();
+    for (const PlanStage& st : p.stages) eo.stage_recompute.push_back(st.recompute);
+  }
   eo.timeout = absl::Seconds(f.timeout_s);
   eo.bucket_bytes = static_cast<int64_t>(f.bucket_mb * 1048576.0);
   auto engine = Engine::Create(*graph, eo);
@@ -169,6 +263,16 @@ int RunTrain(const TrainFlags& f) {
   }
   const Cost cost = graph->TotalCost();
   const std::vector<int>& bounds = t.stage_boundaries();
+  // What runs: the flags, or the plan.
+  const int pp = eo.pp, dp = eo.dp;
+  const std::string schedule = ScheduleKindName(eo.schedule);
+  std::string recompute_desc = f.recompute;
+  if (loaded) {
+    recompute_desc.clear();
+    for (Recompute r : eo.stage_recompute) {
+      absl::StrAppend(&recompute_desc, recompute_desc.empty() ? "" : ",", RecomputeName(r));
+    }
+  }
   if (!f.json) {
     std::printf("pipewright train: %s (%lld layers, %.2fM parameters), data %s\n",
                 graph->name().c_str(), static_cast<long long>(graph->num_layers()),
@@ -180,9 +284,8 @@ int RunTrain(const TrainFlags& f) {
     std::printf(
         "  pp=%d dp=%d %s chunks=%d recompute=%s; stages %s\n  %lld micro-batches x %lld "
         "sequences x %lld tokens per replica, global batch %lld, peak lr %.3g\n",
-        f.pp, f.dp, f.schedule.c_str(), t.schedule().spec.chunks, f.recompute.c_str(),
-        split.c_str(), static_cast<long long>(f.micro_batches),
-        static_cast<long long>(graph->shape().batch),
+        pp, dp, schedule.c_str(), t.schedule().spec.chunks, recompute_desc.c_str(), split.c_str(),
+        static_cast<long long>(o.micro_batches), static_cast<long long>(graph->shape().batch),
         static_cast<long long>(graph->shape().seq_len), static_cast<long long>(t.global_batch()),
         t.PeakLr());
   }
@@ -238,7 +341,7 @@ int RunTrain(const TrainFlags& f) {
   RunSummary rs = t.Summary();
   const int cores = static_cast<int>(std::thread::hardware_concurrency());
   int64_t steps_run = t.step() - first_step;
-  double flops_per_step = (cost.forward_flops + cost.backward_flops) * f.micro_batches * f.dp;
+  double flops_per_step = (cost.forward_flops + cost.backward_flops) * o.micro_batches * dp;
   int64_t peak = 0;
   json ranks = json::array();
   for (const RankTimes& rt : rs.ranks) {
@@ -248,11 +351,11 @@ int RunTrain(const TrainFlags& f) {
   json summary = {
       {"model", graph->name()},
       {"parameters", cost.params},
-      {"pipeline_parallel", f.pp},
-      {"data_parallel", f.dp},
-      {"schedule", f.schedule},
+      {"pipeline_parallel", pp},
+      {"data_parallel", dp},
+      {"schedule", schedule},
       {"chunks", t.schedule().spec.chunks},
-      {"recompute", f.recompute},
+      {"recompute", recompute_desc},
       {"stage_boundaries", bounds},
       {"steps", steps_run},
       {"final_step", t.step()},
@@ -276,6 +379,14 @@ int RunTrain(const TrainFlags& f) {
       {"ranks", ranks},
       {"trace", f.trace},
       {"checkpoint", f.save}};
+  json plan_rows;
+  if (loaded && steps_run > 0) {
+    plan_rows = PlanComparison(loaded->plan, rs);
+    summary["plan"] = {{"file", f.plan},
+                       {"predicted_step_s", loaded->plan.predicted.step_time_s},
+                       {"measured_step_s", rs.measured_step_s},
+                       {"stages", plan_rows}};
+  }
   if (f.json) {
     std::printf("%s\n", json{{"summary", summary}}.dump().c_str());
   } else {
@@ -287,11 +398,14 @@ int RunTrain(const TrainFlags& f) {
         summary["model_gflops_per_s"].get<double>(), peak / 1048576.0, data_wait,
         f.save.empty() ? "" : absl::StrCat(", saved to ", f.save).c_str());
     if (steps_run > 0) PrintRankTable(rs);
-    if (cores > 0 && f.pp * f.dp > cores) {
+    if (!plan_rows.is_null()) {
+      PrintPlanComparison(plan_rows, loaded->plan.predicted.step_time_s, rs.measured_step_s);
+    }
+    if (cores > 0 && pp * dp > cores) {
       std::printf(
           "  note: %d ranks share %d CPU cores, so measured compute includes contention; "
           "the simulator assumes one device per rank\n",
-          f.pp * f.dp, cores);
+          pp * dp, cores);
     }
     if (!f.trace.empty()) std::printf("  trace: %s\n", f.trace.c_str());
     if (!f.svg.empty()) std::printf("  timeline: %s\n", f.svg.c_str());
@@ -339,7 +453,13 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
   cmd->add_option("--save", f->save, "Write a checkpoint directory at the end");
   cmd->add_option("--resume", f->resume, "Continue from a checkpoint directory");
   cmd->add_flag("--json", f->json, "One JSON object per step and a final summary");
-  cmd->callback([f, exit_code] { *exit_code = RunTrain(*f); });
+  cmd->callback([f, cmd, exit_code] {
+    for (const char* flag : {"--pp", "--dp", "--schedule", "--chunks", "--micro-batches",
+                             "--micro-batch-size", "--recompute"}) {
+      if (!f->plan.empty() && cmd->get_option(flag)->count() > 0) f->layout_flags.push_back(flag);
+    }
+    *exit_code = RunTrain(*f, cmd->get_option("--preset")->count() > 0);
+  });
 }
 
 void RegisterEval(CLI::App& app, int* exit_code) {

@@ -27,15 +27,12 @@
 #include "absl/time/time.h"
 #include "pipewright/comm.h"
 #include "pipewright/model.h"
+#include "pipewright/plan.h"
 #include "pipewright/schedule.h"
 #include "pipewright/simulator.h"
 #include "pipewright/train.h"
 
 namespace pipewright {
-
-enum class Recompute { kNone, kFull };
-absl::StatusOr<Recompute> ParseRecompute(absl::string_view name);  // "none" | "full"
-const char* RecomputeName(Recompute r);
 
 struct EngineOptions {
   TrainOptions train;  // micro_batches is per replica; global batch = dp * M * B
@@ -44,6 +41,8 @@ struct EngineOptions {
   ScheduleKind schedule = ScheduleKind::k1F1B;
   int chunks = 1;  // model chunks per rank (interleaved; zb-v uses 2)
   Recompute recompute = Recompute::kNone;
+  // Per virtual stage (size = pp * chunks), overriding `recompute`; empty = `recompute` on all.
+  std::vector<Recompute> stage_recompute;
   // Virtual-stage boundaries: S + 1 increasing layer indices from 0 to num_layers. Empty =
   // contiguous stages balancing forward + backward FLOPs (the minimum possible maximum).
   std::vector<int> stage_boundaries;

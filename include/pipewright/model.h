@@ -20,6 +20,7 @@
 #include "absl/strings/string_view.h"
 #include "pipewright/cost.h"
 #include "pipewright/layer.h"
+#include "pipewright/plan.h"
 
 namespace pipewright {
 
@@ -90,14 +91,57 @@ class ModelBuilder {
   std::vector<std::pair<std::string, LayerSpecPtr>> nodes_;
 };
 
-// Presets: "mlp", "gpt-tiny", "gpt-small". `micro_batch_size` 0 keeps the preset's default.
+// Presets. Runnable (small enough to train here): "mlp", "gpt-tiny", "gpt-small" (untied LM
+// head, default micro-batch size 8). Analytic (for planning only; their graphs allocate nothing,
+// but LayerGraph::Instantiate of the whole model would need terabytes): "gpt3-175b" and the
+// weak-scaling configurations of Narayanan et al. 2021, Table 1 ("megatron-1.7b" ...
+// "megatron-1t"), all with sequence 2048, vocabulary 51200, a tied LM head and default
+// micro-batch size 1. `micro_batch_size` 0 keeps the preset's default.
 struct GptConfig {
   int64_t layers = 4, hidden = 64, heads = 4, seq = 32, vocab = 256;
+  // LM head shares the embedding's weights. Only the cost model knows ties (ModelCosts
+  // tied_to); the runtime's GPT keeps an untied head (docs/checkpoint.md).
+  bool tied = false;
 };
 absl::StatusOr<LayerGraph> GptModel(const std::string& name, const GptConfig& config,
                                     int64_t micro_batch_size);
 absl::StatusOr<LayerGraph> PresetModel(absl::string_view preset, int64_t micro_batch_size);
+// Every preset name, runnable ones first.
 std::vector<std::string> PresetNames();
+
+// The partitioner's view of a graph (plan.h): every node's Cost, the fingerprint and the
+// input bytes of one micro-batch. A LayerGraph knows no ties, so no layer gets tied_to; use
+// GptModelCosts / PresetModelCosts for a GPT whose LM head is tied.
+ModelCosts ToModelCosts(const LayerGraph& graph);
+
+// `pipewright model --gpt SPEC`: "layers=96,hidden=12288,heads=96,seq=2048,vocab=51200" with an
+// optional ",tied=0|1". Every key but tied is required, once, as an integer >= 1; hidden must
+// be divisible by heads. tied defaults to 1 (GPT-3 and Megatron-LM tie the LM head to the
+// token embedding; tied=0 unties it). Errors are InvalidArgument naming the key.
+absl::StatusOr<GptConfig> ParseGptSpec(absl::string_view spec);
+
+// The GptConfig of a GPT preset (every preset but "mlp"); InvalidArgument otherwise.
+absl::StatusOr<GptConfig> PresetGptConfig(absl::string_view preset);
+
+// GptModel(name, config, micro_batch_size) as ModelCosts. With config.tied the "lm_head" layer
+// gets tied_to = "embed": its V*h weights are the embedding's token table, so
+// ModelCosts::UniqueParams() leaves them out (the embedding's own count is (V + s) * h, token
+// and position tables). Costs are analytic: nothing is allocated, whatever the model's size.
+absl::StatusOr<ModelCosts> GptModelCosts(const std::string& name, const GptConfig& config,
+                                         int64_t micro_batch_size);
+// A preset's costs with its ties: GptModelCosts for the GPT presets, ToModelCosts for "mlp".
+absl::StatusOr<ModelCosts> PresetModelCosts(absl::string_view preset, int64_t micro_batch_size);
+
+// Measured per-layer times (`pipewright model --profile`, runtime/profile.cc): instantiates the
+// whole graph on the CPU with `seed`, runs one deterministic synthetic micro-batch (token ids
+// and targets drawn from the seed) through it once to warm up and then `reps` times, and
+// returns ToModelCosts(graph) with every layer's forward_time_s (Forward) and backward_time_s
+// (BackwardInput + BackwardWeight) set to the median over the reps. The graph must start with
+// an embedding (token input). BLAS threading is the caller's choice (openblas_set_num_threads).
+// InvalidArgument, before allocating anything, for reps < 1 or a graph whose fp32 weights and
+// gradients would exceed 4 GiB.
+absl::StatusOr<ModelCosts> ProfileModel(const LayerGraph& graph, int reps, uint64_t seed);
+inline constexpr int64_t kProfileMemoryLimitBytes = int64_t{4} << 30;
 
 }  // namespace pipewright
 

@@ -176,6 +176,42 @@ TEST(EngineDataParallel, MatchesSingleReplicaWithinRounding) {
   }
 }
 
+// A plan's per-stage recomputation and explicit boundaries: still bit-identical to one stage,
+// and only the recomputing rank's activation peak drops.
+TEST(EnginePlanLayout, PerStageRecomputeAndBoundaries) {
+  static const RunResult* ref = new RunResult(Reference(kMicroBatches));
+  EngineOptions o = Options(2, 1, ScheduleKind::kGpipe, 1, Recompute::kNone, kMicroBatches);
+  o.stage_boundaries = {0, 2, Tiny().num_layers()};
+  RunResult plain = RunEngine(o, Tiny());
+  o.stage_recompute = {Recompute::kFull, Recompute::kNone};
+  RunResult mixed = RunEngine(o, Tiny());
+  EXPECT_EQ(plain.losses, ref->losses);
+  EXPECT_EQ(mixed.losses, ref->losses);
+  EXPECT_EQ(mixed.weights, ref->weights);
+
+  auto peaks = [&](const EngineOptions& opts) {
+    auto e = Engine::Create(Tiny(), opts);
+    EXPECT_TRUE(e.ok()) << e.status();
+    std::vector<int64_t> out(2, 0);
+    if (!e.ok()) return out;
+    auto s = (*e)->Step();
+    EXPECT_TRUE(s.ok()) << s.status();
+    if (!s.ok()) return out;
+    for (const RankTimes& t : s->ranks) out[t.pipeline_rank] = t.peak_activation_bytes;
+    return out;
+  };
+  std::vector<int64_t> with = peaks(o);
+  o.stage_recompute.clear();
+  std::vector<int64_t> without = peaks(o);
+  EXPECT_LT(with[0] * 2, without[0]);
+  EXPECT_EQ(with[1], without[1]);
+
+  o.stage_recompute = {Recompute::kFull};  // one entry for two stages
+  auto bad = Engine::Create(Tiny(), o);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("per-stage recompute"), std::string::npos);
+}
+
 // dp runs are bit-stable run to run (the all-reduce sums in a fixed order).
 TEST(EngineDataParallel, BitStableAcrossRuns) {
   EngineOptions o = Options(2, 2, ScheduleKind::kZbH1, 1, Recompute::kNone, 4);

@@ -12,62 +12,11 @@
 #include <string>
 #include <vector>
 
+#include "tests/tools/cli_util.h"
+
 namespace {
 
-struct Result {
-  int exit_code = -1;
-  std::string out;  // stdout
-  std::string err;  // stderr
-};
-
-std::string Bin() {
-  const char* b = std::getenv("PIPEWRIGHT_BIN");  // override to test another build
-  return b ? b : PIPEWRIGHT_BIN_PATH;
-}
-
-std::string TempPath(const std::string& name) {
-  return (std::filesystem::path(::testing::TempDir()) / ("pw_cli_" + name)).string();
-}
-
-Result RunCli(const std::string& args) {
-  // One stderr file per process: ctest runs the tests of this binary in parallel.
-  static int counter = 0;
-  std::string err_file =
-      TempPath("stderr_" + std::to_string(getpid()) + "_" + std::to_string(counter++) + ".txt");
-  std::string cmd = Bin() + " " + args + " 2>" + err_file;
-  Result r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) r.out.append(buf, n);
-  int status = pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::ifstream e(err_file);
-  r.err.assign(std::istreambuf_iterator<char>(e), std::istreambuf_iterator<char>());
-  return r;
-}
-
-std::vector<nlohmann::json> JsonLines(const std::string& text) {
-  std::vector<nlohmann::json> out;
-  size_t start = 0;
-  while (start < text.size()) {
-    size_t end = text.find('\n', start);
-    if (end == std::string::npos) end = text.size();
-    std::string line = text.substr(start, end - start);
-    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
-    start = end + 1;
-  }
-  return out;
-}
-
-std::vector<double> Losses(const std::vector<nlohmann::json>& lines) {
-  std::vector<double> l;
-  for (const auto& j : lines) {
-    if (j.contains("loss")) l.push_back(j["loss"].get<double>());
-  }
-  return l;
-}
+using namespace pipewright::cli_test;
 
 TEST(Cli, NoSubcommandIsUsageError) {
   Result r = RunCli("");
@@ -91,14 +40,6 @@ TEST(Cli, BadValuesAreUsageErrors) {
     EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.err;
     EXPECT_FALSE(r.err.empty()) << args;
   }
-}
-
-std::vector<double> Losses(const Result& r) {
-  std::vector<double> out;
-  for (const auto& j : JsonLines(r.out)) {
-    if (j.contains("loss")) out.push_back(j["loss"].get<double>());
-  }
-  return out;
 }
 
 // The runtime issue's acceptance check: every schedule and depth gives the single-stage losses.
@@ -170,9 +111,6 @@ TEST(CliPipeline, ImpossibleSplitsAreUsageErrors) {
   EXPECT_NE(r.err.find("multiple of pipeline ranks"), std::string::npos) << r.err;
   r = RunCli("train --preset gpt-tiny --pp 2 --timeout 0 --steps 1");
   EXPECT_EQ(r.exit_code, 2);
-  r = RunCli("train --plan p.json --steps 1");
-  EXPECT_EQ(r.exit_code, 2);
-  EXPECT_NE(r.err.find("not yet supported"), std::string::npos) << r.err;
 }
 
 TEST(Cli, CudaWithoutGpuIsClearError) {

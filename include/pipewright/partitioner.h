@@ -1,0 +1,110 @@
+// The partitioner: given a model's per-layer costs (plan.h ModelCosts) and the devices, find
+// the contiguous split into pipeline stages with the smallest predicted step time that fits
+// in every device's memory, and search over pp x dp, micro-batch sizes and schedules.
+//
+//   DeviceSpec dev;  dev.count = 8;  dev.memory_bytes = 80 * kGiB;
+//   PartitionOptions o;  o.pp = 4;  o.dp = 2;  o.schedule = ScheduleKind::k1F1B;
+//   o.micro_batches = 8;  o.micro_batch_size = 4;
+//   PW_ASSIGN_OR_RETURN(Plan plan, Partition(model, dev, o));
+//
+// Cost and memory model: docs/memory.md. Pure C++: no device, MPI or BLAS headers.
+#ifndef PIPEWRIGHT_PARTITIONER_H_
+#define PIPEWRIGHT_PARTITIONER_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "pipewright/plan.h"
+#include "pipewright/schedule.h"
+
+namespace pipewright {
+
+inline constexpr int64_t kGiB = int64_t{1} << 30;
+
+enum class Precision { kFp32, kBf16, kFp16 };
+absl::StatusOr<Precision> ParsePrecision(absl::string_view name);  // "fp32" | "bf16" | "fp16"
+const char* PrecisionName(Precision p);
+
+struct DeviceSpec {
+  int count = 1;
+  int64_t memory_bytes = 80 * kGiB;
+  int64_t reserve_bytes = 0;       // kept free on every device (workspace, fragmentation)
+  double tflops = 100;             // sustained compute throughput (TFLOP/s)
+  double link_bandwidth = 25e9;    // P2P and all-reduce bytes per second
+  double link_latency_s = 10e-6;   // per message
+  double memory_bandwidth = 2e12;  // bytes per second, for the optimizer step
+  // Fixed cost of running one layer's forward or backward once (kernel launches, small-GEMM
+  // inefficiency): what makes tiny micro-batches slower than their FLOPs. Profiled times
+  // already include it.
+  double layer_overhead_s = 20e-6;
+};
+
+// Bytes per parameter on a stage's device (docs/memory.md).
+struct ParamBytes {
+  int64_t weights = 4, grads = 4, optimizer = 8;  // fp32 Adam: 16
+  int64_t total() const { return weights + grads + optimizer; }
+};
+ParamBytes BytesPerParam(Precision precision);  // fp32 4+4+8; bf16/fp16 2+4+(4+8) = 18
+
+struct PartitionOptions {
+  int pp = 1;
+  int dp = 1;
+  ScheduleKind schedule = ScheduleKind::k1F1B;
+  int chunks = 1;                // interleaved: v >= 2; zb-v: 2; others 1
+  int micro_batches = 1;         // per replica
+  int64_t micro_batch_size = 0;  // 0: the model's
+  Precision precision = Precision::kFp32;
+  bool allow_recompute = true;  // recompute a stage when (and only when) it does not fit without
+  // When nothing fits, partition alternatives (recomputation, 1f1b, smaller micro-batches, more
+  // stages) and name those that would fit in the error.
+  bool suggest = true;
+};
+
+// Per-micro-batch peak number of micro-batches whose activations a virtual stage holds under
+// `schedule` (from each rank's program order: F adds one, the last backward action frees it).
+std::vector<int> PeakInflightPerStage(const Schedule& schedule);
+
+// The optimal plan for fixed (pp, dp, schedule, micro-batching): contiguous non-empty stages
+// covering every layer once; minimises the largest stage time per micro-batch (the
+// steady-state throughput of every schedule), then the sum of stage times (fill and drain);
+// every device within memory; recomputation only on stages that do not fit without it.
+// The result is exact (dynamic programming, O(stages * layers^2) worst case).
+// When nothing fits, FailedPrecondition names the stage, its layers and the shortfall in bytes
+// and suggests what would fit.
+absl::StatusOr<Plan> Partition(const ModelCosts& model, const DeviceSpec& devices,
+                               const PartitionOptions& options);
+
+// Fills plan.predicted and every stage's predicted time and memory for the plan's split.
+absl::Status Predict(const ModelCosts& model, const DeviceSpec& devices, Precision precision,
+                     Plan& plan);
+
+struct SearchOptions {
+  int64_t global_batch = 0;  // sequences per step; 0: devices * the model's micro-batch size
+  // Fixed choices; unset means "try every value".
+  std::optional<int> pp, dp, chunks;
+  std::optional<ScheduleKind> schedule;
+  std::optional<int64_t> micro_batch_size;
+  Precision precision = Precision::kFp32;
+  bool allow_recompute = true;
+  int keep = 5;  // best plans returned
+};
+
+struct SearchResult {
+  std::vector<Plan> best;               // fastest first, at most `keep`
+  int candidates = 0;                   // (pp, dp, b, schedule) combinations tried
+  int feasible = 0;                     // of which fitted in memory
+  std::vector<std::string> infeasible;  // why the closest misses did not fit (a few)
+};
+
+// Tries every pp x dp = devices.count, micro-batch sizes b with dp * b dividing the global
+// batch, and the schedules (gpipe, 1f1b, interleaved with 2 chunks, zb-h1, zb-v), each
+// partitioned optimally. An error when no combination fits, with the closest shortfall.
+absl::StatusOr<SearchResult> SearchPlans(const ModelCosts& model, const DeviceSpec& devices,
+                                         const SearchOptions& options);
+
+}  // namespace pipewright
+
+#endif  // PIPEWRIGHT_PARTITIONER_H_

@@ -1,0 +1,559 @@
+// Optimal contiguous partition of a layer graph into pipeline stages (docs/memory.md).
+//
+// For a fixed (pp, dp, schedule, micro-batching) the stage count S and each virtual stage's
+// peak number of in-flight micro-batches are known before the split is (they follow from the
+// program order alone), so a stage's time and memory depend only on its own layer range and
+// its index. The objective is lexicographic: first the largest per-micro-batch stage time T*
+// (which sets the steady-state throughput of every schedule: a step takes about
+// (m - 1) * T* + sum of the stages), then the sum of stage times (fill and drain). Two exact
+// dynamic programs over (stage, end layer) find it:
+//   1. best[k][j] = min_i max(best[k-1][i], T_k(i, j))       the optimal bottleneck T*;
+//   2. sum[k][j]  = min_i sum[k-1][i] + T_k(i, j), T_k <= T*  the least total among those.
+// T_k(i, j) is the stage's compute time without recomputation when it fits in memory, with
+// recomputation (one more forward) when only that fits, and infeasible otherwise. Scans over i
+// stop as soon as a lower bound that only grows with the range (pure compute time, or the
+// weights plus one micro-batch's activations) rules the rest out, so typical graphs cost far
+// less than the O(S * L^2) worst case.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "partitioner/partition_internal.h"
+#include "pipewright/partitioner.h"
+#include "pipewright/simulator.h"
+#include "pipewright/status.h"
+
+namespace pipewright {
+
+absl::StatusOr<Precision> ParsePrecision(absl::string_view name) {
+  if (name == "fp32") return Precision::kFp32;
+  if (name == "bf16") return Precision::kBf16;
+  if (name == "fp16") return Precision::kFp16;
+  return absl::InvalidArgumentError(
+      absl::StrCat("precision must be fp32, bf16 or fp16, not '", name, "'"));
+}
+
+const char* PrecisionName(Precision p) {
+  switch (p) {
+    case Precision::kFp32:
+      return "fp32";
+    case Precision::kBf16:
+      return "bf16";
+    case Precision::kFp16:
+      return "fp16";
+  }
+  return "?";
+}
+
+ParamBytes BytesPerParam(Precision precision) {
+  if (precision == Precision::kFp32) return {4, 4, 8};
+  // 16-bit weights, fp32 gradients, fp32 master weights + two fp32 moments.
+  return {2, 4, 12};
+}
+
+std::vector<int> PeakInflightPerStage(const Schedule& schedule) {
+  std::vector<int> held(schedule.num_stages, 0), peak(schedule.num_stages, 0);
+  const ActionKind frees = schedule.split_backward ? ActionKind::kW : ActionKind::kB;
+  for (const Program& prog : schedule.programs) {
+    for (const Action& a : prog.actions) {
+      const int s = a.virtual_stage;
+      if (s < 0 || s >= schedule.num_stages) continue;
+      if (a.kind == ActionKind::kF) {
+        peak[s] = std::max(peak[s], ++held[s]);
+      } else if (a.kind == frees) {
+        --held[s];
+      }
+    }
+  }
+  return peak;
+}
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+std::string Bytes(int64_t b) {
+  const double x = static_cast<double>(b);
+  if (std::abs(x) >= kGiB) return absl::StrFormat("%.2f GiB", x / kGiB);
+  if (std::abs(x) >= (1 << 20)) return absl::StrFormat("%.2f MiB", x / (1 << 20));
+  if (std::abs(x) >= 1024) return absl::StrFormat("%.1f KiB", x / 1024);
+  return absl::StrCat(b, " B");
+}
+
+// Costs of any layer range of one model at one micro-batch size, for one schedule.
+class StageCosts {
+ public:
+  StageCosts(const ModelCosts& model, const DeviceSpec& dev, Precision precision,
+             std::vector<int> inflight, int chunks)
+      : model_(model), dev_(dev), pb_(BytesPerParam(precision)), inflight_(std::move(inflight)) {
+    const int L = model.num_layers();
+    f_.assign(L + 1, 0);
+    b_.assign(L + 1, 0);
+    params_.assign(L + 1, 0);
+    act_.assign(L + 1, 0);
+    const double flops_per_s = dev.tflops * 1e12;
+    for (int i = 0; i < L; ++i) {
+      const LayerCost& l = model.layers[i];
+      const double f = l.forward_time_s ? *l.forward_time_s
+                                        : l.forward_flops / flops_per_s + dev.layer_overhead_s;
+      const double b = l.backward_time_s ? *l.backward_time_s
+                                         : l.backward_flops / flops_per_s + dev.layer_overhead_s;
+      f_[i + 1] = f_[i] + f;
+      b_[i + 1] = b_[i] + b;
+      params_[i + 1] = params_[i] + l.params;
+      act_[i + 1] = act_[i] + l.activation_bytes;
+      max_layer_ = std::max(max_layer_, f + b);
+    }
+    // Virtual stages of one rank share its memory; each gets an equal share (a sufficient
+    // condition, exact for one chunk per rank; docs/memory.md).
+    budget_ = (dev.memory_bytes - dev.reserve_bytes) / std::max(1, chunks);
+  }
+
+  int num_layers() const { return model_.num_layers(); }
+  int64_t budget() const { return budget_; }
+  double forward(int i, int j) const { return f_[j] - f_[i]; }
+  double backward(int i, int j) const { return b_[j] - b_[i]; }
+  double compute(int i, int j) const { return forward(i, j) + backward(i, j); }
+  double total_compute() const { return f_.back() + b_.back(); }
+  double total_forward() const { return f_.back(); }
+  double max_layer() const { return max_layer_; }
+  int64_t params(int i, int j) const { return params_[j] - params_[i]; }
+  int64_t input_bytes(int i) const {
+    return i == 0 ? model_.input_bytes : model_.layers[i - 1].output_bytes;
+  }
+  const ParamBytes& param_bytes() const { return pb_; }
+  const std::vector<int>& inflight() const { return inflight_; }
+
+  StageMemory Memory(int k, int i, int j, Recompute rc) const {
+    StageMemory m;
+    const int64_t p = params(i, j);
+    m.params = p * pb_.weights;
+    m.grads = p * pb_.grads;
+    m.optimizer = p * pb_.optimizer;
+    const int64_t saved = act_[j] - act_[i];
+    const int64_t held = inflight_[k];
+    m.activations = rc == Recompute::kFull ? held * input_bytes(i) + saved : held * saved;
+    m.total = m.params + m.grads + m.optimizer + m.activations;
+    return m;
+  }
+  // Never above the memory of any recompute choice, and never shrinking as the range grows.
+  int64_t MemoryLowerBound(int i, int j) const {
+    return params(i, j) * pb_.total() + (act_[j] - act_[i]);
+  }
+
+  // Per-micro-batch time of stage k on [i, j) and its recomputation; kInf when nothing fits.
+  double Time(int k, int i, int j, bool allow_recompute, Recompute* rc) const {
+    if (Memory(k, i, j, Recompute::kNone).total <= budget_) {
+      *rc = Recompute::kNone;
+      return compute(i, j);
+    }
+    if (allow_recompute && Memory(k, i, j, Recompute::kFull).total <= budget_) {
+      *rc = Recompute::kFull;
+      return compute(i, j) + forward(i, j);
+    }
+    return kInf;
+  }
+  // The smallest memory of stage k on [i, j) over the allowed recompute choices.
+  StageMemory LeastMemory(int k, int i, int j, bool allow_recompute, Recompute* rc) const {
+    StageMemory none = Memory(k, i, j, Recompute::kNone);
+    *rc = Recompute::kNone;
+    if (!allow_recompute) return none;
+    StageMemory full = Memory(k, i, j, Recompute::kFull);
+    if (full.total < none.total) {
+      *rc = Recompute::kFull;
+      return full;
+    }
+    return none;
+  }
+
+ private:
+  const ModelCosts& model_;
+  DeviceSpec dev_;
+  ParamBytes pb_;
+  std::vector<int> inflight_;
+  std::vector<double> f_, b_;
+  std::vector<int64_t> params_, act_;
+  double max_layer_ = 0;
+  int64_t budget_ = 0;
+};
+
+struct Split {
+  std::vector<int> bounds;  // S + 1
+  std::vector<Recompute> recompute;
+};
+
+// Step 1 of the file comment: the optimal bottleneck, or kInf when no split fits.
+double OptimalBottleneck(const StageCosts& c, int S, bool allow_recompute) {
+  const int L = c.num_layers();
+  std::vector<double> prev(L + 1, kInf), cur(L + 1, kInf);
+  prev[0] = 0;
+  for (int k = 0; k < S; ++k) {
+    std::fill(cur.begin(), cur.end(), kInf);
+    // Stage k ends at j: at least k + 1 layers before it, S - k - 1 after it.
+    for (int j = k + 1; j <= L - (S - k - 1); ++j) {
+      double best = kInf;
+      for (int i = j - 1; i >= k; --i) {
+        if (c.compute(i, j) >= best) break;  // only grows as i falls
+        if (c.MemoryLowerBound(i, j) > c.budget()) break;
+        if (prev[i] >= best) continue;
+        Recompute rc = Recompute::kNone;
+        const double t = c.Time(k, i, j, allow_recompute, &rc);
+        best = std::min(best, std::max(prev[i], t));
+      }
+      cur[j] = best;
+    }
+    std::swap(prev, cur);
+  }
+  return prev[L];
+}
+
+// Step 2: among splits whose every stage is within `cap`, the one with the least total time.
+bool LeastTotalWithin(const StageCosts& c, int S, bool allow_recompute, double cap, Split* out) {
+  const int L = c.num_layers();
+  std::vector<std::vector<double>> sum(S + 1, std::vector<double>(L + 1, kInf));
+  std::vector<std::vector<int>> from(S + 1, std::vector<int>(L + 1, -1));
+  std::vector<std::vector<Recompute>> how(S + 1, std::vector<Recompute>(L + 1, Recompute::kNone));
+  sum[0][0] = 0;
+  for (int k = 0; k < S; ++k) {
+    for (int j = k + 1; j <= L - (S - k - 1); ++j) {
+      for (int i = j - 1; i >= k; --i) {
+        if (c.compute(i, j) > cap) break;
+        if (c.MemoryLowerBound(i, j) > c.budget()) break;
+        if (sum[k][i] == kInf) continue;
+        Recompute rc = Recompute::kNone;
+        const double t = c.Time(k, i, j, allow_recompute, &rc);
+        if (t > cap) continue;
+        if (sum[k][i] + t < sum[k + 1][j]) {
+          sum[k + 1][j] = sum[k][i] + t;
+          from[k + 1][j] = i;
+          how[k + 1][j] = rc;
+        }
+      }
+    }
+  }
+  if (sum[S][L] == kInf) return false;
+  out->bounds.assign(S + 1, 0);
+  out->recompute.assign(S, Recompute::kNone);
+  out->bounds[S] = L;
+  for (int k = S, j = L; k > 0; --k) {
+    out->recompute[k - 1] = how[k][j];
+    j = from[k][j];
+    out->bounds[k - 1] = j;
+  }
+  return true;
+}
+
+// When nothing fits: the split whose worst stage overflows least, for the error message.
+Split LeastOverflow(const StageCosts& c, int S, bool allow_recompute) {
+  const int L = c.num_layers();
+  std::vector<std::vector<double>> worst(S + 1, std::vector<double>(L + 1, kInf));
+  std::vector<std::vector<int>> from(S + 1, std::vector<int>(L + 1, -1));
+  worst[0][0] = -kInf;
+  for (int k = 0; k < S; ++k) {
+    for (int j = k + 1; j <= L - (S - k - 1); ++j) {
+      for (int i = j - 1; i >= k; --i) {
+        if (worst[k][i] == kInf) continue;
+        Recompute rc = Recompute::kNone;
+        const double over =
+            static_cast<double>(c.LeastMemory(k, i, j, allow_recompute, &rc).total - c.budget());
+        const double w = std::max(worst[k][i], over);
+        if (w < worst[k + 1][j]) {
+          worst[k + 1][j] = w;
+          from[k + 1][j] = i;
+        }
+      }
+    }
+  }
+  Split s;
+  s.bounds.assign(S + 1, 0);
+  s.recompute.assign(S, Recompute::kNone);
+  s.bounds[S] = L;
+  for (int k = S, j = L; k > 0; --k) {
+    j = from[k][j];
+    s.bounds[k - 1] = j;
+  }
+  for (int k = 0; k < S; ++k) {
+    c.LeastMemory(k, s.bounds[k], s.bounds[k + 1], allow_recompute, &s.recompute[k]);
+  }
+  return s;
+}
+
+absl::Status CheckInputs(const ModelCosts& model, const DeviceSpec& dev,
+                         const PartitionOptions& o) {
+  if (model.num_layers() < 1) return absl::InvalidArgumentError("the model has no layers");
+  if (dev.count < 1) return absl::InvalidArgumentError("--devices must be >= 1");
+  if (dev.memory_bytes < 1) return absl::InvalidArgumentError("--device-memory must be > 0");
+  if (dev.reserve_bytes < 0 || dev.reserve_bytes >= dev.memory_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("the reserve (", Bytes(dev.reserve_bytes),
+                                                   ") must be >= 0 and below the device memory (",
+                                                   Bytes(dev.memory_bytes), ")"));
+  }
+  if (!(dev.layer_overhead_s >= 0) || !std::isfinite(dev.layer_overhead_s)) {
+    return absl::InvalidArgumentError("the per-layer overhead must be finite and >= 0");
+  }
+  for (double x : {dev.tflops, dev.link_bandwidth, dev.memory_bandwidth}) {
+    if (!(x > 0) || !std::isfinite(x)) {
+      return absl::InvalidArgumentError("device throughput and bandwidths must be finite and > 0");
+    }
+  }
+  if (!(dev.link_latency_s >= 0) || !std::isfinite(dev.link_latency_s)) {
+    return absl::InvalidArgumentError("link latency must be finite and >= 0");
+  }
+  if (o.pp < 1 || o.dp < 1) return absl::InvalidArgumentError("--pp and --dp must be >= 1");
+  if (int64_t{o.pp} * o.dp != dev.count) {
+    return absl::InvalidArgumentError(absl::StrCat("--pp ", o.pp, " x --dp ", o.dp, " = ",
+                                                   int64_t{o.pp} * o.dp, " ranks, but there are ",
+                                                   dev.count, " devices"));
+  }
+  if (o.micro_batch_size < 0) {
+    return absl::InvalidArgumentError("--micro-batch-size must be >= 1");
+  }
+  return absl::OkStatus();
+}
+
+// Fills stage and plan predictions for plan's split and recompute choices.
+absl::Status PredictWith(const StageCosts& c, const ModelCosts& model, const DeviceSpec& dev,
+                         Plan& plan) {
+  PW_ASSIGN_OR_RETURN(Schedule sched, GenerateSchedule(plan.schedule));
+  PW_RETURN_IF_ERROR(LowerComm(sched));
+  const int S = sched.num_stages;
+  const int p = plan.pipeline_parallel;
+  if (static_cast<int>(plan.stages.size()) != S) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the plan has ", plan.stages.size(), " stages; the schedule has ", S));
+  }
+  SimCosts costs;
+  std::vector<int64_t> rank_memory(p, 0), rank_params(p, 0);
+  double worst = -1, largest_message = 0;
+  int64_t max_stage_params = 0;
+  for (int k = 0; k < S; ++k) {
+    PlanStage& st = plan.stages[k];
+    const int i = st.begin, j = st.end;
+    if (i < 0 || j > model.num_layers() || i >= j) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("stages[", k, "].layers: range [", i, ", ", j, ") is not valid"));
+    }
+    const double f = c.forward(i, j), b = c.backward(i, j);
+    const double rc = st.recompute == Recompute::kFull ? f : 0;
+    st.forward_s = f;
+    st.backward_s = b + rc;
+    st.memory = c.Memory(k, i, j, st.recompute);
+    st.rank = sched.stage_rank[k];
+    // I and W each take half of the backward where the schedule splits them; the
+    // recomputed forward runs before I.
+    costs.stage_f.push_back(f);
+    costs.stage_b.push_back(b / 2 + rc);
+    costs.stage_w.push_back(b / 2);
+    rank_memory[st.rank] += st.memory.total;
+    rank_params[st.rank] += c.params(i, j);
+    max_stage_params = std::max(max_stage_params, c.params(i, j));
+    if (j < model.num_layers()) {
+      largest_message =
+          std::max(largest_message, static_cast<double>(model.layers[j - 1].output_bytes));
+    }
+    if (f + b + rc > worst) {
+      worst = f + b + rc;
+      plan.predicted.bottleneck_stage = k;
+    }
+  }
+  costs.comm_latency = dev.link_latency_s;
+  costs.comm_per_byte = 1.0 / dev.link_bandwidth;
+  costs.message_bytes = largest_message;
+  const int dp = plan.data_parallel;
+  if (dp > 1) {
+    // Ring all-reduce of the fp32 gradients: 2 (dp - 1) / dp of the bytes over each link.
+    const double bytes = static_cast<double>(max_stage_params) * c.param_bytes().grads;
+    costs.reduce_time =
+        2.0 * (dp - 1) / dp * bytes / dev.link_bandwidth + 2.0 * (dp - 1) * dev.link_latency_s;
+  }
+  // The optimizer reads every parameter's state once and writes weights and moments back.
+  const int64_t most_params = *std::max_element(rank_params.begin(), rank_params.end());
+  costs.optimizer_time =
+      static_cast<double>(most_params) *
+      (c.param_bytes().total() + c.param_bytes().weights + c.param_bytes().optimizer) /
+      dev.memory_bandwidth;
+  PW_ASSIGN_OR_RETURN(SimResult sim, Simulate(sched, costs));
+  PlanPrediction& pr = plan.predicted;
+  pr.step_time_s = sim.makespan;
+  pr.bubble_fraction = sim.bubble_fraction;
+  pr.samples_per_s = sim.makespan > 0 ? plan.global_batch() / sim.makespan : 0;
+  pr.peak_memory_bytes = *std::max_element(rank_memory.begin(), rank_memory.end());
+
+  // The lower bound: every stage at max(sum / S, largest layer), nothing else slowing it.
+  const double per_stage = std::max(c.total_compute() / S, c.max_layer());
+  const double fwd_share = c.total_compute() > 0 ? c.total_forward() / c.total_compute() : 0.5;
+  SimCosts ideal;
+  ideal.stage_f.assign(S, per_stage * fwd_share);
+  ideal.stage_b.assign(S, per_stage * (1 - fwd_share) / 2);
+  ideal.stage_w.assign(S, per_stage * (1 - fwd_share) / 2);
+  ideal.reduce_time = costs.reduce_time;
+  ideal.optimizer_time = costs.optimizer_time;
+  PW_ASSIGN_OR_RETURN(SimResult best, Simulate(sched, ideal));
+  pr.lower_bound_step_time_s = std::min(best.makespan, sim.makespan);
+  pr.lower_bound_gap =
+      pr.lower_bound_step_time_s > 0 ? sim.makespan / pr.lower_bound_step_time_s - 1 : 0;
+  return absl::OkStatus();
+}
+
+Plan EmptyPlan(const ModelCosts& model, const DeviceSpec& dev, const ScheduleSpec& spec, int dp,
+               int64_t b) {
+  Plan plan;
+  plan.model_name = model.name;
+  plan.num_layers = model.num_layers();
+  plan.fingerprint = model.fingerprint;
+  plan.devices = dev.count;
+  plan.device_memory_bytes = dev.memory_bytes;
+  plan.pipeline_parallel = spec.ranks;
+  plan.data_parallel = dp;
+  plan.schedule = spec;
+  plan.micro_batch_size = b;
+  return plan;
+}
+
+std::string DescribeStageMemory(const StageMemory& m) {
+  return absl::StrCat("weights ", Bytes(m.params), ", gradients ", Bytes(m.grads), ", optimizer ",
+                      Bytes(m.optimizer), ", activations ", Bytes(m.activations));
+}
+
+// What would fit instead, tried for real: each alternative is partitioned without further
+// suggestions.
+std::vector<std::string> Suggestions(const ModelCosts& model, const DeviceSpec& dev,
+                                     const PartitionOptions& o, int64_t b, int S, int64_t budget,
+                                     int64_t static_bytes) {
+  std::vector<std::string> out;
+  auto fits = [&](PartitionOptions alt) {
+    alt.suggest = false;
+    alt.micro_batch_size = alt.micro_batch_size ? alt.micro_batch_size : b;
+    absl::StatusOr<Plan> p = Partition(model, dev, alt);
+    return p.ok();
+  };
+  if (!o.allow_recompute) {
+    PartitionOptions alt = o;
+    alt.allow_recompute = true;
+    if (fits(alt)) out.push_back("allowing activation recomputation");
+  }
+  if (o.schedule == ScheduleKind::kGpipe) {
+    PartitionOptions alt = o;
+    alt.schedule = ScheduleKind::k1F1B;
+    if (fits(alt)) out.push_back("--schedule 1f1b (holds at most p micro-batches, not m)");
+  }
+  for (int64_t smaller = b / 2; smaller >= 1; smaller /= 2) {
+    PartitionOptions alt = o;
+    alt.micro_batch_size = smaller;
+    alt.micro_batches = static_cast<int>(
+        std::min<int64_t>(int64_t{o.micro_batches} * b / smaller, std::numeric_limits<int>::max()));
+    if (fits(alt)) {
+      out.push_back(absl::StrCat("--micro-batch-size ", smaller, " --micro-batches ",
+                                 alt.micro_batches, " (same global batch)"));
+      break;
+    }
+  }
+  for (int pp = o.pp * 2; pp <= dev.count && pp <= model.num_layers(); pp *= 2) {
+    if (dev.count % pp != 0) break;
+    PartitionOptions alt = o;
+    alt.pp = pp;
+    alt.dp = dev.count / pp;
+    if (alt.schedule == ScheduleKind::kInterleaved && alt.micro_batches % pp != 0) break;
+    if (fits(alt)) {
+      out.push_back(absl::StrCat("--pp ", pp, " --dp ", alt.dp));
+      break;
+    }
+  }
+  const int64_t min_devices = (static_bytes + budget - 1) / std::max<int64_t>(1, budget);
+  if (out.empty()) {
+    out.push_back(absl::StrCat(
+        "weights, gradients and optimizer state alone need ", Bytes(static_bytes),
+        ", i.e. at "
+        "least ",
+        min_devices, " pipeline stages of ", Bytes(budget), " (", S,
+        " now): use more devices, more device memory, bf16/fp16 weights or a smaller model"));
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<Plan> Partition(const ModelCosts& model, const DeviceSpec& dev,
+                               const PartitionOptions& o) {
+  int64_t shortfall = 0;
+  return internal::Partition(model, dev, o, &shortfall);
+}
+
+absl::StatusOr<Plan> internal::Partition(const ModelCosts& model, const DeviceSpec& dev,
+                                         const PartitionOptions& o, int64_t* shortfall) {
+  *shortfall = 0;
+  PW_RETURN_IF_ERROR(CheckInputs(model, dev, o));
+  const int64_t b = o.micro_batch_size ? o.micro_batch_size : model.micro_batch_size;
+  const ModelCosts scaled = model.WithMicroBatchSize(b);
+  ScheduleSpec spec{o.schedule, o.pp, o.micro_batches, o.chunks};
+  PW_ASSIGN_OR_RETURN(Schedule sched, GenerateSchedule(spec));
+  spec = sched.spec;  // zb-v's chunks = 2
+  const int S = sched.num_stages;
+  const int L = scaled.num_layers();
+  if (S > L) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot split ", L, " layers into ", S,
+                                                   " non-empty stages (pp ", o.pp, " x chunks ",
+                                                   spec.chunks, ")"));
+  }
+  StageCosts c(scaled, dev, o.precision, PeakInflightPerStage(sched), spec.chunks);
+  const double bottleneck = OptimalBottleneck(c, S, o.allow_recompute);
+  Plan plan = EmptyPlan(scaled, dev, spec, o.dp, b);
+  Split split;
+  if (bottleneck == kInf) {
+    split = LeastOverflow(c, S, o.allow_recompute);
+    int worst = 0;
+    StageMemory worst_mem;
+    for (int k = 0; k < S; ++k) {
+      StageMemory m = c.Memory(k, split.bounds[k], split.bounds[k + 1], split.recompute[k]);
+      if (k == 0 || m.total > worst_mem.total) {
+        worst = k;
+        worst_mem = m;
+      }
+    }
+    *shortfall = worst_mem.total - c.budget();
+    const std::string message = absl::StrFormat(
+        "%s does not fit: with the best split (stages at layers [%s]) stage %d (layers [%d, %d), "
+        "%s, %d micro-batch(es) in flight%s) needs %s (%s) but a %s holds %s%s: %s short",
+        model.name, absl::StrJoin(split.bounds, ", "), worst, split.bounds[worst],
+        split.bounds[worst + 1], ScheduleKindName(spec.kind), c.inflight()[worst],
+        split.recompute[worst] == Recompute::kFull ? ", recomputing" : "", Bytes(worst_mem.total),
+        DescribeStageMemory(worst_mem),
+        spec.chunks > 1 ? absl::StrCat("1/", spec.chunks, " share of a device") : "device",
+        Bytes(c.budget()),
+        dev.reserve_bytes ? absl::StrCat(" after a ", Bytes(dev.reserve_bytes), " reserve") : "",
+        Bytes(*shortfall));
+    if (!o.suggest) return absl::FailedPreconditionError(message);
+    const int64_t static_bytes = c.params(0, L) * c.param_bytes().total();
+    std::vector<std::string> ideas = Suggestions(model, dev, o, b, S, c.budget(), static_bytes);
+    return absl::FailedPreconditionError(
+        absl::StrCat(message, ".\nwould fit: ", absl::StrJoin(ideas, "; or ")));
+  }
+  if (!LeastTotalWithin(c, S, o.allow_recompute, bottleneck * (1 + 1e-12), &split)) {
+    return absl::InternalError("partition: no split within the optimal bottleneck");
+  }
+  for (int k = 0; k < S; ++k) {
+    PlanStage st;
+    st.index = k;
+    st.begin = split.bounds[k];
+    st.end = split.bounds[k + 1];
+    st.recompute = split.recompute[k];
+    plan.stages.push_back(st);
+  }
+  PW_RETURN_IF_ERROR(PredictWith(c, scaled, dev, plan));
+  return plan;
+}
+
+absl::Status Predict(const ModelCosts& model, const DeviceSpec& dev, Precision precision,
+                     Plan& plan) {
+  const ModelCosts scaled = model.WithMicroBatchSize(plan.micro_batch_size);
+  PW_ASSIGN_OR_RETURN(Schedule sched, GenerateSchedule(plan.schedule));
+  StageCosts c(scaled, dev, precision, PeakInflightPerStage(sched), sched.spec.chunks);
+  return PredictWith(c, scaled, dev, plan);
+}
+
+}  // namespace pipewright

@@ -1,0 +1,124 @@
+// Plan search: every pp x dp = devices, micro-batch size and schedule, each partitioned
+// optimally (partition.cc), ranked by predicted step time.
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "partitioner/partition_internal.h"
+#include "pipewright/partitioner.h"
+#include "pipewright/status.h"
+
+namespace pipewright {
+namespace {
+
+struct Choice {
+  ScheduleKind kind;
+  int chunks;
+};
+
+std::vector<Choice> Schedules(const SearchOptions& o, int pp) {
+  std::vector<Choice> all;
+  if (o.schedule) {
+    const int v = o.chunks.value_or(
+        *o.schedule == ScheduleKind::kInterleaved || *o.schedule == ScheduleKind::kZbV ? 2 : 1);
+    all.push_back({*o.schedule, v});
+    return all;
+  }
+  if (pp == 1) return {{ScheduleKind::k1F1B, 1}};  // one stage: every schedule is the same
+  all = {{ScheduleKind::kGpipe, 1},
+         {ScheduleKind::k1F1B, 1},
+         {ScheduleKind::kInterleaved, o.chunks.value_or(2)},
+         {ScheduleKind::kZbH1, 1},
+         {ScheduleKind::kZbV, 2}};
+  return all;
+}
+
+}  // namespace
+
+absl::StatusOr<SearchResult> SearchPlans(const ModelCosts& model, const DeviceSpec& dev,
+                                         const SearchOptions& o) {
+  if (dev.count < 1) return absl::InvalidArgumentError("--devices must be >= 1");
+  if (model.num_layers() < 1) return absl::InvalidArgumentError("the model has no layers");
+  const int64_t G =
+      o.global_batch > 0 ? o.global_batch : int64_t{dev.count} * model.micro_batch_size;
+  if (o.keep < 1) return absl::InvalidArgumentError("keep must be >= 1");
+  SearchResult result;
+  // Why each infeasible candidate did not fit, by shortfall in bytes.
+  std::vector<std::pair<int64_t, std::string>> misses;
+  std::string last_invalid;
+  for (int pp = 1; pp <= dev.count; ++pp) {
+    if (dev.count % pp != 0 || (o.pp && *o.pp != pp)) continue;
+    const int dp = dev.count / pp;
+    if (o.dp && *o.dp != dp) continue;
+    if (pp > model.num_layers()) continue;
+    if (G % dp != 0) {
+      last_invalid = absl::StrCat("the global batch ", G, " is not divisible by dp ", dp);
+      continue;
+    }
+    for (int64_t b = 1; b <= G / dp; ++b) {
+      if ((G / dp) % b != 0 || (o.micro_batch_size && *o.micro_batch_size != b)) continue;
+      const int64_t m = G / dp / b;
+      if (m > (int64_t{1} << 20)) continue;
+      for (const Choice& ch : Schedules(o, pp)) {
+        PartitionOptions po;
+        po.pp = pp;
+        po.dp = dp;
+        po.schedule = ch.kind;
+        po.chunks = ch.chunks;
+        po.micro_batches = static_cast<int>(m);
+        po.micro_batch_size = b;
+        po.precision = o.precision;
+        po.allow_recompute = o.allow_recompute;
+        po.suggest = false;
+        // Configurations the schedule or the layer count rule out are not candidates.
+        absl::StatusOr<Schedule> sched =
+            GenerateSchedule({ch.kind, pp, static_cast<int>(m), ch.chunks});
+        if (!sched.ok()) {
+          last_invalid = std::string(sched.status().message());
+          continue;
+        }
+        if (sched->num_stages > model.num_layers()) continue;
+        ++result.candidates;
+        int64_t shortfall = 0;
+        absl::StatusOr<Plan> plan = internal::Partition(model, dev, po, &shortfall);
+        if (plan.ok()) {
+          ++result.feasible;
+          result.best.push_back(*std::move(plan));
+        } else if (plan.status().code() == absl::StatusCode::kFailedPrecondition) {
+          misses.emplace_back(
+              shortfall, absl::StrCat("pp=", pp, " dp=", dp, " b=", b, " m=", m, " ",
+                                      ScheduleKindName(ch.kind), ": ", plan.status().message()));
+        } else {
+          return plan.status();
+        }
+      }
+    }
+  }
+  if (result.best.empty()) {
+    if (result.candidates == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "no pp x dp x micro-batch x schedule combination is possible for ", dev.count,
+          " devices, global batch ", G, " and ", model.num_layers(), " layers",
+          last_invalid.empty() ? "" : absl::StrCat(" (", last_invalid, ")")));
+    }
+    std::sort(misses.begin(), misses.end());
+    return absl::FailedPreconditionError(
+        absl::StrCat("none of ", result.candidates, " configurations fits in memory; the closest, ",
+                     misses.front().second,
+                     ".\nwould fit: more devices or device memory, bf16/fp16, or a smaller "
+                     "global batch"));
+  }
+  // Fastest first; step times within a millionth count as equal, and the plan using less
+  // memory wins.
+  std::stable_sort(result.best.begin(), result.best.end(), [](const Plan& a, const Plan& b) {
+    const double ta = a.predicted.step_time_s, tb = b.predicted.step_time_s;
+    if (std::abs(ta - tb) > 1e-6 * std::max(ta, tb)) return ta < tb;
+    return a.predicted.peak_memory_bytes < b.predicted.peak_memory_bytes;
+  });
+  if (static_cast<int>(result.best.size()) > o.keep) result.best.resize(o.keep);
+  std::sort(misses.begin(), misses.end());
+  for (size_t i = 0; i < misses.size() && i < 3; ++i) result.infeasible.push_back(misses[i].second);
+  return result;
+}
+
+}  // namespace pipewright

@@ -1,0 +1,253 @@
+// `pipewright plan`: partition a model over devices (partitioner.h) and write the best plan.
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "pipewright/model.h"
+#include "pipewright/partitioner.h"
+#include "tools/commands.h"
+
+namespace pipewright::tools {
+namespace {
+
+using json = nlohmann::json;
+
+struct PlanFlags {
+  std::string model, preset, out;
+  int devices = 1;
+  std::string device_memory = "80GiB", reserve = "0";
+  int pp = 0, dp = 0, chunks = 0;
+  std::string schedule, precision = "fp32";
+  int64_t micro_batch_size = 0, micro_batches = 0, global_batch = 0;
+  double tflops = 100, link_gbps = 25, latency_us = 10, hbm_gbps = 2000;
+  bool no_recompute = false, json = false;
+};
+
+std::string GiB(int64_t b) { return absl::StrFormat("%.2f", b / static_cast<double>(kGiB)); }
+
+absl::StatusOr<ModelCosts> LoadModel(const PlanFlags& f) {
+  if (f.model.empty() == f.preset.empty()) {
+    return absl::InvalidArgumentError("give exactly one of --model FILE and --preset NAME");
+  }
+  if (!f.preset.empty()) return PresetModelCosts(f.preset, 0);  // with its LM-head tie
+  PW_ASSIGN_OR_RETURN(std::string text, ReadFile(f.model, "--model"));
+  absl::StatusOr<ModelCosts> m = ModelCostsFromJson(text);
+  if (!m.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(f.model, ":\n", m.status().message()));
+  }
+  return m;
+}
+
+json PlanRow(const Plan& p) {
+  return {{"pipeline_parallel", p.pipeline_parallel},
+          {"data_parallel", p.data_parallel},
+          {"schedule", ScheduleKindName(p.schedule.kind)},
+          {"chunks", p.schedule.chunks},
+          {"micro_batch_size", p.micro_batch_size},
+          {"micro_batches", p.schedule.micro_batches},
+          {"step_time_s", p.predicted.step_time_s},
+          {"bubble_fraction", p.predicted.bubble_fraction},
+          {"samples_per_s", p.predicted.samples_per_s},
+          {"peak_memory_bytes", p.predicted.peak_memory_bytes},
+          {"bottleneck_stage", p.predicted.bottleneck_stage},
+          {"lower_bound_step_time_s", p.predicted.lower_bound_step_time_s},
+          {"lower_bound_gap", p.predicted.lower_bound_gap}};
+}
+
+void PrintTable(const std::vector<Plan>& plans) {
+  std::printf(
+      "  #   pp  dp  schedule     v     b      m     step s   bubble  peak GiB  "
+      "bottleneck  gap to bound\n");
+  for (size_t i = 0; i < plans.size(); ++i) {
+    const Plan& p = plans[i];
+    std::printf("  %-3zu %3d %3d  %-11s %2d %5lld %6d %10.4g %7.1f%% %9s  stage %-4d %8.1f%%\n",
+                i + 1, p.pipeline_parallel, p.data_parallel, ScheduleKindName(p.schedule.kind),
+                p.schedule.chunks, static_cast<long long>(p.micro_batch_size),
+                p.schedule.micro_batches, p.predicted.step_time_s,
+                100 * p.predicted.bubble_fraction, GiB(p.predicted.peak_memory_bytes).c_str(),
+                p.predicted.bottleneck_stage, 100 * p.predicted.lower_bound_gap);
+  }
+}
+
+void PrintStages(const Plan& p, const ModelCosts& m) {
+  std::printf(
+      "  stage rank  layers        first .. last             recompute  fwd ms    bwd ms"
+      "   params GiB  act GiB  total GiB\n");
+  for (const PlanStage& s : p.stages) {
+    std::string names = absl::StrCat(m.layers[s.begin].name, " .. ", m.layers[s.end - 1].name);
+    std::printf("  %5d %4d  [%4d, %4d)  %-24s %-9s %8.3f  %8.3f  %10s %8s %10s%s\n", s.index,
+                s.rank, s.begin, s.end, names.c_str(), RecomputeName(s.recompute),
+                1e3 * s.forward_s, 1e3 * s.backward_s,
+                GiB(s.memory.params + s.memory.grads + s.memory.optimizer).c_str(),
+                GiB(s.memory.activations).c_str(), GiB(s.memory.total).c_str(),
+                s.index == p.predicted.bottleneck_stage ? "  <- bottleneck" : "");
+  }
+}
+
+int RunPlan(const PlanFlags& f) {
+  absl::StatusOr<ModelCosts> model = LoadModel(f);
+  if (!model.ok()) return ReportError(model.status());
+  DeviceSpec dev;
+  dev.count = f.devices;
+  absl::StatusOr<int64_t> memory = ParseByteSize(f.device_memory);
+  if (!memory.ok()) return ReportError(memory.status());
+  absl::StatusOr<int64_t> reserve = ParseByteSize(f.reserve);
+  if (!reserve.ok()) return ReportError(reserve.status());
+  dev.memory_bytes = *memory;
+  dev.reserve_bytes = *reserve;
+  dev.tflops = f.tflops;
+  dev.link_bandwidth = f.link_gbps * 1e9;
+  dev.link_latency_s = f.latency_us * 1e-6;
+  dev.memory_bandwidth = f.hbm_gbps * 1e9;
+  SearchOptions o;
+  if (f.devices < 1) return ReportError(absl::InvalidArgumentError("--devices must be >= 1"));
+  if (f.pp) o.pp = f.pp;
+  if (f.dp) o.dp = f.dp;
+  if (f.pp && !f.dp) o.dp = f.devices / f.pp;
+  if (f.dp && !f.pp) o.pp = f.devices / f.dp;
+  if (f.chunks) o.chunks = f.chunks;
+  if (f.micro_batch_size) o.micro_batch_size = f.micro_batch_size;
+  if (!f.schedule.empty()) {
+    absl::StatusOr<ScheduleKind> k = ParseScheduleKind(f.schedule);
+    if (!k.ok()) return ReportError(k.status());
+    o.schedule = *k;
+  }
+  absl::StatusOr<Precision> precision = ParsePrecision(f.precision);
+  if (!precision.ok()) return ReportError(precision.status());
+  o.precision = *precision;
+  o.allow_recompute = !f.no_recompute;
+  o.global_batch = f.global_batch;
+  if (f.micro_batches) {
+    // --micro-batches fixes the global batch once dp and the micro-batch size are known.
+    if (!o.dp || !o.micro_batch_size || f.global_batch) {
+      return ReportError(absl::InvalidArgumentError(
+          "--micro-batches needs --pp or --dp and --micro-batch-size, and no --global-batch"));
+    }
+    o.global_batch = int64_t{*o.dp} * f.micro_batches * *o.micro_batch_size;
+  }
+  if (o.global_batch == 0) {
+    // Default: eight micro-batches of the model's size per device, enough to fill a pipeline.
+    o.global_batch = int64_t{f.devices} * 8 * model->micro_batch_size;
+  }
+  if (o.pp && o.dp && int64_t{*o.pp} * *o.dp != f.devices) {
+    return ReportError(absl::InvalidArgumentError(
+        absl::StrCat("--pp ", *o.pp, " x --dp ", *o.dp, " must equal --devices ", f.devices)));
+  }
+  absl::StatusOr<SearchResult> r = SearchPlans(*model, dev, o);
+  if (!r.ok()) {
+    // A model that does not fit is the user's input problem: exit 2 with the explanation.
+    if (r.status().code() == absl::StatusCode::kFailedPrecondition) {
+      return ReportError(absl::InvalidArgumentError(r.status().message()));
+    }
+    return ReportError(r.status());
+  }
+  const Plan& best = r->best.front();
+  if (!f.out.empty()) {
+    if (absl::Status s = WriteFile(f.out, PlanToJson(best) + "\n"); !s.ok()) {
+      return ReportError(s);
+    }
+  }
+  if (f.json) {
+    json rows = json::array();
+    for (const Plan& p : r->best) rows.push_back(PlanRow(p));
+    json j = {{"model", model->name},
+              {"layers", model->num_layers()},
+              {"params", model->UniqueParams()},
+              {"devices", f.devices},
+              {"device_memory_bytes", dev.memory_bytes},
+              {"global_batch", best.global_batch()},
+              {"candidates", r->candidates},
+              {"feasible", r->feasible},
+              {"best", rows},
+              {"plan", json::parse(PlanToJson(best), nullptr, false)},
+              {"output", f.out}};
+    std::printf("%s\n", j.dump().c_str());
+    return 0;
+  }
+  std::printf(
+      "pipewright plan: %s (%d layers, %.4gB parameters) on %d devices of %s GiB, %s, global "
+      "batch %lld\n  %d configurations tried, %d fit in memory; the best %zu:\n",
+      model->name.c_str(), model->num_layers(), model->UniqueParams() / 1e9, f.devices,
+      GiB(dev.memory_bytes).c_str(), PrecisionName(o.precision),
+      static_cast<long long>(best.global_batch()), r->candidates, r->feasible, r->best.size());
+  PrintTable(r->best);
+  std::printf(
+      "best: pp=%d dp=%d %s, %d x %lld per replica: %.4g s/step, %.4g samples/s, "
+      "lower bound %.4g s (gap %.1f%%)\n",
+      best.pipeline_parallel, best.data_parallel, ScheduleKindName(best.schedule.kind),
+      best.schedule.micro_batches, static_cast<long long>(best.micro_batch_size),
+      best.predicted.step_time_s, best.predicted.samples_per_s,
+      best.predicted.lower_bound_step_time_s, 100 * best.predicted.lower_bound_gap);
+  PrintStages(best, model->WithMicroBatchSize(best.micro_batch_size));
+  if (!f.out.empty()) std::printf("plan written to %s\n", f.out.c_str());
+  return 0;
+}
+
+}  // namespace
+
+absl::StatusOr<int64_t> ParseByteSize(const std::string& text) {
+  std::string t = absl::AsciiStrToLower(absl::StripAsciiWhitespace(text));
+  static const std::pair<const char*, double> kUnits[] = {
+      {"kib", 1024.0}, {"mib", 1048576.0}, {"gib", 1073741824.0}, {"tib", 1099511627776.0},
+      {"kb", 1e3},     {"mb", 1e6},        {"gb", 1e9},           {"tb", 1e12},
+      {"b", 1.0}};
+  double unit = 1;
+  for (const auto& [suffix, scale] : kUnits) {
+    if (absl::EndsWith(t, suffix)) {
+      t.resize(t.size() - std::strlen(suffix));
+      unit = scale;
+      break;
+    }
+  }
+  double value = 0;
+  if (!absl::SimpleAtod(absl::StripAsciiWhitespace(t), &value) || !std::isfinite(value) ||
+      value < 0 || value * unit > 9e18) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "'", text, "' is not a size: use bytes or a number with KiB, MiB, GiB, TiB, KB, MB, GB"));
+  }
+  return static_cast<int64_t>(std::llround(value * unit));
+}
+
+void RegisterPlan(CLI::App& app, int* exit_code) {
+  auto f = std::make_shared<PlanFlags>();
+  CLI::App* cmd = app.add_subcommand(
+      "plan", "Partition a model over devices: search pp x dp, micro-batch size and schedule");
+  cmd->add_option("--model", f->model, "Layer graph JSON (pipewright model -o)");
+  cmd->add_option("--preset", f->preset, "A built-in model instead of --model");
+  cmd->add_option("--devices", f->devices, "Number of devices (pp x dp)")->required();
+  cmd->add_option("--device-memory", f->device_memory, "Memory per device, e.g. 80GiB");
+  cmd->add_option("--reserve", f->reserve, "Memory kept free per device, e.g. 2GiB");
+  cmd->add_option("--pp", f->pp, "Pipeline stages (default: try every divisor)");
+  cmd->add_option("--dp", f->dp, "Data-parallel replicas (default: devices / pp)");
+  cmd->add_option("--schedule", f->schedule, "gpipe|1f1b|interleaved|zb-h1|zb-v (default: all)")
+      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"}));
+  cmd->add_option("--chunks", f->chunks, "Model chunks per rank for interleaved (default 2)");
+  cmd->add_option("--micro-batch-size", f->micro_batch_size, "Sequences per micro-batch")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--micro-batches", f->micro_batches, "Micro-batches per replica")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--global-batch", f->global_batch,
+                  "Sequences per step (default: 8 micro-batches per device)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--precision", f->precision, "fp32|bf16|fp16 (bytes per parameter 16|18)");
+  cmd->add_option("--device-tflops", f->tflops, "Sustained TFLOP/s per device (unprofiled layers)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--link-gbps", f->link_gbps, "P2P / all-reduce GB/s per device")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--link-latency-us", f->latency_us, "Per-message latency (microseconds)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--hbm-gbps", f->hbm_gbps, "Device memory GB/s (optimizer step)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_flag("--no-recompute", f->no_recompute, "Never recompute activations to fit");
+  cmd->add_option("-o,--output", f->out, "Write the best plan here");
+  cmd->add_flag("--json", f->json, "Print the five best and the plan as JSON");
+  cmd->callback([f, exit_code] { *exit_code = RunPlan(*f); });
+}
+
+}  // namespace pipewright::tools
