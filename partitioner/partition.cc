@@ -17,7 +17,6 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <numeric>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -90,7 +89,7 @@ class StageCosts {
  public:
   StageCosts(const ModelCosts& model, const DeviceSpec& dev, Precision precision,
              std::vector<int> inflight, int chunks)
-      : model_(model), dev_(dev), pb_(BytesPerParam(precision)), inflight_(std::move(inflight)) {
+      : model_(model), pb_(BytesPerParam(precision)), inflight_(std::move(inflight)) {
     const int L = model.num_layers();
     f_.assign(L + 1, 0);
     b_.assign(L + 1, 0);
@@ -173,7 +172,6 @@ class StageCosts {
 
  private:
   const ModelCosts& model_;
-  DeviceSpec dev_;
   ParamBytes pb_;
   std::vector<int> inflight_;
   std::vector<double> f_, b_;

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "pipewright/engine.h"
 #include "pipewright/plan.h"
@@ -20,6 +21,13 @@ namespace pipewright::tools {
 namespace {
 
 using json = nlohmann::json;
+
+// The presets small enough to instantiate and train on this machine; the analytic giants
+// (gpt3-175b, megatron-*) are for `pipewright model` and `plan` only.
+const std::vector<std::string>& TrainablePresets() {
+  static const std::vector<std::string> kNames = {"mlp", "gpt-tiny", "gpt-small"};
+  return kNames;
+}
 
 struct TrainFlags {
   std::string preset = "gpt-tiny";
@@ -140,11 +148,11 @@ absl::StatusOr<LoadedPlan> LoadPlan(const TrainFlags& f, bool preset_given) {
     return absl::InvalidArgumentError(absl::StrCat(f.plan, ":\n", plan.status().message()));
   }
   const std::string preset = preset_given ? f.preset : plan->model_name;
-  std::vector<std::string> runnable = {"mlp", "gpt-tiny", "gpt-small"};
+  const std::vector<std::string>& runnable = TrainablePresets();
   if (std::find(runnable.begin(), runnable.end(), preset) == runnable.end()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(f.plan, ": model.name '", preset,
-                     "' is not a preset train can run (mlp, gpt-tiny, gpt-small); pass --preset"));
+        absl::StrCat(f.plan, ": model.name '", preset, "' is not a preset train can run (",
+                     absl::StrJoin(runnable, ", "), "); pass --preset"));
   }
   PW_ASSIGN_OR_RETURN(LayerGraph graph, PresetModel(preset, plan->micro_batch_size));
   const ModelCosts costs = ToModelCosts(graph);
@@ -419,7 +427,7 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
   auto f = std::make_shared<TrainFlags>();
   CLI::App* cmd = app.add_subcommand("train", "Train a model: pp x dp ranks on CPU threads");
   cmd->add_option("--preset", f->preset, "Model preset: mlp, gpt-tiny, gpt-small")
-      ->check(CLI::IsMember({"mlp", "gpt-tiny", "gpt-small"}));
+      ->check(CLI::IsMember(TrainablePresets()));
   cmd->add_option("--pp", f->pp, "Pipeline-parallel stages");
   cmd->add_option("--dp", f->dp, "Data-parallel replicas");
   cmd->add_option("--schedule", f->schedule, "Pipeline schedule")
