@@ -21,6 +21,7 @@ find_package(benchmark QUIET)
 
 # ---- CUDA: AUTO turns it on when nvcc is found ----
 set(PIPEWRIGHT_WITH_CUDA OFF)
+set(PIPEWRIGHT_WITH_NCCL OFF)
 if(NOT PIPEWRIGHT_CUDA STREQUAL "OFF")
   include(CheckLanguage)
   if(NOT CMAKE_CUDA_COMPILER AND EXISTS /usr/local/cuda/bin/nvcc)
@@ -39,8 +40,23 @@ if(NOT PIPEWRIGHT_CUDA STREQUAL "OFF")
     set(CMAKE_CUDA_STANDARD_REQUIRED ON)
     find_package(CUDAToolkit REQUIRED)
     set(PIPEWRIGHT_WITH_CUDA ON)
+    # NCCL ships without a CMake package: look for it next to the toolkit (and in the usual
+    # system places, where the Debian/NVIDIA packages put it).
+    find_path(PIPEWRIGHT_NCCL_INCLUDE nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS}
+              PATHS /usr/local/cuda/include /usr/include)
+    find_library(PIPEWRIGHT_NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR}
+                 PATHS /usr/local/cuda/lib64 /usr/lib/x86_64-linux-gnu)
+    if(PIPEWRIGHT_NCCL_INCLUDE AND PIPEWRIGHT_NCCL_LIBRARY)
+      set(PIPEWRIGHT_WITH_NCCL ON)
+      add_library(pipewright_nccl INTERFACE)
+      target_include_directories(pipewright_nccl INTERFACE ${PIPEWRIGHT_NCCL_INCLUDE})
+      target_link_libraries(pipewright_nccl INTERFACE ${PIPEWRIGHT_NCCL_LIBRARY})
+    else()
+      set(PIPEWRIGHT_WITH_NCCL OFF)
+      message(WARNING "pipewright: nccl.h/libnccl not found; the NCCL communicator is not built")
+    endif()
   elseif(PIPEWRIGHT_CUDA STREQUAL "ON")
     message(FATAL_ERROR "PIPEWRIGHT_CUDA=ON but no CUDA compiler (nvcc) was found")
   endif()
 endif()
-message(STATUS "pipewright: CUDA backend ${PIPEWRIGHT_WITH_CUDA}")
+message(STATUS "pipewright: CUDA backend ${PIPEWRIGHT_WITH_CUDA}, NCCL ${PIPEWRIGHT_WITH_NCCL}")

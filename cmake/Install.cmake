@@ -1,6 +1,9 @@
 include(CMakePackageConfigHelpers)
 set(_pw_targets pipewright pipewright_headers pipewright_runtime pipewright_kernels_cpu
     pipewright_kernels_cuda pipewright_schedules pipewright_partitioner pipewright_blas)
+if(PIPEWRIGHT_WITH_NCCL)
+  list(APPEND _pw_targets pipewright_nccl)
+endif()
 install(TARGETS ${_pw_targets} EXPORT pipewrightTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}

@@ -29,26 +29,6 @@
 
 namespace pipewright {
 
-absl::StatusOr<Precision> ParsePrecision(absl::string_view name) {
-  if (name == "fp32") return Precision::kFp32;
-  if (name == "bf16") return Precision::kBf16;
-  if (name == "fp16") return Precision::kFp16;
-  return absl::InvalidArgumentError(
-      absl::StrCat("precision must be fp32, bf16 or fp16, not '", name, "'"));
-}
-
-const char* PrecisionName(Precision p) {
-  switch (p) {
-    case Precision::kFp32:
-      return "fp32";
-    case Precision::kBf16:
-      return "bf16";
-    case Precision::kFp16:
-      return "fp16";
-  }
-  return "?";
-}
-
 ParamBytes BytesPerParam(Precision precision) {
   if (precision == Precision::kFp32) return {4, 4, 8};
   // 16-bit weights, fp32 gradients, fp32 master weights + two fp32 moments.

@@ -115,6 +115,8 @@ struct StageRt {
 
 struct StepOutcome {
   double loss = 0, grad_norm = 0;
+  float loss_scale = 1.0f;
+  bool skipped = false;
 };
 
 }  // namespace
@@ -137,6 +139,9 @@ class RankExecutor {
   std::vector<Parameter*> params;
   std::unique_ptr<Optimizer> optimizer;
   std::unique_ptr<DataLoader> loader;
+  // fp16 dynamic loss scaling; every rank keeps an identical copy, updated from the agreed
+  // outcome of each step.
+  LossScaler scaler;
   int64_t static_bytes = 0;
 
   std::vector<RankEvent> events;
@@ -398,7 +403,8 @@ absl::Status RankExecutor::Forward(StageRt& st, int mb) {
   if (!x.defined()) {
     return absl::FailedPreconditionError("no input activation (its RECV_F has not run)");
   }
-  LayerContext ctx{alloc.get(), st.last ? &batch_.targets[mb] : nullptr};
+  LayerContext ctx{alloc.get(), st.last ? &batch_.targets[mb] : nullptr,
+                   ComputeDType(opts->train.precision)};
   Tensor y;
   if (st.recompute) {
     // Keep only the stage input; every layer's saved state is dropped as soon as it is made.
@@ -421,7 +427,9 @@ absl::Status RankExecutor::Forward(StageRt& st, int mb) {
   }
   if (st.last) {
     float l = y.data<float>()[0];
-    if (!std::isfinite(l)) {
+    // With loss scaling a non-finite loss skips the step everywhere (see Agree); otherwise it
+    // is an error.
+    if (!std::isfinite(l) && !scaler.enabled()) {
       return absl::InternalError(absl::StrCat("non-finite loss ", l, " at step ", step_,
                                               "; weights not updated on any rank"));
     }
@@ -438,7 +446,8 @@ absl::Status RankExecutor::Forward(StageRt& st, int mb) {
 
 absl::Status RankExecutor::Backward(StageRt& st, const Action& a, int index) {
   const int mb = a.micro_batch;
-  LayerContext ctx{alloc.get(), st.last ? &batch_.targets[mb] : nullptr};
+  LayerContext ctx{alloc.get(), st.last ? &batch_.targets[mb] : nullptr,
+                   ComputeDType(opts->train.precision)};
   const bool final_w = index == st.last_backward;
   std::vector<Saved>& saved = st.saved[mb];
   if (a.kind != ActionKind::kW) {
@@ -458,7 +467,8 @@ absl::Status RankExecutor::Backward(StageRt& st, const Action& a, int index) {
     Tensor dy;
     if (st.last) {
       dy = Tensor::Empty({1}, DType::kF32, alloc.get());
-      dy.data<float>()[0] = 1.0f / static_cast<float>(layout.micro_batches * layout.replicas);
+      dy.data<float>()[0] =
+          scaler.scale() / static_cast<float>(layout.micro_batches * layout.replicas);
     } else {
       dy = st.grad_out[mb];
       if (!dy.defined()) {
@@ -580,15 +590,24 @@ absl::Status RankExecutor::Agree(int64_t step, float lr, StepOutcome* out) {
   double loss = 0, norm2 = 0;
   for (int64_t i = 0; i < R * M; ++i) loss += d[i];
   for (int64_t i = 0; i < L; ++i) norm2 += d[R * M + i];
+  // Every rank sees the same sums, so every rank takes the same decision and keeps the same
+  // loss-scaler state.
+  const float scale = scaler.scale();
   out->loss = loss / static_cast<double>(R * M);
-  out->grad_norm = std::sqrt(norm2);
-  if (!std::isfinite(out->grad_norm)) {
+  out->grad_norm = std::sqrt(norm2) / scale;
+  out->loss_scale = scale;
+  const bool finite = std::isfinite(out->loss) && std::isfinite(out->grad_norm);
+  if (!scaler.Update(finite)) {
+    out->skipped = true;  // fp16 overflow: nothing applied anywhere, the scale backed off
+    return absl::OkStatus();
+  }
+  if (!finite) {
     return absl::InternalError(absl::StrCat("step ", step,
                                             ": non-finite gradient norm; weights not updated on "
                                             "any rank"));
   }
   Clock::time_point o = Clock::now();
-  ScaleGrads(params, ClipScale(out->grad_norm, opts->train.clip_norm));
+  ScaleGrads(params, ClipScale(out->grad_norm, opts->train.clip_norm) / scale);
   optimizer->Step(lr);
   Record(EventKind::kOptimizer, a, o);
   return absl::OkStatus();
@@ -653,6 +672,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const LayerGraph& graph,
   if (!(to.lr > 0) || !std::isfinite(to.lr)) {
     return absl::InvalidArgumentError("--lr must be a positive number");
   }
+  if (to.precision == Precision::kFp16) PW_RETURN_IF_ERROR(LossScaler::Validate(to.loss_scale));
   if (options.timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("the timeout must be positive");
   }
@@ -772,6 +792,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const LayerGraph& graph,
       for (Parameter* p : st.stage->Parameters()) ex->params.push_back(p);
     }
     ex->optimizer = Optimizer::Create(to.optimizer, ex->params, ex->alloc.get());
+    if (to.precision == Precision::kFp16) ex->scaler = LossScaler(to.loss_scale);
     ex->static_bytes = ex->alloc->current_bytes();
     ex->total.global_rank = g;
     ex->total.pipeline_rank = ex->pipe;
@@ -808,6 +829,8 @@ absl::StatusOr<StepReport> Engine::Step() {
   rep.result.step = step;
   rep.result.loss = outcomes[0].loss;
   rep.result.grad_norm = outcomes[0].grad_norm;
+  rep.result.loss_scale = outcomes[0].loss_scale;
+  rep.result.skipped = outcomes[0].skipped;
   rep.result.lr = lr;
   rep.result.step_time_s = Seconds(t0, Clock::now());
   rep.result.samples_per_s =
@@ -858,6 +881,7 @@ absl::Status Engine::Save(const std::string& dir) const {
   info.step = m.step;
   info.optimizer_step = m.ranks[0]->optimizer->step_count();
   info.lr = m.lr;
+  info.scaler = &m.ranks[0]->scaler;
   // Replica 0 holds every stage: weights in model order, and every rank's optimizer state.
   NamedTensors model = Weights(), opt;
   for (const auto& r : m.ranks) {
@@ -879,6 +903,7 @@ absl::Status Engine::Resume(const std::string& dir) {
   }
   for (auto& r : m.ranks) {
     internal::CopyParameters(ck.model, r->params);
+    internal::RestoreLossScaler(at, &r->scaler);
     r->loader.reset();  // restarts at the checkpoint's data position
   }
   m.step = at.step;

@@ -44,6 +44,12 @@ std::string BuildManifest(const ManifestInfo& info) {
                       {"total_steps", info.lr.total_steps},
                       {"min_ratio", info.lr.min_ratio}};
   m["rng"] = {{"seed", options.seed}};
+  m["precision"] = {{"compute", PrecisionName(options.precision)}};
+  if (info.scaler != nullptr && info.scaler->enabled()) {
+    m["precision"]["loss_scale"] = {{"scale", info.scaler->scale()},
+                                    {"good_steps", info.scaler->good_steps()},
+                                    {"skipped_steps", info.scaler->skipped_steps()}};
+  }
   m["data"] = {{"source", options.data},
                {"next_step", info.step},
                {"next_sample", info.step * info.layout.global_batch()}};
@@ -83,7 +89,29 @@ absl::StatusOr<ResumePoint> CheckManifest(const std::string& dir, const std::str
   const json& step = m["optimizer"].contains("step") ? m["optimizer"]["step"] : m["step"];
   if (!step.is_number_integer()) return bad("optimizer.step is not an integer");
   r.optimizer_step = step.get<int64_t>();
+  if (m.contains("precision") && m["precision"].is_object() &&
+      m["precision"].contains("loss_scale")) {
+    const json& ls = m["precision"]["loss_scale"];
+    if (!ls.is_object() || !ls.contains("scale") || !ls["scale"].is_number() ||
+        !(ls["scale"].get<double>() > 0) || !ls.contains("good_steps") ||
+        !ls["good_steps"].is_number_integer() || !ls.contains("skipped_steps") ||
+        !ls["skipped_steps"].is_number_integer()) {
+      return bad(
+          "precision.loss_scale needs a positive scale and integer good_steps and "
+          "skipped_steps");
+    }
+    r.has_loss_scale = true;
+    r.loss_scale = ls["scale"].get<float>();
+    r.loss_scale_good_steps = ls["good_steps"].get<int64_t>();
+    r.skipped_steps = ls["skipped_steps"].get<int64_t>();
+  }
   return r;
+}
+
+void RestoreLossScaler(const ResumePoint& at, LossScaler* scaler) {
+  if (at.has_loss_scale && scaler->enabled()) {
+    scaler->Restore(at.loss_scale, at.loss_scale_good_steps, at.skipped_steps);
+  }
 }
 
 absl::Status CheckParameters(const std::string& dir, const std::map<std::string, Tensor>& tensors,

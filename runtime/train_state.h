@@ -24,13 +24,21 @@ struct ManifestInfo {
   int64_t step = 0;            // next step to run
   int64_t optimizer_step = 0;  // optimizer updates applied
   LrSchedule lr;
+  const LossScaler* scaler = nullptr;  // recorded when enabled (fp16)
 };
 std::string BuildManifest(const ManifestInfo& info);
 
 struct ResumePoint {
   int64_t step = 0;
   int64_t optimizer_step = 0;
+  // The fp16 loss scaler's state, when the checkpoint has one ("precision.loss_scale").
+  bool has_loss_scale = false;
+  float loss_scale = 1.0f;
+  int64_t loss_scale_good_steps = 0, skipped_steps = 0;
 };
+// Restores `scaler` from `at` when both use loss scaling (a checkpoint from an fp32/bf16 run
+// starts fp16 at the configured initial scale, and vice versa the state is ignored).
+void RestoreLossScaler(const ResumePoint& at, LossScaler* scaler);
 // Checks a checkpoint's manifest against this run: format, model fingerprint, data position
 // (same global batch) and optimizer kind. Errors name `dir`/manifest.json and the field.
 absl::StatusOr<ResumePoint> CheckManifest(const std::string& dir, const std::string& manifest_json,

@@ -19,7 +19,11 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const LayerGraph& graph
   if (!(options.lr > 0) || !std::isfinite(options.lr)) {
     return absl::InvalidArgumentError("--lr must be a positive number");
   }
+  if (options.precision == Precision::kFp16) {
+    PW_RETURN_IF_ERROR(LossScaler::Validate(options.loss_scale));
+  }
   std::unique_ptr<Trainer> t(new Trainer());
+  if (options.precision == Precision::kFp16) t->scaler_ = LossScaler(options.loss_scale);
   t->graph_ = graph;
   t->options_ = options;
   t->layout_ = {options.micro_batches, graph.shape().batch, graph.shape().seq_len, 1};
@@ -57,14 +61,15 @@ absl::StatusOr<StepResult> Trainer::Step() {
 
   const int64_t M = layout_.micro_batches;
   Tensor dloss = Tensor::Empty({1}, DType::kF32, allocator_.get());
-  dloss.data<float>()[0] = 1.0f / static_cast<float>(M);
+  const float scale = scaler_.scale();
+  dloss.data<float>()[0] = scale / static_cast<float>(M);
   double loss_sum = 0;
   for (int64_t j = 0; j < M; ++j) {
-    LayerContext ctx{allocator_.get(), &batch.targets[j]};
+    LayerContext ctx{allocator_.get(), &batch.targets[j], ComputeDType(options_.precision)};
     std::vector<Saved> saved;
     PW_ASSIGN_OR_RETURN(Tensor loss, stage_->Forward(batch.inputs[j], ctx, &saved));
     float l = loss.data<float>()[0];
-    if (!std::isfinite(l)) {
+    if (!std::isfinite(l) && !scaler_.enabled()) {
       return absl::InternalError(absl::StrCat("step ", step_, ": non-finite loss ", l,
                                               " on micro-batch ", j, "; weights not updated"));
     }
@@ -76,16 +81,22 @@ absl::StatusOr<StepResult> Trainer::Step() {
   // uses across stages, so both give bit-identical norms.
   double norm2 = 0;
   for (int i = 0; i < stage_->size(); ++i) norm2 += GradSquaredNorm(stage_->layer(i).Parameters());
-  double norm = std::sqrt(norm2);
-  if (!std::isfinite(norm)) {
+  double norm = std::sqrt(norm2) / scale;
+  const bool finite = std::isfinite(norm) && std::isfinite(loss_sum);
+  const bool apply = scaler_.Update(finite);
+  if (apply && !finite) {
     return absl::InternalError(
         absl::StrCat("step ", step_, ": non-finite gradient norm; weights not updated"));
   }
-  ScaleGrads(params, ClipScale(norm, options_.clip_norm));
   float lr = schedule_.At(step_);
-  optimizer_->Step(lr);
+  if (apply) {
+    ScaleGrads(params, ClipScale(norm, options_.clip_norm) / scale);
+    optimizer_->Step(lr);
+  }
 
   StepResult r;
+  r.loss_scale = scale;
+  r.skipped = !apply;
   r.step = step_;
   r.loss = loss_sum / M;
   r.lr = lr;
@@ -105,6 +116,7 @@ absl::Status Trainer::Save(const std::string& dir) const {
   info.step = step_;
   info.optimizer_step = optimizer_->step_count();
   info.lr = schedule_;
+  info.scaler = &scaler_;
   NamedTensors model, opt;
   for (Parameter* p : stage_->Parameters()) model.emplace_back(p->name, p->value);
   for (auto& [name, t] : optimizer_->State()) opt.emplace_back(name, t);
@@ -121,6 +133,7 @@ absl::Status Trainer::Resume(const std::string& dir) {
   PW_RETURN_IF_ERROR(internal::CheckParameters(dir, ck.model, params));
   PW_RETURN_IF_ERROR(optimizer_->LoadState(ck.optimizer, at.optimizer_step));
   internal::CopyParameters(ck.model, params);
+  internal::RestoreLossScaler(at, &scaler_);
   step_ = at.step;
   loader_.reset();  // restarts at the checkpoint's data position
   return absl::OkStatus();

@@ -40,6 +40,8 @@ struct TrainFlags {
   float lr = 3e-3f, clip = 1.0f, weight_decay = 0.1f, min_lr_ratio = 0.1f;
   std::string lr_scaling = "none", optimizer = "adamw", data = "synthetic";
   std::string device = "cpu", precision = "fp32", save, resume;
+  float loss_scale = 65536.0f;
+  int64_t loss_scale_window = 1000;
   bool json = false;
   // Layout flags the user gave explicitly: they may not be combined with --plan.
   std::vector<std::string> layout_flags;
@@ -72,8 +74,11 @@ absl::Status CheckFlags(const TrainFlags& f) {
   PW_RETURN_IF_ERROR(Device::Parse(f.device).status());
   if (!(f.timeout_s > 0)) return absl::InvalidArgumentError("--timeout must be > 0 seconds");
   if (!(f.bucket_mb > 0)) return absl::InvalidArgumentError("--bucket-mb must be > 0");
-  if (f.precision != "fp32") {
-    return Unsupported(absl::StrCat("--precision ", f.precision), "the CUDA backend issue");
+  if (!(f.loss_scale >= 1) || !std::isfinite(f.loss_scale) || f.loss_scale > 16777216.0f) {
+    return absl::InvalidArgumentError("--loss-scale must be in [1, 2^24]");
+  }
+  if (f.loss_scale_window < 1) {
+    return absl::InvalidArgumentError("--loss-scale-window must be >= 1");
   }
   if (f.device != "cpu" && f.device.rfind("cpu:", 0) != 0) {
     return Unsupported(absl::StrCat("--device ", f.device,
@@ -236,6 +241,11 @@ int RunTrain(const TrainFlags& f, bool preset_given) {
   o.min_lr_ratio = f.min_lr_ratio;
   o.clip_norm = f.clip;
   o.optimizer.weight_decay = f.weight_decay;
+  auto precision = ParsePrecision(f.precision);
+  if (!precision.ok()) return ReportError(precision.status());
+  o.precision = *precision;
+  o.loss_scale.initial_scale = f.loss_scale;
+  o.loss_scale.growth_interval = f.loss_scale_window;
   auto scaling = ParseLrScaling(f.lr_scaling);
   if (!scaling.ok()) return ReportError(scaling.status());
   o.lr_scaling = *scaling;
@@ -300,6 +310,8 @@ int RunTrain(const TrainFlags& f, bool preset_given) {
   ProgressBar bar(f.steps, !f.json);
   std::vector<double> losses;
   double total_time = 0, data_wait = 0;
+  int64_t skipped_steps = 0;
+  float last_loss_scale = o.loss_scale.initial_scale;
   int64_t first_step = t.step();
   absl::Time start = absl::Now();
   absl::Status failure;
@@ -311,6 +323,8 @@ int RunTrain(const TrainFlags& f, bool preset_given) {
     }
     const StepResult& res = r->result;
     losses.push_back(res.loss);
+    skipped_steps += res.skipped ? 1 : 0;
+    last_loss_scale = res.loss_scale;
     total_time += res.step_time_s;
     data_wait += res.data_wait_s;
     if (f.json) {
@@ -320,6 +334,10 @@ int RunTrain(const TrainFlags& f, bool preset_given) {
                    {"grad_norm", res.grad_norm},
                    {"step_time_s", res.step_time_s},
                    {"samples_per_s", res.samples_per_s}};
+      if (o.precision == Precision::kFp16) {
+        line["loss_scale"] = res.loss_scale;
+        line["skipped"] = res.skipped;
+      }
       std::printf("%s\n", line.dump().c_str());
       std::fflush(stdout);
     } else {
@@ -364,6 +382,8 @@ int RunTrain(const TrainFlags& f, bool preset_given) {
       {"schedule", schedule},
       {"chunks", t.schedule().spec.chunks},
       {"recompute", recompute_desc},
+      {"precision", PrecisionName(o.precision)},
+      {"skipped_steps", skipped_steps},
       {"stage_boundaries", bounds},
       {"steps", steps_run},
       {"final_step", t.step()},
@@ -387,6 +407,7 @@ int RunTrain(const TrainFlags& f, bool preset_given) {
       {"ranks", ranks},
       {"trace", f.trace},
       {"checkpoint", f.save}};
+  if (o.precision == Precision::kFp16) summary["loss_scale"] = last_loss_scale;
   json plan_rows;
   if (loaded && steps_run > 0) {
     plan_rows = PlanComparison(loaded->plan, rs);
@@ -452,7 +473,12 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
   cmd->add_option("--optimizer", f->optimizer, "adamw|sgd");
   cmd->add_option("--weight-decay", f->weight_decay, "Decoupled weight decay");
   cmd->add_option("--device", f->device, "cpu|cuda");
-  cmd->add_option("--precision", f->precision, "fp32|bf16|fp16");
+  cmd->add_option("--precision", f->precision,
+                  "fp32|bf16|fp16: bf16/fp16 run matrix products on 16-bit inputs with fp32 "
+                  "accumulation and fp32 master weights");
+  cmd->add_option("--loss-scale", f->loss_scale, "fp16: initial dynamic loss scale (65536)");
+  cmd->add_option("--loss-scale-window", f->loss_scale_window,
+                  "fp16: finite steps in a row before the loss scale doubles (1000)");
   cmd->add_option("--trace", f->trace, "Write a Chrome trace of every rank here");
   cmd->add_option("--svg", f->svg, "Write the last step's measured timeline (SVG) here");
   cmd->add_option("--timeout", f->timeout_s,

@@ -46,6 +46,10 @@ struct Saved {
 struct LayerContext {
   Allocator* allocator = nullptr;   // nullptr = DefaultCpuAllocator()
   const Tensor* targets = nullptr;  // [B, T] i32 next tokens; loss layers only
+  // Matrix-product input dtype (precision.h): f32, or bf16/f16 for mixed precision, where
+  // Linear layers round their input, weight and output gradient to 16 bits, accumulate in
+  // fp32 and keep the 16-bit copies as their saved activations.
+  DType compute_dtype = DType::kF32;
 };
 
 class Layer {

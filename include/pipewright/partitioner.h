@@ -18,15 +18,12 @@
 
 #include "absl/status/statusor.h"
 #include "pipewright/plan.h"
+#include "pipewright/precision.h"
 #include "pipewright/schedule.h"
 
 namespace pipewright {
 
 inline constexpr int64_t kGiB = int64_t{1} << 30;
-
-enum class Precision { kFp32, kBf16, kFp16 };
-absl::StatusOr<Precision> ParsePrecision(absl::string_view name);  // "fp32" | "bf16" | "fp16"
-const char* PrecisionName(Precision p);
 
 struct DeviceSpec {
   int count = 1;

@@ -12,6 +12,7 @@
 #include "pipewright/data.h"
 #include "pipewright/model.h"
 #include "pipewright/optimizer.h"
+#include "pipewright/precision.h"
 
 namespace pipewright {
 
@@ -28,6 +29,8 @@ struct TrainOptions {
   float min_lr_ratio = 0.1f;
   float clip_norm = 1.0f;  // <= 0 disables clipping
   OptimizerConfig optimizer;
+  Precision precision = Precision::kFp32;  // mixed precision: precision.h
+  LossScaleOptions loss_scale;             // fp16 only
 };
 
 struct StepResult {
@@ -38,6 +41,10 @@ struct StepResult {
   double step_time_s = 0;
   double samples_per_s = 0;
   double data_wait_s = 0;
+  // fp16: the loss scale the step ran with, and whether it was skipped because a loss or a
+  // gradient was not finite on some rank (weights and optimizer state unchanged).
+  float loss_scale = 1.0f;
+  bool skipped = false;
 };
 
 class Trainer {
@@ -48,7 +55,8 @@ class Trainer {
   ~Trainer();
 
   // One optimizer step over micro_batches x micro_batch_size sequences. A non-finite loss or
-  // gradient is an error and leaves the weights unchanged.
+  // gradient is an error and leaves the weights unchanged, except with fp16 loss scaling,
+  // where it skips the step (StepResult::skipped) and backs the scale off.
   absl::StatusOr<StepResult> Step();
   int64_t step() const { return step_; }
   int64_t global_batch() const { return layout_.global_batch(); }
@@ -76,6 +84,7 @@ class Trainer {
   std::shared_ptr<const Dataset> data_;
   std::unique_ptr<DataLoader> loader_;
   LrSchedule schedule_;
+  LossScaler scaler_;  // fp16 only
   int64_t step_ = 0;
 };
 

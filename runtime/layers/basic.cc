@@ -87,14 +87,43 @@ LinearLayer::LinearLayer(const InitContext& init, int64_t in, int64_t out, bool 
   }
 }
 
+namespace {
+
+bool IsHalf(DType d) { return d == DType::kBF16 || d == DType::kF16; }
+
+// x rounded to the 16-bit dtype `d` (round-to-nearest-even), in a new tensor.
+Tensor ToHalf(const Tensor& x, DType d, Allocator* allocator) {
+  Tensor h = Tensor::Empty(x.shape(), d, allocator);
+  if (d == DType::kBF16) {
+    cpu::FloatToBf16(x.data<float>(), h.data<uint16_t>(), x.numel());
+  } else {
+    cpu::FloatToHalf(x.data<float>(), h.data<uint16_t>(), x.numel());
+  }
+  return h;
+}
+
+}  // namespace
+
+// fp32: y = x W^T + b with x saved. Mixed precision (ctx.compute_dtype bf16/f16): x, W and dy
+// are rounded to 16 bits, the products accumulate in fp32 into fp32 outputs and gradients, and
+// the 16-bit x and dy are what is saved (half the bytes of the fp32 ones).
 absl::StatusOr<Tensor> LinearLayer::Forward(const Tensor& x, const LayerContext& ctx,
                                             Saved* saved) {
   PW_ASSIGN_OR_RETURN(int64_t rows, CheckRows(x, in_, "linear"));
   Tensor y = Tensor::Empty(WithLastDim(x.shape(), out_), DType::kF32, Alloc(ctx));
-  cpu::Gemm(false, true, rows, out_, in_, 1.0f, x.data<float>(), in_, weight_.value.data<float>(),
-            in_, 0.0f, y.data<float>(), out_);
+  const DType cd = ctx.compute_dtype;
+  if (IsHalf(cd)) {
+    Tensor xh = ToHalf(x, cd, Alloc(ctx));
+    Tensor wh = ToHalf(weight_.value, cd, Alloc(ctx));
+    cpu::GemmHalf(cd == DType::kBF16, false, true, rows, out_, in_, 1.0f, xh.data<uint16_t>(), in_,
+                  wh.data<uint16_t>(), in_, 0.0f, y.data<float>(), out_);
+    saved->tensors = {std::move(xh)};
+  } else {
+    cpu::Gemm(false, true, rows, out_, in_, 1.0f, x.data<float>(), in_, weight_.value.data<float>(),
+              in_, 0.0f, y.data<float>(), out_);
+    saved->tensors = {x};
+  }
   if (has_bias_) cpu::BiasAdd(y.data<float>(), bias_.value.data<float>(), rows, out_);
-  saved->tensors = {x};
   return y;
 }
 
@@ -104,10 +133,19 @@ absl::StatusOr<Tensor> LinearLayer::BackwardInput(const Tensor& dy, const LayerC
   if (saved->tensors.size() != 1) return absl::FailedPreconditionError("linear: no forward saved");
   PW_RETURN_IF_ERROR(
       CheckGradShape(dy, WithLastDim(saved->tensors[0].shape(), out_), "linear backward"));
+  const DType cd = saved->tensors[0].dtype();  // the precision the forward ran in
   Tensor dx = Tensor::Empty(WithLastDim(dy.shape(), in_), DType::kF32, Alloc(ctx));
-  cpu::Gemm(false, false, rows, in_, out_, 1.0f, dy.data<float>(), out_,
-            weight_.value.data<float>(), in_, 0.0f, dx.data<float>(), in_);
-  saved->tensors.push_back(dy);
+  if (IsHalf(cd)) {
+    Tensor dyh = ToHalf(dy, cd, Alloc(ctx));
+    Tensor wh = ToHalf(weight_.value, cd, Alloc(ctx));
+    cpu::GemmHalf(cd == DType::kBF16, false, false, rows, in_, out_, 1.0f, dyh.data<uint16_t>(),
+                  out_, wh.data<uint16_t>(), in_, 0.0f, dx.data<float>(), in_);
+    saved->tensors.push_back(std::move(dyh));
+  } else {
+    cpu::Gemm(false, false, rows, in_, out_, 1.0f, dy.data<float>(), out_,
+              weight_.value.data<float>(), in_, 0.0f, dx.data<float>(), in_);
+    saved->tensors.push_back(dy);
+  }
   return dx;
 }
 
@@ -118,9 +156,25 @@ absl::Status LinearLayer::BackwardWeight(const LayerContext& ctx, Saved* saved) 
   const Tensor& x = saved->tensors[0];
   const Tensor& dy = saved->tensors[1];
   int64_t rows = x.numel() / in_;
-  cpu::Gemm(true, false, out_, in_, rows, 1.0f, dy.data<float>(), out_, x.data<float>(), in_, 1.0f,
-            weight_.grad.data<float>(), in_);
-  if (has_bias_) cpu::BiasBackward(dy.data<float>(), bias_.grad.data<float>(), rows, out_);
+  if (IsHalf(x.dtype())) {
+    const bool bf16 = x.dtype() == DType::kBF16;
+    cpu::GemmHalf(bf16, true, false, out_, in_, rows, 1.0f, dy.data<uint16_t>(), out_,
+                  x.data<uint16_t>(), in_, 1.0f, weight_.grad.data<float>(), in_);
+    if (has_bias_) {
+      // The bias gradient sums the same 16-bit dy the weight gradient used, in fp32.
+      Tensor dy32 = Tensor::Empty(dy.shape(), DType::kF32, Alloc(ctx));
+      if (bf16) {
+        cpu::Bf16ToFloat(dy.data<uint16_t>(), dy32.data<float>(), dy.numel());
+      } else {
+        cpu::HalfToFloat(dy.data<uint16_t>(), dy32.data<float>(), dy.numel());
+      }
+      cpu::BiasBackward(dy32.data<float>(), bias_.grad.data<float>(), rows, out_);
+    }
+  } else {
+    cpu::Gemm(true, false, out_, in_, rows, 1.0f, dy.data<float>(), out_, x.data<float>(), in_,
+              1.0f, weight_.grad.data<float>(), in_);
+    if (has_bias_) cpu::BiasBackward(dy.data<float>(), bias_.grad.data<float>(), rows, out_);
+  }
   saved->Clear();
   return absl::OkStatus();
 }
