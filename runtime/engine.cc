@@ -580,7 +580,8 @@ absl::Status RankExecutor::Agree(int64_t step, float lr, StepOutcome* out) {
     }
     if (replica == 0) {
       for (int i = 0; i < st.stage->size(); ++i) {
-        d[R * M + st.begin + i] = GradSquaredNorm(st.stage->layer(i).Parameters());
+        PW_ASSIGN_OR_RETURN(d[R * M + st.begin + i],
+                            GradSquaredNorm(st.stage->layer(i).Parameters(), alloc.get()));
       }
     }
   }
@@ -607,8 +608,9 @@ absl::Status RankExecutor::Agree(int64_t step, float lr, StepOutcome* out) {
                                             "any rank"));
   }
   Clock::time_point o = Clock::now();
-  ScaleGrads(params, ClipScale(out->grad_norm, opts->train.clip_norm) / scale);
-  optimizer->Step(lr);
+  PW_RETURN_IF_ERROR(
+      ScaleGrads(params, ClipScale(out->grad_norm, opts->train.clip_norm) / scale, alloc.get()));
+  PW_RETURN_IF_ERROR(optimizer->Step(lr));
   Record(EventKind::kOptimizer, a, o);
   return absl::OkStatus();
 }

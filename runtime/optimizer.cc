@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/cpu_kernels.h"
+#include "runtime/ops/ops.h"
 
 namespace pipewright {
 
@@ -20,7 +21,7 @@ std::unique_ptr<Optimizer> Optimizer::Create(const OptimizerConfig& config,
 
 Optimizer::Optimizer(const OptimizerConfig& config, std::vector<Parameter*> params,
                      Allocator* allocator)
-    : config_(config), params_(std::move(params)) {
+    : config_(config), allocator_(allocator), params_(std::move(params)) {
   for (Parameter* p : params_) {
     m_.push_back(Tensor::Zeros(p->value.shape(), DType::kF32, allocator));
     if (config_.kind == OptimizerKind::kAdamW) {
@@ -29,21 +30,26 @@ Optimizer::Optimizer(const OptimizerConfig& config, std::vector<Parameter*> para
   }
 }
 
-void Optimizer::Step(float lr) {
-  ++step_;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    Parameter* p = params_[i];
-    float wd = p->weight_decay ? config_.weight_decay : 0.0f;
-    size_t n = p->value.numel();
-    if (config_.kind == OptimizerKind::kAdamW) {
-      cpu::AdamWUpdate(p->value.data<float>(), p->grad.data<float>(), m_[i].data<float>(),
-                       v_[i].data<float>(), n, lr, config_.beta1, config_.beta2, config_.eps, wd,
-                       step_);
-    } else {
-      cpu::SgdMomentumUpdate(p->value.data<float>(), p->grad.data<float>(), m_[i].data<float>(), n,
-                             lr, config_.momentum, wd);
+absl::Status Optimizer::Step(float lr) {
+  const ops::Exec e{allocator_};
+  if (config_.kind == OptimizerKind::kAdamW) {
+    std::vector<ops::AdamWItem> items;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      Parameter* p = params_[i];
+      items.push_back(
+          {&p->value, &p->grad, &m_[i], &v_[i], p->weight_decay ? config_.weight_decay : 0.0f});
+    }
+    PW_RETURN_IF_ERROR(
+        ops::AdamW(e, items, lr, config_.beta1, config_.beta2, config_.eps, step_ + 1));
+  } else {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      Parameter* p = params_[i];
+      PW_RETURN_IF_ERROR(ops::SgdMomentum(e, p->value, p->grad, m_[i], lr, config_.momentum,
+                                          p->weight_decay ? config_.weight_decay : 0.0f));
     }
   }
+  ++step_;
+  return absl::OkStatus();
 }
 
 std::vector<std::pair<std::string, Tensor>> Optimizer::State() const {
@@ -75,10 +81,10 @@ absl::Status Optimizer::LoadState(const std::map<std::string, Tensor>& state, in
   for (size_t i = 0; i < params_.size(); ++i) {
     const std::string& name = params_[i]->name;
     const Tensor& m = state.at(absl::StrCat(adam ? "exp_avg." : "momentum_buffer.", name));
-    std::copy_n(m.data<float>(), m.numel(), m_[i].data<float>());
+    PW_RETURN_IF_ERROR(ops::Copy(ops::Exec{allocator_}, m, m_[i]));
     if (adam) {
       const Tensor& v = state.at(absl::StrCat("exp_avg_sq.", name));
-      std::copy_n(v.data<float>(), v.numel(), v_[i].data<float>());
+      PW_RETURN_IF_ERROR(ops::Copy(ops::Exec{allocator_}, v, v_[i]));
     }
   }
   step_ = step;
@@ -89,15 +95,16 @@ void ZeroGrads(const std::vector<Parameter*>& params) {
   for (Parameter* p : params) p->grad.SetZero();
 }
 
-double GradSquaredNorm(const std::vector<Parameter*>& params) {
-  double s = 0;
-  for (Parameter* p : params) s += cpu::SumSquares(p->grad.data<float>(), p->grad.numel());
-  return s;
+absl::StatusOr<double> GradSquaredNorm(const std::vector<Parameter*>& params, Allocator* exec) {
+  std::vector<const Tensor*> grads;
+  for (Parameter* p : params) grads.push_back(&p->grad);
+  return ops::SumSquares(ops::Exec{exec}, grads);
 }
 
-void ScaleGrads(const std::vector<Parameter*>& params, float scale) {
-  if (scale == 1.0f) return;
-  for (Parameter* p : params) cpu::Scale(p->grad.data<float>(), p->grad.numel(), scale);
+absl::Status ScaleGrads(const std::vector<Parameter*>& params, float scale, Allocator* exec) {
+  if (scale == 1.0f) return absl::OkStatus();
+  for (Parameter* p : params) PW_RETURN_IF_ERROR(ops::Scale(ops::Exec{exec}, p->grad, scale));
+  return absl::OkStatus();
 }
 
 float ClipScale(double norm, float max_norm) {

@@ -80,7 +80,11 @@ absl::StatusOr<StepResult> Trainer::Step() {
   // Summed per layer, then over layers in model order: the same grouping the pipeline engine
   // uses across stages, so both give bit-identical norms.
   double norm2 = 0;
-  for (int i = 0; i < stage_->size(); ++i) norm2 += GradSquaredNorm(stage_->layer(i).Parameters());
+  for (int i = 0; i < stage_->size(); ++i) {
+    PW_ASSIGN_OR_RETURN(double layer_norm2,
+                        GradSquaredNorm(stage_->layer(i).Parameters(), allocator_.get()));
+    norm2 += layer_norm2;
+  }
   double norm = std::sqrt(norm2) / scale;
   const bool finite = std::isfinite(norm) && std::isfinite(loss_sum);
   const bool apply = scaler_.Update(finite);
@@ -90,8 +94,9 @@ absl::StatusOr<StepResult> Trainer::Step() {
   }
   float lr = schedule_.At(step_);
   if (apply) {
-    ScaleGrads(params, ClipScale(norm, options_.clip_norm) / scale);
-    optimizer_->Step(lr);
+    PW_RETURN_IF_ERROR(
+        ScaleGrads(params, ClipScale(norm, options_.clip_norm) / scale, allocator_.get()));
+    PW_RETURN_IF_ERROR(optimizer_->Step(lr));
   }
 
   StepResult r;

@@ -31,8 +31,9 @@ class Optimizer {
   static std::unique_ptr<Optimizer> Create(const OptimizerConfig& config,
                                            std::vector<Parameter*> params,
                                            Allocator* allocator = nullptr);
-  // One update of every parameter from its grad at learning rate `lr`. Does not zero grads.
-  void Step(float lr);
+  // One update of every parameter from its grad at learning rate `lr`, on the allocator's
+  // device (CUDA: one multi-tensor AdamW launch). Does not zero grads.
+  absl::Status Step(float lr);
   int64_t step_count() const { return step_; }
   // State tensors ("exp_avg.<name>", "exp_avg_sq.<name>" or "momentum_buffer.<name>").
   std::vector<std::pair<std::string, Tensor>> State() const;
@@ -42,20 +43,25 @@ class Optimizer {
  private:
   Optimizer(const OptimizerConfig& config, std::vector<Parameter*> params, Allocator* allocator);
   OptimizerConfig config_;
+  Allocator* allocator_ = nullptr;  // where the state lives and the update runs
   std::vector<Parameter*> params_;
   std::vector<Tensor> m_, v_;  // AdamW moments, or SGD momentum buffer in m_
   int64_t step_ = 0;
 };
 
+// The gradient helpers run where the gradients live; `exec` is the allocator whose device (and
+// CUDA stream) runs them (nullptr: the host).
 void ZeroGrads(const std::vector<Parameter*>& params);
 // Sum of squares of every gradient, in double (combine across stages before the sqrt).
-double GradSquaredNorm(const std::vector<Parameter*>& params);
+absl::StatusOr<double> GradSquaredNorm(const std::vector<Parameter*>& params,
+                                       Allocator* exec = nullptr);
 // Multiplies every gradient by `scale`.
-void ScaleGrads(const std::vector<Parameter*>& params, float scale);
+absl::Status ScaleGrads(const std::vector<Parameter*>& params, float scale,
+                        Allocator* exec = nullptr);
 // Scale factor that clips a gradient of global norm `norm` to `max_norm` (1 when not needed or
 // max_norm <= 0).
 float ClipScale(double norm, float max_norm);
-bool GradsFinite(const std::vector<Parameter*>& params);
+bool GradsFinite(const std::vector<Parameter*>& params);  // host gradients
 
 // Linear warm-up from 0 to `peak` over `warmup_steps`, then cosine decay to min_ratio * peak
 // at `total_steps`. Steps count from 0.

@@ -6,9 +6,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "kernels/cpu/cpu_kernels.h"
 #include "runtime/layers/layer_util.h"
 #include "runtime/layers/layers_internal.h"
+#include "runtime/ops/ops.h"
 
 namespace pipewright {
 
@@ -88,20 +88,7 @@ LinearLayer::LinearLayer(const InitContext& init, int64_t in, int64_t out, bool 
 }
 
 namespace {
-
 bool IsHalf(DType d) { return d == DType::kBF16 || d == DType::kF16; }
-
-// x rounded to the 16-bit dtype `d` (round-to-nearest-even), in a new tensor.
-Tensor ToHalf(const Tensor& x, DType d, Allocator* allocator) {
-  Tensor h = Tensor::Empty(x.shape(), d, allocator);
-  if (d == DType::kBF16) {
-    cpu::FloatToBf16(x.data<float>(), h.data<uint16_t>(), x.numel());
-  } else {
-    cpu::FloatToHalf(x.data<float>(), h.data<uint16_t>(), x.numel());
-  }
-  return h;
-}
-
 }  // namespace
 
 // fp32: y = x W^T + b with x saved. Mixed precision (ctx.compute_dtype bf16/f16): x, W and dy
@@ -110,20 +97,21 @@ Tensor ToHalf(const Tensor& x, DType d, Allocator* allocator) {
 absl::StatusOr<Tensor> LinearLayer::Forward(const Tensor& x, const LayerContext& ctx,
                                             Saved* saved) {
   PW_ASSIGN_OR_RETURN(int64_t rows, CheckRows(x, in_, "linear"));
+  const ops::Exec e = ops::ExecOf(ctx);
   Tensor y = Tensor::Empty(WithLastDim(x.shape(), out_), DType::kF32, Alloc(ctx));
   const DType cd = ctx.compute_dtype;
   if (IsHalf(cd)) {
-    Tensor xh = ToHalf(x, cd, Alloc(ctx));
-    Tensor wh = ToHalf(weight_.value, cd, Alloc(ctx));
-    cpu::GemmHalf(cd == DType::kBF16, false, true, rows, out_, in_, 1.0f, xh.data<uint16_t>(), in_,
-                  wh.data<uint16_t>(), in_, 0.0f, y.data<float>(), out_);
+    PW_ASSIGN_OR_RETURN(Tensor xh, ops::Cast(e, x, cd));
+    PW_ASSIGN_OR_RETURN(Tensor wh, ops::Cast(e, weight_.value, cd));
+    PW_RETURN_IF_ERROR(
+        ops::Gemm(e, false, true, rows, out_, in_, 1.0f, xh, in_, wh, in_, 0.0f, y, out_));
     saved->tensors = {std::move(xh)};
   } else {
-    cpu::Gemm(false, true, rows, out_, in_, 1.0f, x.data<float>(), in_, weight_.value.data<float>(),
-              in_, 0.0f, y.data<float>(), out_);
+    PW_RETURN_IF_ERROR(ops::Gemm(e, false, true, rows, out_, in_, 1.0f, x, in_, weight_.value, in_,
+                                 0.0f, y, out_));
     saved->tensors = {x};
   }
-  if (has_bias_) cpu::BiasAdd(y.data<float>(), bias_.value.data<float>(), rows, out_);
+  if (has_bias_) PW_RETURN_IF_ERROR(ops::BiasAdd(e, y, bias_.value, rows, out_));
   return y;
 }
 
@@ -133,17 +121,18 @@ absl::StatusOr<Tensor> LinearLayer::BackwardInput(const Tensor& dy, const LayerC
   if (saved->tensors.size() != 1) return absl::FailedPreconditionError("linear: no forward saved");
   PW_RETURN_IF_ERROR(
       CheckGradShape(dy, WithLastDim(saved->tensors[0].shape(), out_), "linear backward"));
+  const ops::Exec e = ops::ExecOf(ctx);
   const DType cd = saved->tensors[0].dtype();  // the precision the forward ran in
   Tensor dx = Tensor::Empty(WithLastDim(dy.shape(), in_), DType::kF32, Alloc(ctx));
   if (IsHalf(cd)) {
-    Tensor dyh = ToHalf(dy, cd, Alloc(ctx));
-    Tensor wh = ToHalf(weight_.value, cd, Alloc(ctx));
-    cpu::GemmHalf(cd == DType::kBF16, false, false, rows, in_, out_, 1.0f, dyh.data<uint16_t>(),
-                  out_, wh.data<uint16_t>(), in_, 0.0f, dx.data<float>(), in_);
+    PW_ASSIGN_OR_RETURN(Tensor dyh, ops::Cast(e, dy, cd));
+    PW_ASSIGN_OR_RETURN(Tensor wh, ops::Cast(e, weight_.value, cd));
+    PW_RETURN_IF_ERROR(
+        ops::Gemm(e, false, false, rows, in_, out_, 1.0f, dyh, out_, wh, in_, 0.0f, dx, in_));
     saved->tensors.push_back(std::move(dyh));
   } else {
-    cpu::Gemm(false, false, rows, in_, out_, 1.0f, dy.data<float>(), out_,
-              weight_.value.data<float>(), in_, 0.0f, dx.data<float>(), in_);
+    PW_RETURN_IF_ERROR(ops::Gemm(e, false, false, rows, in_, out_, 1.0f, dy, out_, weight_.value,
+                                 in_, 0.0f, dx, in_));
     saved->tensors.push_back(dy);
   }
   return dx;
@@ -153,27 +142,20 @@ absl::Status LinearLayer::BackwardWeight(const LayerContext& ctx, Saved* saved) 
   if (saved->tensors.size() != 2) {
     return absl::FailedPreconditionError("linear: BackwardWeight before BackwardInput");
   }
+  const ops::Exec e = ops::ExecOf(ctx);
   const Tensor& x = saved->tensors[0];
   const Tensor& dy = saved->tensors[1];
   int64_t rows = x.numel() / in_;
-  if (IsHalf(x.dtype())) {
-    const bool bf16 = x.dtype() == DType::kBF16;
-    cpu::GemmHalf(bf16, true, false, out_, in_, rows, 1.0f, dy.data<uint16_t>(), out_,
-                  x.data<uint16_t>(), in_, 1.0f, weight_.grad.data<float>(), in_);
-    if (has_bias_) {
+  PW_RETURN_IF_ERROR(
+      ops::Gemm(e, true, false, out_, in_, rows, 1.0f, dy, out_, x, in_, 1.0f, weight_.grad, in_));
+  if (has_bias_) {
+    if (IsHalf(dy.dtype())) {
       // The bias gradient sums the same 16-bit dy the weight gradient used, in fp32.
-      Tensor dy32 = Tensor::Empty(dy.shape(), DType::kF32, Alloc(ctx));
-      if (bf16) {
-        cpu::Bf16ToFloat(dy.data<uint16_t>(), dy32.data<float>(), dy.numel());
-      } else {
-        cpu::HalfToFloat(dy.data<uint16_t>(), dy32.data<float>(), dy.numel());
-      }
-      cpu::BiasBackward(dy32.data<float>(), bias_.grad.data<float>(), rows, out_);
+      PW_ASSIGN_OR_RETURN(Tensor dy32, ops::Cast(e, dy, DType::kF32));
+      PW_RETURN_IF_ERROR(ops::BiasBackward(e, dy32, bias_.grad, rows, out_));
+    } else {
+      PW_RETURN_IF_ERROR(ops::BiasBackward(e, dy, bias_.grad, rows, out_));
     }
-  } else {
-    cpu::Gemm(true, false, out_, in_, rows, 1.0f, dy.data<float>(), out_, x.data<float>(), in_,
-              1.0f, weight_.grad.data<float>(), in_);
-    if (has_bias_) cpu::BiasBackward(dy.data<float>(), bias_.grad.data<float>(), rows, out_);
   }
   saved->Clear();
   return absl::OkStatus();
@@ -189,8 +171,7 @@ absl::StatusOr<Tensor> GeluLayer::Forward(const Tensor& x, const LayerContext& c
   if (!x.defined() || x.dtype() != DType::kF32) {
     return absl::InvalidArgumentError("gelu: expected an f32 input");
   }
-  Tensor y = Tensor::Empty(x.shape(), DType::kF32, Alloc(ctx));
-  cpu::GeluForward(x.data<float>(), y.data<float>(), x.numel());
+  PW_ASSIGN_OR_RETURN(Tensor y, ops::GeluForward(ops::ExecOf(ctx), x));
   saved->tensors = {x};
   return y;
 }
@@ -200,9 +181,7 @@ absl::StatusOr<Tensor> GeluLayer::BackwardInput(const Tensor& dy, const LayerCon
   if (saved->tensors.size() != 1 || saved->tensors[0].numel() != dy.numel()) {
     return absl::FailedPreconditionError("gelu: backward without a matching forward");
   }
-  Tensor dx = Tensor::Empty(dy.shape(), DType::kF32, Alloc(ctx));
-  cpu::GeluBackward(saved->tensors[0].data<float>(), dy.data<float>(), dx.data<float>(),
-                    dy.numel());
+  PW_ASSIGN_OR_RETURN(Tensor dx, ops::GeluBackward(ops::ExecOf(ctx), saved->tensors[0], dy));
   saved->Clear();
   return dx;
 }
@@ -222,8 +201,8 @@ absl::StatusOr<Tensor> LayerNormLayer::Forward(const Tensor& x, const LayerConte
   Tensor y = Tensor::Empty(x.shape(), DType::kF32, Alloc(ctx));
   Tensor mean = Tensor::Empty({rows}, DType::kF32, Alloc(ctx));
   Tensor rstd = Tensor::Empty({rows}, DType::kF32, Alloc(ctx));
-  cpu::LayerNormForward(x.data<float>(), gamma_.value.data<float>(), beta_.value.data<float>(),
-                        y.data<float>(), mean.data<float>(), rstd.data<float>(), rows, dim_, eps_);
+  PW_RETURN_IF_ERROR(ops::LayerNormForward(ops::ExecOf(ctx), x, gamma_.value, beta_.value, y, mean,
+                                           rstd, rows, dim_, eps_));
   saved->tensors = {x, mean, rstd};
   return y;
 }
@@ -234,9 +213,9 @@ absl::StatusOr<Tensor> LayerNormLayer::BackwardInput(const Tensor& dy, const Lay
   if (saved->tensors.size() != 3) return absl::FailedPreconditionError("layernorm: no forward");
   PW_RETURN_IF_ERROR(CheckGradShape(dy, saved->tensors[0].shape(), "layernorm backward"));
   Tensor dx = Tensor::Empty(dy.shape(), DType::kF32, Alloc(ctx));
-  cpu::LayerNormBackwardInput(saved->tensors[0].data<float>(), gamma_.value.data<float>(),
-                              saved->tensors[1].data<float>(), saved->tensors[2].data<float>(),
-                              dy.data<float>(), dx.data<float>(), rows, dim_);
+  PW_RETURN_IF_ERROR(ops::LayerNormBackwardInput(ops::ExecOf(ctx), saved->tensors[0], gamma_.value,
+                                                 saved->tensors[1], saved->tensors[2], dy, dx, rows,
+                                                 dim_));
   saved->tensors.push_back(dy);
   return dx;
 }
@@ -246,10 +225,9 @@ absl::Status LayerNormLayer::BackwardWeight(const LayerContext& ctx, Saved* save
     return absl::FailedPreconditionError("layernorm: BackwardWeight before BackwardInput");
   }
   const Tensor& x = saved->tensors[0];
-  cpu::LayerNormBackwardWeight(x.data<float>(), saved->tensors[1].data<float>(),
-                               saved->tensors[2].data<float>(), saved->tensors[3].data<float>(),
-                               gamma_.grad.data<float>(), beta_.grad.data<float>(),
-                               x.numel() / dim_, dim_);
+  PW_RETURN_IF_ERROR(ops::LayerNormBackwardWeight(ops::ExecOf(ctx), x, saved->tensors[1],
+                                                  saved->tensors[2], saved->tensors[3], gamma_.grad,
+                                                  beta_.grad, x.numel() / dim_, dim_));
   saved->Clear();
   return absl::OkStatus();
 }
@@ -275,17 +253,19 @@ absl::StatusOr<Tensor> EmbeddingLayer::Forward(const Tensor& x, const LayerConte
     return absl::InvalidArgumentError(
         absl::StrFormat("embedding: sequence length %d exceeds the maximum %d", T, max_seq_));
   }
-  const int32_t* tok = x.data<int32_t>();
-  for (int64_t i = 0; i < x.numel(); ++i) {
-    if (tok[i] < 0 || tok[i] >= vocab_) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("embedding: token %d at position %d is outside the vocabulary [0, %d)",
-                          tok[i], i, vocab_));
+  if (x.device().is_cpu()) {  // device tokens were checked on the host before their copy
+    const int32_t* tok = x.data<int32_t>();
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      if (tok[i] < 0 || tok[i] >= vocab_) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("embedding: token %d at position %d is outside the vocabulary [0, %d)",
+                            tok[i], i, vocab_));
+      }
     }
   }
   Tensor y = Tensor::Empty({B, T, dim_}, DType::kF32, Alloc(ctx));
-  cpu::EmbeddingForward(tok, wte_.value.data<float>(), wpe_.value.data<float>(), y.data<float>(), B,
-                        T, dim_);
+  PW_RETURN_IF_ERROR(
+      ops::EmbeddingForward(ops::ExecOf(ctx), x, wte_.value, wpe_.value, y, B, T, dim_));
   saved->tensors = {x};
   return y;
 }
@@ -305,9 +285,8 @@ absl::Status EmbeddingLayer::BackwardWeight(const LayerContext& ctx, Saved* save
     return absl::FailedPreconditionError("embedding: BackwardWeight before BackwardInput");
   }
   const Tensor& tok = saved->tensors[0];
-  cpu::EmbeddingBackward(saved->tensors[1].data<float>(), tok.data<int32_t>(),
-                         wte_.grad.data<float>(), wpe_.grad.data<float>(), tok.dim(0), tok.dim(1),
-                         dim_);
+  PW_RETURN_IF_ERROR(ops::EmbeddingBackward(ops::ExecOf(ctx), saved->tensors[1], tok, wte_.grad,
+                                            wpe_.grad, tok.dim(0), tok.dim(1), dim_));
   saved->Clear();
   return absl::OkStatus();
 }
@@ -326,38 +305,42 @@ absl::StatusOr<Tensor> CrossEntropyLayer::Forward(const Tensor& x, const LayerCo
                      " do not match targets ", targets.ShapeString()));
   }
   int64_t vocab = x.dim(-1), rows = targets.numel();
-  const int32_t* t = targets.data<int32_t>();
-  for (int64_t i = 0; i < rows; ++i) {
-    if (t[i] >= vocab) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "loss: target %d at row %d is outside the vocabulary [0, %d)", t[i], i, vocab));
+  if (targets.device().is_cpu()) {  // device targets were checked on the host before their copy
+    const int32_t* t = targets.data<int32_t>();
+    for (int64_t i = 0; i < rows; ++i) {
+      if (t[i] >= vocab) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "loss: target %d at row %d is outside the vocabulary [0, %d)", t[i], i, vocab));
+      }
     }
   }
   int64_t count = 0;
-  double sum = cpu::SoftmaxCrossEntropyForward(x.data<float>(), t, rows, vocab, &count);
-  Tensor loss = Tensor::Empty({1}, DType::kF32, Alloc(ctx));
+  PW_ASSIGN_OR_RETURN(double sum,
+                      ops::CrossEntropyForward(ops::ExecOf(ctx), x, targets, rows, vocab, &count));
+  // The loss and the row count are host scalars on every device.
+  Tensor loss = Tensor::Empty({1}, DType::kF32);
   loss.data<float>()[0] = count > 0 ? static_cast<float>(sum / count) : 0.0f;
-  saved->tensors = {x, targets};
+  Tensor n = Tensor::Empty({1}, DType::kF64);
+  n.data<double>()[0] = static_cast<double>(count);
+  saved->tensors = {x, targets, n};
   return loss;
 }
 
 absl::StatusOr<Tensor> CrossEntropyLayer::BackwardInput(const Tensor& dy, const LayerContext& ctx,
                                                         Saved* saved) {
-  if (saved->tensors.size() != 2) return absl::FailedPreconditionError("loss: no forward saved");
-  if (dy.defined() && (dy.dtype() != DType::kF32 || dy.numel() != 1)) {
-    return absl::InvalidArgumentError("loss backward: expected an f32 [1] gradient scale");
+  if (saved->tensors.size() != 3) return absl::FailedPreconditionError("loss: no forward saved");
+  if (dy.defined() && (dy.dtype() != DType::kF32 || dy.numel() != 1 || !dy.device().is_cpu())) {
+    return absl::InvalidArgumentError("loss backward: expected a host f32 [1] gradient scale");
   }
   const Tensor& logits = saved->tensors[0];
   const Tensor& targets = saved->tensors[1];
   int64_t vocab = logits.dim(-1), rows = targets.numel();
-  int64_t count = 0;
-  const int32_t* t = targets.data<int32_t>();
-  for (int64_t i = 0; i < rows; ++i) count += t[i] >= 0;
+  const int64_t count = static_cast<int64_t>(saved->tensors[2].data<double>()[0]);
   float g = dy.defined() ? dy.data<float>()[0] : 1.0f;
   Tensor dx = Tensor::Empty(logits.shape(), DType::kF32, Alloc(ctx));
-  cpu::SoftmaxCrossEntropyBackward(logits.data<float>(), t, rows, vocab,
-                                   count > 0 ? g / static_cast<float>(count) : 0.0f,
-                                   dx.data<float>());
+  PW_RETURN_IF_ERROR(ops::CrossEntropyBackward(ops::ExecOf(ctx), logits, targets, rows, vocab,
+                                               count > 0 ? g / static_cast<float>(count) : 0.0f,
+                                               dx));
   saved->Clear();
   return dx;
 }

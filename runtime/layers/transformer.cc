@@ -2,9 +2,9 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cpu/cpu_kernels.h"
 #include "runtime/layers/layer_util.h"
 #include "runtime/layers/layers_internal.h"
+#include "runtime/ops/ops.h"
 
 namespace pipewright::internal {
 
@@ -14,10 +14,8 @@ float ResidualStd(const InitContext& init) {
   return 0.02f / std::sqrt(2.0f * static_cast<float>(std::max(1, init.num_blocks)));
 }
 
-Tensor AddTensors(const Tensor& a, const Tensor& b, const LayerContext& ctx) {
-  Tensor out = Tensor::Empty(a.shape(), DType::kF32, Alloc(ctx));
-  cpu::Add(a.data<float>(), b.data<float>(), out.data<float>(), a.numel());
-  return out;
+absl::StatusOr<Tensor> AddTensors(const Tensor& a, const Tensor& b, const LayerContext& ctx) {
+  return ops::Add(ops::ExecOf(ctx), a, b);
 }
 }  // namespace
 
@@ -71,24 +69,26 @@ absl::StatusOr<Tensor> AttentionCoreLayer::Forward(const Tensor& x, const LayerC
         absl::StrCat("attention: expected qkv [B, T, ", 3 * dim_, "] f32, got ", x.ShapeString()));
   }
   int64_t B = x.dim(0), T = x.dim(1);
+  const ops::Exec e = ops::ExecOf(ctx);
   Tensor out = Tensor::Empty({B, T, dim_}, DType::kF32, Alloc(ctx));
-  Tensor probs = Tensor::Empty({B, heads_, T, T}, DType::kF32, Alloc(ctx));
-  cpu::AttentionForward(x.data<float>(), out.data<float>(), probs.data<float>(), B, T, dim_,
-                        heads_);
-  saved->tensors = {x, probs};
+  // CPU: the probabilities [B, H, T, T]; CUDA (fused): the row log-sum-exp [B, H, T].
+  Tensor aux =
+      Tensor::Empty(ops::AttentionAuxShape(e.device(), B, T, heads_), DType::kF32, Alloc(ctx));
+  PW_RETURN_IF_ERROR(ops::AttentionForward(e, x, out, aux, B, T, dim_, heads_));
+  // The fused CUDA backward also needs the output (rowsum(dout * out)); the CPU one does not.
+  saved->tensors = {x, aux, e.device().is_cuda() ? out : Tensor()};
   return out;
 }
 
 absl::StatusOr<Tensor> AttentionCoreLayer::BackwardInput(const Tensor& dy, const LayerContext& ctx,
                                                          Saved* saved) {
-  if (saved->tensors.size() != 2) return absl::FailedPreconditionError("attention: no forward");
+  if (saved->tensors.size() != 3) return absl::FailedPreconditionError("attention: no forward");
   const Tensor& qkv = saved->tensors[0];
   int64_t B = qkv.dim(0), T = qkv.dim(1);
   PW_RETURN_IF_ERROR(CheckGradShape(dy, {B, T, dim_}, "attention backward"));
-  Tensor dqkv = Tensor::Empty(qkv.shape(), DType::kF32, Alloc(ctx));
-  Tensor scratch = Tensor::Empty({T, T}, DType::kF32, Alloc(ctx));
-  cpu::AttentionBackward(dy.data<float>(), qkv.data<float>(), saved->tensors[1].data<float>(),
-                         dqkv.data<float>(), scratch.data<float>(), B, T, dim_, heads_);
+  PW_ASSIGN_OR_RETURN(Tensor dqkv,
+                      ops::AttentionBackward(ops::ExecOf(ctx), dy, qkv, saved->tensors[2],
+                                             saved->tensors[1], B, T, dim_, heads_));
   saved->Clear();
   return dqkv;
 }
@@ -124,10 +124,10 @@ absl::StatusOr<Tensor> TransformerBlockLayer::Forward(const Tensor& x, const Lay
   saved->children.resize(4);
   PW_ASSIGN_OR_RETURN(Tensor a, ln_1_->Forward(x, ctx, &saved->children[0]));
   PW_ASSIGN_OR_RETURN(Tensor b, attn_->Forward(a, ctx, &saved->children[1]));
-  Tensor h = AddTensors(x, b, ctx);
+  PW_ASSIGN_OR_RETURN(Tensor h, AddTensors(x, b, ctx));
   PW_ASSIGN_OR_RETURN(Tensor c, ln_2_->Forward(h, ctx, &saved->children[2]));
   PW_ASSIGN_OR_RETURN(Tensor d, mlp_->Forward(c, ctx, &saved->children[3]));
-  cpu::AddInPlace(d.data<float>(), h.data<float>(), d.numel());
+  PW_RETURN_IF_ERROR(ops::AddInPlace(ops::ExecOf(ctx), d, h));
   return d;
 }
 
@@ -138,10 +138,10 @@ absl::StatusOr<Tensor> TransformerBlockLayer::BackwardInput(const Tensor& dy,
   }
   PW_ASSIGN_OR_RETURN(Tensor dc, mlp_->BackwardInput(dy, ctx, &saved->children[3]));
   PW_ASSIGN_OR_RETURN(Tensor dh, ln_2_->BackwardInput(dc, ctx, &saved->children[2]));
-  cpu::AddInPlace(dh.data<float>(), dy.data<float>(), dh.numel());
+  PW_RETURN_IF_ERROR(ops::AddInPlace(ops::ExecOf(ctx), dh, dy));
   PW_ASSIGN_OR_RETURN(Tensor da, attn_->BackwardInput(dh, ctx, &saved->children[1]));
   PW_ASSIGN_OR_RETURN(Tensor dx, ln_1_->BackwardInput(da, ctx, &saved->children[0]));
-  cpu::AddInPlace(dx.data<float>(), dh.data<float>(), dx.numel());
+  PW_RETURN_IF_ERROR(ops::AddInPlace(ops::ExecOf(ctx), dx, dh));
   return dx;
 }
 

@@ -1,0 +1,55 @@
+// The CUDA branch of ops.h: the same functions with their checks done, enqueued on the
+// allocator's stream. Implemented in ops_cuda.cu (CUDA builds) or ops_no_cuda.cc, where each
+// returns FailedPrecondition "built without CUDA".
+#ifndef PIPEWRIGHT_RUNTIME_OPS_OPS_CUDA_H_
+#define PIPEWRIGHT_RUNTIME_OPS_OPS_CUDA_H_
+
+#include "runtime/ops/ops.h"
+
+namespace pipewright::ops::cuda_impl {
+
+absl::Status Gemm(const Exec& e, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                  float alpha, const Tensor& a, int64_t lda, const Tensor& b, int64_t ldb,
+                  float beta, Tensor& c, int64_t ldc, bool allow_tf32);
+absl::Status Cast(const Exec& e, const Tensor& x, Tensor& y);
+absl::Status BiasAdd(const Exec& e, Tensor& y, const Tensor& bias, int64_t rows, int64_t cols);
+absl::Status BiasBackward(const Exec& e, const Tensor& dy, Tensor& dbias, int64_t rows,
+                          int64_t cols);
+absl::Status Add(const Exec& e, const Tensor& a, const Tensor& b, Tensor& out);
+absl::Status AddInPlace(const Exec& e, Tensor& y, const Tensor& x);
+absl::Status Scale(const Exec& e, Tensor& x, float s);
+absl::Status GeluForward(const Exec& e, const Tensor& x, Tensor& y);
+absl::Status GeluBackward(const Exec& e, const Tensor& x, const Tensor& dy, Tensor& dx);
+absl::Status LayerNormForward(const Exec& e, const Tensor& x, const Tensor& gamma,
+                              const Tensor& beta, Tensor& y, Tensor& mean, Tensor& rstd,
+                              int64_t rows, int64_t cols, float eps);
+absl::Status LayerNormBackwardInput(const Exec& e, const Tensor& x, const Tensor& gamma,
+                                    const Tensor& mean, const Tensor& rstd, const Tensor& dy,
+                                    Tensor& dx, int64_t rows, int64_t cols);
+absl::Status LayerNormBackwardWeight(const Exec& e, const Tensor& x, const Tensor& mean,
+                                     const Tensor& rstd, const Tensor& dy, Tensor& dgamma,
+                                     Tensor& dbeta, int64_t rows, int64_t cols);
+absl::StatusOr<double> CrossEntropyForward(const Exec& e, const Tensor& logits,
+                                           const Tensor& targets, int64_t rows, int64_t vocab,
+                                           int64_t* count);
+absl::Status CrossEntropyBackward(const Exec& e, const Tensor& logits, const Tensor& targets,
+                                  int64_t rows, int64_t vocab, float scale, Tensor& dlogits);
+absl::Status AttentionForward(const Exec& e, const Tensor& qkv, Tensor& out, Tensor& lse, int64_t B,
+                              int64_t T, int64_t C, int64_t H);
+absl::Status AttentionBackward(const Exec& e, const Tensor& dout, const Tensor& qkv,
+                               const Tensor& out, const Tensor& lse, Tensor& dqkv, int64_t B,
+                               int64_t T, int64_t C, int64_t H);
+absl::Status EmbeddingForward(const Exec& e, const Tensor& tokens, const Tensor& wte,
+                              const Tensor& wpe, Tensor& out, int64_t B, int64_t T, int64_t C);
+absl::Status EmbeddingBackward(const Exec& e, const Tensor& dout, const Tensor& tokens,
+                               Tensor& dwte, Tensor& dwpe, int64_t B, int64_t T, int64_t C);
+absl::Status AdamW(const Exec& e, const std::vector<AdamWItem>& items, float lr, float beta1,
+                   float beta2, float eps, int64_t t);
+absl::StatusOr<double> SumSquares(const Exec& e, const std::vector<const Tensor*>& ts);
+// Ordered on the executing stream; complete on return when `dst_device` is the host.
+absl::Status CopyBytes(const Exec& e, void* dst, Device dst_device, const void* src,
+                       Device src_device, size_t bytes);
+
+}  // namespace pipewright::ops::cuda_impl
+
+#endif  // PIPEWRIGHT_RUNTIME_OPS_OPS_CUDA_H_
