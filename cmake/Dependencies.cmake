@@ -32,6 +32,9 @@ if(NOT PIPEWRIGHT_CUDA STREQUAL "OFF")
     if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
       set(CMAKE_CUDA_ARCHITECTURES 90)
     endif()
+    # One cudart per process: the shared library, the same one CUDA::cudart names (the default,
+    # cudart_static, would put a second copy of the runtime's state next to it).
+    set(CMAKE_CUDA_RUNTIME_LIBRARY Shared)
     enable_language(CUDA)
     # CMake 3.25 does not know nvcc's C++20 flag.
     set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION -std=c++20)

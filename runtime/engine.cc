@@ -11,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "pipewright/checkpoint.h"
+#include "runtime/ops/ops.h"
 #include "runtime/train_state.h"
 
 namespace pipewright {
@@ -132,7 +133,12 @@ class RankExecutor {
   BatchLayout layout;
   Clock::time_point epoch;
 
-  std::unique_ptr<CpuAllocator> alloc = std::make_unique<CpuAllocator>();
+  // Device memory and its stream (CUDA) — declared before everything allocated from them.
+  int cuda_device = -1;  // >= 0 on CUDA
+  std::unique_ptr<CudaStream> stream;
+  std::unique_ptr<Allocator> alloc = std::make_unique<CpuAllocator>();
+  // Host memory for the rank's host-side values on CUDA (batches, scalars, staging).
+  std::unique_ptr<CpuAllocator> host = std::make_unique<CpuAllocator>();
   std::unique_ptr<Communicator> world, dp_comm;
   std::vector<StageRt> stages;
   std::vector<int> local;  // virtual stage -> index in stages, or -1
@@ -164,19 +170,55 @@ class RankExecutor {
   }
 
   absl::Status RunStep(int64_t step, float lr, StepOutcome* out);
+  bool on_cuda() const { return cuda_device >= 0; }
+  // Makes this rank's GPU current on the calling thread (CUDA state is per thread).
+  absl::Status BindDevice() const {
+    return on_cuda() ? SetCudaDevice(cuda_device) : absl::OkStatus();
+  }
+  // Waits until the rank's queued device work is done (no-op on the CPU), so that host clocks
+  // time it and other threads may read what it wrote.
+  absl::Status Sync() const {
+    return on_cuda() ? SynchronizeStream(alloc->stream()) : absl::OkStatus();
+  }
+  // A host copy of a tensor of this rank (a shared reference when it is already on the host).
+  absl::StatusOr<Tensor> ToHost(const Tensor& t) const {
+    if (t.device().is_cpu()) return t;
+    Tensor h = Tensor::Empty(t.shape(), t.dtype(), DefaultCpuAllocator());
+    PW_RETURN_IF_ERROR(ops::Copy(ops::Exec{alloc.get()}, t, h));
+    return h;
+  }
 
  private:
+  // The first stage's tokens and the last stage's targets of micro-batch `mb`, on the rank's
+  // device (copied from the loader's host batch once per step on CUDA).
+  absl::StatusOr<Tensor> Tokens(int mb);
+  absl::StatusOr<const Tensor*> Targets(int mb);
+  absl::Status AllReduceHost(Tensor& v, const std::string& what);
   absl::Status RunAction(const Action& a, int index, int64_t step, float lr, StepOutcome* out);
+  struct PendingRecv {
+    Action action;
+    StageRt* stage = nullptr;
+    int peer = -1;
+    int64_t tag = -1;
+    Tensor buf;
+    std::unique_ptr<Work> work;
+    Clock::time_point start;
+  };
+  absl::Status IssueSend(const Action& a);
+  absl::Status PostRecv(const Action& a, PendingRecv* r);
+  absl::Status FinishRecv(PendingRecv& r);
+  absl::Status RunP2PGroup(const Program& prog, size_t begin, size_t end);
   absl::Status Forward(StageRt& st, int mb);
   absl::Status Backward(StageRt& st, const Action& a, int index);
   absl::Status Agree(int64_t step, float lr, StepOutcome* out);
-  void LayerWeightDone(StageRt& st, int layer);
-  void Launch(Bucket& b);
+  absl::Status LayerWeightDone(StageRt& st, int layer);
+  absl::Status Launch(Bucket& b);
   void Record(EventKind kind, const Action& a, Clock::time_point start, int peer = -1,
               int64_t tag = -1);
   absl::Status WaitOrAbort(Work& w, const std::string& what);
 
   StepBatch batch_;
+  std::vector<Tensor> dev_tokens_, dev_targets_;  // CUDA copies of batch_, per micro-batch
   std::vector<double> losses_;  // [micro-batch], last-stage ranks only
   std::vector<std::unique_ptr<Work>> sends_;
   int64_t step_ = 0;
@@ -256,13 +298,27 @@ absl::Status RankExecutor::RunStep(int64_t step, float lr, StepOutcome* out) {
     }
   }
   losses_.assign(M, 0.0);
+  dev_tokens_.assign(M, Tensor());
+  dev_targets_.assign(M, Tensor());
   sends_.clear();
   const Program& prog = schedule->programs[pipe];
+  auto is_p2p = [](ActionKind k) {
+    return k == ActionKind::kSendF || k == ActionKind::kSendB || k == ActionKind::kRecvF ||
+           k == ActionKind::kRecvB;
+  };
+  const bool group_p2p = world->backend() == "nccl";
   for (size_t i = 0; i < prog.actions.size(); ++i) {
     const Action& a = prog.actions[i];
     absl::Status s;
     try {
-      s = RunAction(a, static_cast<int>(i), step, lr, out);
+      if (group_p2p && is_p2p(a.kind)) {
+        size_t end = i + 1;
+        while (end < prog.actions.size() && is_p2p(prog.actions[end].kind)) ++end;
+        s = RunP2PGroup(prog, i, end);
+        i = end - 1;
+      } else {
+        s = RunAction(a, static_cast<int>(i), step, lr, out);
+      }
     } catch (const std::exception& e) {
       s = absl::InternalError(absl::StrCat(Who(), " ", a.ToString(), ": exception: ", e.what()));
     } catch (...) {
@@ -281,6 +337,8 @@ absl::Status RankExecutor::RunStep(int64_t step, float lr, StepOutcome* out) {
     st.grad_in.clear();
   }
   batch_ = StepBatch{};
+  dev_tokens_.clear();
+  dev_targets_.clear();
   step_times.wall = Seconds(t0, Clock::now());
   step_times.peak_memory_bytes = alloc->peak_bytes();
   step_times.peak_activation_bytes = alloc->peak_bytes() - start_bytes;
@@ -304,7 +362,6 @@ absl::Status RankExecutor::RunStep(int64_t step, float lr, StepOutcome* out) {
 
 absl::Status RankExecutor::RunAction(const Action& a, int index, int64_t step, float lr,
                                      StepOutcome* out) {
-  const int S = schedule->num_stages;
   const int mb = a.micro_batch;
   auto stage_or = [&]() -> absl::StatusOr<StageRt*> {
     StageRt* st = Local(a.virtual_stage);
@@ -340,54 +397,20 @@ absl::Status RankExecutor::RunAction(const Action& a, int index, int64_t step, f
       return absl::OkStatus();
     }
     case ActionKind::kSendF:
-    case ActionKind::kSendB: {
-      PW_ASSIGN_OR_RETURN(StageRt * st, stage_or());
-      const bool fwd = a.kind == ActionKind::kSendF;
-      const int to_stage = fwd ? a.virtual_stage + 1 : a.virtual_stage - 1;
-      if (to_stage < 0 || to_stage >= S) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(Who(), " ", a.ToString(), ": no stage ", to_stage, " to send to"));
-      }
-      Tensor& t = fwd ? st->output[mb] : st->grad_in[mb];
-      if (!t.defined()) {
-        return absl::FailedPreconditionError(
-            absl::StrCat(Who(), " ", a.ToString(), ": nothing to send (the ",
-                         fwd ? "F" : "backward", " of this micro-batch has not run)"));
-      }
-      const int peer = PeerOf(to_stage);
-      const int64_t tag = P2PTag(S, mb, to_stage, fwd ? kDirF : kDirB);
-      Clock::time_point c = Clock::now();
-      sends_.push_back(world->Send(t, peer, tag));
-      Record(EventKind::kSend, a, c, peer, tag);
-      t = Tensor();
-      return absl::OkStatus();
-    }
+    case ActionKind::kSendB:
+      return IssueSend(a);
     case ActionKind::kRecvF:
     case ActionKind::kRecvB: {
-      PW_ASSIGN_OR_RETURN(StageRt * st, stage_or());
-      const bool fwd = a.kind == ActionKind::kRecvF;
-      const int from_stage = fwd ? a.virtual_stage - 1 : a.virtual_stage + 1;
-      if (from_stage < 0 || from_stage >= S) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(Who(), " ", a.ToString(), ": no stage ", from_stage, " to receive from"));
-      }
-      const int peer = PeerOf(from_stage);
-      const int64_t tag = P2PTag(S, mb, a.virtual_stage, fwd ? kDirF : kDirB);
-      Tensor buf = fwd ? Tensor::Empty(st->in_shape, st->in_dtype, alloc.get())
-                       : Tensor::Empty(st->out_shape, DType::kF32, alloc.get());
-      Clock::time_point c = Clock::now();
-      std::unique_ptr<Work> w = world->Recv(buf, peer, tag);
-      absl::Status s = WaitOrAbort(*w, absl::StrCat(a.ToString(), " from rank ", peer));
-      Record(EventKind::kRecvWait, a, c, peer, tag);
-      PW_RETURN_IF_ERROR(s);
-      (fwd ? st->input[mb] : st->grad_out[mb]) = std::move(buf);
-      return absl::OkStatus();
+      PendingRecv r;
+      PW_RETURN_IF_ERROR(PostRecv(a, &r));
+      return FinishRecv(r);
     }
     case ActionKind::kReduceGrads: {
       PW_ASSIGN_OR_RETURN(StageRt * st, stage_or());
       if (dp_comm != nullptr) {
         for (Bucket& b : st->buckets) {
-          if (b.work == nullptr) Launch(b);  // normally launched by the last weight gradient
+          // Normally launched by the bucket's last weight gradient.
+          if (b.work == nullptr) PW_RETURN_IF_ERROR(Launch(b));
         }
       }
       return absl::OkStatus();
@@ -398,13 +421,135 @@ absl::Status RankExecutor::RunAction(const Action& a, int index, int64_t step, f
   return absl::InternalError("unknown action");
 }
 
+absl::StatusOr<Tensor> RankExecutor::Tokens(int mb) {
+  if (!on_cuda()) return batch_.inputs[mb];
+  if (!dev_tokens_[mb].defined()) {
+    const Tensor& h = batch_.inputs[mb];
+    Tensor d = Tensor::Empty(h.shape(), h.dtype(), alloc.get());
+    PW_RETURN_IF_ERROR(ops::Copy(ops::Exec{alloc.get()}, h, d));
+    dev_tokens_[mb] = std::move(d);
+  }
+  return dev_tokens_[mb];
+}
+
+absl::StatusOr<const Tensor*> RankExecutor::Targets(int mb) {
+  if (!on_cuda()) return &batch_.targets[mb];
+  if (!dev_targets_[mb].defined()) {
+    const Tensor& h = batch_.targets[mb];
+    Tensor d = Tensor::Empty(h.shape(), h.dtype(), alloc.get());
+    PW_RETURN_IF_ERROR(ops::Copy(ops::Exec{alloc.get()}, h, d));
+    dev_targets_[mb] = std::move(d);
+  }
+  return &dev_targets_[mb];
+}
+
+absl::Status RankExecutor::IssueSend(const Action& a) {
+  const int S = schedule->num_stages;
+  const int mb = a.micro_batch;
+  StageRt* st = Local(a.virtual_stage);
+  if (st == nullptr || mb < 0 || mb >= layout.micro_batches) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(Who(), " ", a.ToString(), ": stage or micro-batch not on this rank"));
+  }
+  const bool fwd = a.kind == ActionKind::kSendF;
+  const int to_stage = fwd ? a.virtual_stage + 1 : a.virtual_stage - 1;
+  if (to_stage < 0 || to_stage >= S) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(Who(), " ", a.ToString(), ": no stage ", to_stage, " to send to"));
+  }
+  Tensor& t = fwd ? st->output[mb] : st->grad_in[mb];
+  if (!t.defined()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(Who(), " ", a.ToString(), ": nothing to send (the ",
+                     fwd ? "F" : "backward", " of this micro-batch has not run)"));
+  }
+  const int peer = PeerOf(to_stage);
+  const int64_t tag = P2PTag(S, mb, to_stage, fwd ? kDirF : kDirB);
+  Clock::time_point c = Clock::now();
+  sends_.push_back(world->Send(t, peer, tag));
+  Record(EventKind::kSend, a, c, peer, tag);
+  t = Tensor();
+  return absl::OkStatus();
+}
+
+absl::Status RankExecutor::PostRecv(const Action& a, PendingRecv* r) {
+  const int S = schedule->num_stages;
+  const int mb = a.micro_batch;
+  StageRt* st = Local(a.virtual_stage);
+  if (st == nullptr || mb < 0 || mb >= layout.micro_batches) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(Who(), " ", a.ToString(), ": stage or micro-batch not on this rank"));
+  }
+  const bool fwd = a.kind == ActionKind::kRecvF;
+  const int from_stage = fwd ? a.virtual_stage - 1 : a.virtual_stage + 1;
+  if (from_stage < 0 || from_stage >= S) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(Who(), " ", a.ToString(), ": no stage ", from_stage, " to receive from"));
+  }
+  r->action = a;
+  r->stage = st;
+  r->peer = PeerOf(from_stage);
+  r->tag = P2PTag(S, mb, a.virtual_stage, fwd ? kDirF : kDirB);
+  r->buf = fwd ? Tensor::Empty(st->in_shape, st->in_dtype, alloc.get())
+               : Tensor::Empty(st->out_shape, DType::kF32, alloc.get());
+  r->start = Clock::now();
+  r->work = world->Recv(r->buf, r->peer, r->tag);
+  return absl::OkStatus();
+}
+
+absl::Status RankExecutor::FinishRecv(PendingRecv& r) {
+  absl::Status s =
+      WaitOrAbort(*r.work, absl::StrCat(r.action.ToString(), " from rank ", r.peer));
+  Record(EventKind::kRecvWait, r.action, r.start, r.peer, r.tag);
+  PW_RETURN_IF_ERROR(s);
+  const bool fwd = r.action.kind == ActionKind::kRecvF;
+  (fwd ? r.stage->input[r.action.micro_batch] : r.stage->grad_out[r.action.micro_batch]) =
+      std::move(r.buf);
+  return absl::OkStatus();
+}
+
+// A run of consecutive sends and receives as one group (NCCL): every operation is posted
+// before any is waited for, so two neighbours that send to each other cannot deadlock in
+// their send kernels.
+absl::Status RankExecutor::RunP2PGroup(const Program& prog, size_t begin, size_t end) {
+  std::vector<PendingRecv> recvs;
+  world->GroupStart();
+  absl::Status posted;
+  for (size_t i = begin; i < end && posted.ok(); ++i) {
+    const Action& a = prog.actions[i];
+    if (a.kind == ActionKind::kSendF || a.kind == ActionKind::kSendB) {
+      posted = IssueSend(a);
+    } else {
+      recvs.emplace_back();
+      posted = PostRecv(a, &recvs.back());
+      if (!posted.ok()) recvs.pop_back();
+    }
+  }
+  absl::Status grouped = world->GroupEnd();
+  PW_RETURN_IF_ERROR(posted);
+  if (!grouped.ok()) {
+    return absl::Status(grouped.code(),
+                        absl::StrCat(Who(), " grouped send/receive: ", grouped.message()));
+  }
+  for (PendingRecv& r : recvs) PW_RETURN_IF_ERROR(FinishRecv(r));
+  return absl::OkStatus();
+}
+
 absl::Status RankExecutor::Forward(StageRt& st, int mb) {
-  Tensor x = st.first ? batch_.inputs[mb] : st.input[mb];
+  Tensor x;
+  if (st.first) {
+    PW_ASSIGN_OR_RETURN(x, Tokens(mb));
+  } else {
+    x = st.input[mb];
+  }
   if (!x.defined()) {
     return absl::FailedPreconditionError("no input activation (its RECV_F has not run)");
   }
-  LayerContext ctx{alloc.get(), st.last ? &batch_.targets[mb] : nullptr,
-                   ComputeDType(opts->train.precision)};
+  const Tensor* targets = nullptr;
+  if (st.last) {
+    PW_ASSIGN_OR_RETURN(targets, Targets(mb));
+  }
+  LayerContext ctx{alloc.get(), targets, ComputeDType(opts->train.precision)};
   Tensor y;
   if (st.recompute) {
     // Keep only the stage input; every layer's saved state is dropped as soon as it is made.
@@ -425,6 +570,7 @@ absl::Status RankExecutor::Forward(StageRt& st, int mb) {
     PW_ASSIGN_OR_RETURN(y, st.stage->Forward(x, ctx, &st.saved[mb]));
     st.input[mb] = Tensor();
   }
+  PW_RETURN_IF_ERROR(Sync());
   if (st.last) {
     float l = y.data<float>()[0];
     // With loss scaling a non-finite loss skips the step everywhere (see Agree); otherwise it
@@ -446,16 +592,25 @@ absl::Status RankExecutor::Forward(StageRt& st, int mb) {
 
 absl::Status RankExecutor::Backward(StageRt& st, const Action& a, int index) {
   const int mb = a.micro_batch;
-  LayerContext ctx{alloc.get(), st.last ? &batch_.targets[mb] : nullptr,
-                   ComputeDType(opts->train.precision)};
+  const Tensor* targets = nullptr;
+  if (st.last) {
+    PW_ASSIGN_OR_RETURN(targets, Targets(mb));
+  }
+  LayerContext ctx{alloc.get(), targets, ComputeDType(opts->train.precision)};
   const bool final_w = index == st.last_backward;
   std::vector<Saved>& saved = st.saved[mb];
   if (a.kind != ActionKind::kW) {
     if (st.recompute) {
-      Tensor x = st.first ? batch_.inputs[mb] : st.input[mb];
+      Tensor x;
+      if (st.first) {
+        PW_ASSIGN_OR_RETURN(x, Tokens(mb));
+      } else {
+        x = st.input[mb];
+      }
       if (!x.defined()) return absl::FailedPreconditionError("no stage input to recompute from");
       Clock::time_point t = Clock::now();
       absl::StatusOr<Tensor> y = st.stage->Forward(x, ctx, &saved);
+      if (y.ok()) PW_RETURN_IF_ERROR(Sync());
       Record(EventKind::kRecompute, a, t);
       st.rc_s += events.back().end - events.back().start;
       PW_RETURN_IF_ERROR(y.status());
@@ -466,7 +621,7 @@ absl::Status RankExecutor::Backward(StageRt& st, const Action& a, int index) {
     }
     Tensor dy;
     if (st.last) {
-      dy = Tensor::Empty({1}, DType::kF32, alloc.get());
+      dy = Tensor::Empty({1}, DType::kF32, host.get());  // a host scalar on every device
       dy.data<float>()[0] =
           scaler.scale() / static_cast<float>(layout.micro_batches * layout.replicas);
     } else {
@@ -493,9 +648,10 @@ absl::Status RankExecutor::Backward(StageRt& st, const Action& a, int index) {
                               absl::StrCat("layer ", st.begin + i, " (", st.stage->name(i),
                                            ") weight backward: ", s.message()));
         }
-        if (final_w) LayerWeightDone(st, i);
+        if (final_w) PW_RETURN_IF_ERROR(LayerWeightDone(st, i));
       }
     }
+    PW_RETURN_IF_ERROR(Sync());
     Record(EventKind::kCompute, a, t);
     st.b_s += events.back().end - events.back().start;
     ++st.b_n;
@@ -521,30 +677,51 @@ absl::Status RankExecutor::Backward(StageRt& st, const Action& a, int index) {
       return absl::Status(s.code(), absl::StrCat("layer ", st.begin + i, " (", st.stage->name(i),
                                                  ") weight backward: ", s.message()));
     }
-    if (final_w) LayerWeightDone(st, i);
+    if (final_w) PW_RETURN_IF_ERROR(LayerWeightDone(st, i));
   }
   saved.clear();
+  PW_RETURN_IF_ERROR(Sync());
   Record(EventKind::kCompute, a, t);
   st.w_s += events.back().end - events.back().start;
   ++st.w_n;
   return absl::OkStatus();
 }
 
-void RankExecutor::LayerWeightDone(StageRt& st, int layer) {
-  if (dp_comm == nullptr) return;
+absl::Status RankExecutor::LayerWeightDone(StageRt& st, int layer) {
+  if (dp_comm == nullptr) return absl::OkStatus();
   int b = st.layer_bucket[layer];
-  if (b < 0) return;
-  if (--st.buckets[b].pending == 0) Launch(st.buckets[b]);
+  if (b < 0) return absl::OkStatus();
+  if (--st.buckets[b].pending == 0) return Launch(st.buckets[b]);
+  return absl::OkStatus();
 }
 
-void RankExecutor::Launch(Bucket& b) {
+absl::Status RankExecutor::Launch(Bucket& b) {
+  const ops::Exec e{alloc.get()};
   b.flat = Tensor::Empty({b.numel}, DType::kF32, alloc.get());
-  float* dst = b.flat.data<float>();
+  int64_t offset = 0;
   for (Parameter* p : b.params) {
-    std::copy_n(p->grad.data<float>(), p->grad.numel(), dst);
-    dst += p->grad.numel();
+    PW_RETURN_IF_ERROR(ops::CopyRange(e, p->grad, 0, b.flat, offset, p->grad.numel()));
+    offset += p->grad.numel();
   }
+  // NCCL orders the all-reduce after the copies with events on its own stream; the local
+  // backend reads the buffer from another thread, so the copies must be done first.
+  if (dp_comm->backend() != "nccl") PW_RETURN_IF_ERROR(Sync());
   b.work = dp_comm->AllReduce(b.flat);
+  return absl::OkStatus();
+}
+
+absl::Status RankExecutor::AllReduceHost(Tensor& v, const std::string& what) {
+  if (world->backend() != "nccl") {
+    std::unique_ptr<Work> w = world->AllReduce(v);
+    return WaitOrAbort(*w, what);
+  }
+  // NCCL reduces device buffers only: stage through the rank's GPU.
+  const ops::Exec e{alloc.get()};
+  Tensor d = Tensor::Empty(v.shape(), v.dtype(), alloc.get());
+  PW_RETURN_IF_ERROR(ops::Copy(e, v, d));
+  std::unique_ptr<Work> w = world->AllReduce(d);
+  PW_RETURN_IF_ERROR(WaitOrAbort(*w, what));
+  return ops::Copy(e, d, v);
 }
 
 absl::Status RankExecutor::Agree(int64_t step, float lr, StepOutcome* out) {
@@ -559,10 +736,11 @@ absl::Status RankExecutor::Agree(int64_t step, float lr, StepOutcome* out) {
       if (b.work == nullptr) continue;
       PW_RETURN_IF_ERROR(WaitOrAbort(
           *b.work, absl::StrCat("gradient all-reduce of stage ", st.index, " across replicas")));
-      const float* src = b.flat.data<float>();
+      int64_t offset = 0;
       for (Parameter* p : b.params) {
-        std::copy_n(src, p->grad.numel(), p->grad.data<float>());
-        src += p->grad.numel();
+        PW_RETURN_IF_ERROR(
+            ops::CopyRange(ops::Exec{alloc.get()}, b.flat, offset, p->grad, 0, p->grad.numel()));
+        offset += p->grad.numel();
       }
       b.flat = Tensor();
       b.work.reset();
@@ -572,7 +750,7 @@ absl::Status RankExecutor::Agree(int64_t step, float lr, StepOutcome* out) {
   // norm, each written by exactly one rank (zeros elsewhere, so the sum is exact), summed in a
   // fixed order by every rank.
   const int64_t M = layout.micro_batches, R = layout.replicas, L = graph->num_layers();
-  Tensor v = Tensor::Zeros({R * M + L}, DType::kF64, alloc.get());
+  Tensor v = Tensor::Zeros({R * M + L}, DType::kF64, host.get());
   double* d = v.data<double>();
   for (StageRt& st : stages) {
     if (st.last) {
@@ -585,8 +763,7 @@ absl::Status RankExecutor::Agree(int64_t step, float lr, StepOutcome* out) {
       }
     }
   }
-  std::unique_ptr<Work> w = world->AllReduce(v);
-  PW_RETURN_IF_ERROR(WaitOrAbort(*w, "step agreement all-reduce"));
+  PW_RETURN_IF_ERROR(AllReduceHost(v, "step agreement all-reduce"));
   Record(EventKind::kAllReduce, a, t);
   double loss = 0, norm2 = 0;
   for (int64_t i = 0; i < R * M; ++i) loss += d[i];
@@ -611,6 +788,7 @@ absl::Status RankExecutor::Agree(int64_t step, float lr, StepOutcome* out) {
   PW_RETURN_IF_ERROR(
       ScaleGrads(params, ClipScale(out->grad_norm, opts->train.clip_norm) / scale, alloc.get()));
   PW_RETURN_IF_ERROR(optimizer->Step(lr));
+  PW_RETURN_IF_ERROR(Sync());
   Record(EventKind::kOptimizer, a, o);
   return absl::OkStatus();
 }
@@ -639,7 +817,8 @@ struct Engine::Impl {
     for (size_t i = 0; i < ranks.size(); ++i) {
       threads.emplace_back([&, i] {
         try {
-          status[i] = fn(*ranks[i]);
+          status[i] = ranks[i]->BindDevice();
+          if (status[i].ok()) status[i] = fn(*ranks[i]);
         } catch (const std::exception& e) {
           status[i] = absl::InternalError(absl::StrCat(ranks[i]->Who(), ": exception: ", e.what()));
         }
@@ -662,6 +841,17 @@ Engine::~Engine() {
   // receive posted before an abort), and every allocator must outlive them.
   for (auto& r : impl_->ranks) r->dp_comm.reset();
   for (auto& r : impl_->ranks) r->world.reset();
+  for (auto& r : impl_->ranks) {
+    if (!r->on_cuda()) continue;
+    // Device memory is freed on the rank's stream, from this thread: make its GPU current,
+    // drop every device tensor, drain the stream, then release the stream's cuBLAS context.
+    (void)r->BindDevice();
+    r->stages.clear();
+    r->optimizer.reset();
+    r->params.clear();
+    (void)r->Sync();
+    ops::ReleaseStream(r->alloc->stream());
+  }
 }
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const LayerGraph& graph,
@@ -729,10 +919,59 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const LayerGraph& graph,
   shape_at[0] = {graph.shape().batch, graph.shape().seq_len};
   for (int i = 0; i < L; ++i) shape_at[i + 1] = graph.node(i).spec->OutputShape(shape_at[i]);
 
-  std::vector<std::unique_ptr<Communicator>> comms = CreateLocalWorld(impl->topo.world_size());
+  // Devices: rank g on cuda_devices[g % n]. NCCL needs one GPU per rank; ranks sharing a GPU
+  // use the local backend with device buffers.
+  const int world_size = impl->topo.world_size();
+  std::vector<int> rank_gpu(world_size, -1);
+  bool distinct_gpus = false;
+  if (options.device.is_cuda()) {
+    const int visible = CudaDeviceCount();
+    if (visible == 0) {
+      return absl::FailedPreconditionError(
+          "--device cuda: no CUDA GPU is visible (no driver, no device, or CUDA_VISIBLE_DEVICES "
+          "hides them); run on the CPU with --device cpu");
+    }
+    std::vector<int> gpus = options.cuda_devices;
+    if (gpus.empty()) {
+      for (int d = 0; d < visible; ++d) gpus.push_back(d);
+    }
+    for (int d : gpus) {
+      if (d < 0 || d >= visible) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("CUDA device ", d, " does not exist (", visible, " visible)"));
+      }
+    }
+    for (int g = 0; g < world_size; ++g) rank_gpu[g] = gpus[g % gpus.size()];
+    distinct_gpus = static_cast<int>(gpus.size()) >= world_size;
+  }
+  if (options.comm != "auto" && options.comm != "local" && options.comm != "nccl") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("communication backend must be auto, local or nccl, not '", options.comm,
+                     "'"));
+  }
+  const bool use_nccl = options.comm == "nccl" || (options.comm == "auto" &&
+                                                   options.device.is_cuda() && distinct_gpus &&
+                                                   world_size > 1);
+  if (use_nccl && (!options.device.is_cuda() || !distinct_gpus)) {
+    return absl::InvalidArgumentError(
+        "the NCCL backend needs --device cuda and one GPU per rank (pp x dp GPUs)");
+  }
+  std::vector<std::unique_ptr<Communicator>> comms;
+  if (use_nccl) {
+    PW_ASSIGN_OR_RETURN(comms, CreateNcclWorld(rank_gpu, options.timeout));
+  } else {
+    comms = CreateLocalWorld(world_size);
+  }
   const Clock::time_point epoch = Clock::now();
-  for (int g = 0; g < impl->topo.world_size(); ++g) {
+  for (int g = 0; g < world_size; ++g) {
     auto ex = std::make_unique<RankExecutor>();
+    if (rank_gpu[g] >= 0) {
+      ex->cuda_device = rank_gpu[g];
+      PW_RETURN_IF_ERROR(ex->BindDevice());
+      PW_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create(Device::Cuda(rank_gpu[g])));
+      ex->stream = std::make_unique<CudaStream>(std::move(stream));
+      PW_ASSIGN_OR_RETURN(ex->alloc, CreateCudaAllocator(rank_gpu[g], ex->stream->get()));
+    }
     ex->global = g;
     ex->pipe = impl->topo.PipelineRank(g);
     ex->replica = impl->topo.Replica(g);
@@ -757,7 +996,20 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const LayerGraph& graph,
       st.recompute =
           (options.stage_recompute.empty() ? options.recompute : options.stage_recompute[s]) ==
           Recompute::kFull;
-      PW_ASSIGN_OR_RETURN(st.stage, graph.Instantiate(st.begin, st.end, to.seed, ex->alloc.get()));
+      // Parameters are initialised on the host (from the seed and their global names), then
+      // moved to the rank's device.
+      PW_ASSIGN_OR_RETURN(st.stage, graph.Instantiate(st.begin, st.end, to.seed,
+                                                      ex->on_cuda() ? ex->host.get()
+                                                                    : ex->alloc.get()));
+      if (ex->on_cuda()) {
+        for (Parameter* p : st.stage->Parameters()) {
+          Tensor v = Tensor::Empty(p->value.shape(), DType::kF32, ex->alloc.get());
+          PW_RETURN_IF_ERROR(ops::Copy(ops::Exec{ex->alloc.get()}, p->value, v));
+          p->value = std::move(v);
+          p->grad = Tensor::Zeros(p->value.shape(), DType::kF32, ex->alloc.get());
+        }
+        PW_RETURN_IF_ERROR(ex->Sync());
+      }
       st.in_shape = shape_at[st.begin];
       st.in_dtype = st.first ? DType::kI32 : DType::kF32;
       st.out_shape = shape_at[st.end];
@@ -792,6 +1044,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const LayerGraph& graph,
     }
     for (StageRt& st : ex->stages) {
       for (Parameter* p : st.stage->Parameters()) ex->params.push_back(p);
+    }
+    if (ex->on_cuda() && to.optimizer.kind != OptimizerKind::kAdamW) {
+      return absl::InvalidArgumentError("--device cuda supports --optimizer adamw only");
     }
     ex->optimizer = Optimizer::Create(to.optimizer, ex->params, ex->alloc.get());
     if (to.precision == Precision::kFp16) ex->scaler = LossScaler(to.loss_scale);
@@ -863,8 +1118,16 @@ NamedTensors Engine::Weights() const {
   NamedTensors out;
   for (int s = 0; s < impl_->schedule.num_stages; ++s) {
     RankExecutor& r = *impl_->ranks[impl_->topo.GlobalRank(impl_->schedule.stage_rank[s], 0)];
+    PW_CHECK(r.BindDevice().ok());
     for (Parameter* q : r.Local(s)->stage->Parameters()) {
-      out.emplace_back(q->name, q->value.Clone());
+      if (q->value.device().is_cpu()) {
+        out.emplace_back(q->name, q->value.Clone());
+      } else {
+        // A device that fails a copy of its own weights has failed; internal invariant.
+        absl::StatusOr<Tensor> h = r.ToHost(q->value);
+        PW_CHECK(h.ok());
+        out.emplace_back(q->name, *std::move(h));
+      }
     }
   }
   return out;
@@ -888,7 +1151,11 @@ absl::Status Engine::Save(const std::string& dir) const {
   NamedTensors model = Weights(), opt;
   for (const auto& r : m.ranks) {
     if (r->replica != 0) continue;
-    for (auto& [name, t] : r->optimizer->State()) opt.emplace_back(name, t);
+    PW_RETURN_IF_ERROR(r->BindDevice());
+    for (auto& [name, t] : r->optimizer->State()) {
+      PW_ASSIGN_OR_RETURN(Tensor h, r->ToHost(t));
+      opt.emplace_back(name, std::move(h));
+    }
   }
   return WriteCheckpoint(dir, internal::BuildManifest(info), model, opt);
 }
@@ -901,10 +1168,15 @@ absl::Status Engine::Resume(const std::string& dir) {
                                               m.options.train.optimizer.kind));
   for (auto& r : m.ranks) PW_RETURN_IF_ERROR(internal::CheckParameters(dir, ck.model, r->params));
   for (auto& r : m.ranks) {
+    PW_RETURN_IF_ERROR(r->BindDevice());
     PW_RETURN_IF_ERROR(r->optimizer->LoadState(ck.optimizer, at.optimizer_step));
   }
   for (auto& r : m.ranks) {
-    internal::CopyParameters(ck.model, r->params);
+    PW_RETURN_IF_ERROR(r->BindDevice());
+    for (Parameter* p : r->params) {
+      PW_RETURN_IF_ERROR(ops::Copy(ops::Exec{r->alloc.get()}, ck.model.at(p->name), p->value));
+    }
+    PW_RETURN_IF_ERROR(r->Sync());
     internal::RestoreLossScaler(at, &r->scaler);
     r->loader.reset();  // restarts at the checkpoint's data position
   }

@@ -214,6 +214,11 @@ constexpr GptConfig Paper(int64_t heads, int64_t hidden, int64_t layers) {
 const GptPreset kGptPresets[] = {
     {"gpt-tiny", {.layers = 4, .hidden = 64, .heads = 4, .seq = 32, .vocab = 256}, 8},
     {"gpt-small", {.layers = 6, .hidden = 256, .heads = 8, .seq = 128, .vocab = 256}, 8},
+    // GPT-2 small's shape (Radford et al. 2019): 124M parameters with GPT-2's tied embedding;
+    // 163M here, where the LM head is its own 50304 x 768 matrix. The vocabulary is padded to a
+    // multiple of 128 (50257 -> 50304) as nanoGPT and Megatron do; byte-level data uses only
+    // the first 256 rows. Sized for GPU runs (scripts/gpu-check); trainable on the CPU but slow.
+    {"gpt2-124m", {.layers = 12, .hidden = 768, .heads = 12, .seq = 1024, .vocab = 50304}, 8},
     {"gpt3-175b", Paper(96, 12288, 96), 1},
     {"megatron-1.7b", Paper(24, 2304, 24), 1},
     {"megatron-3.6b", Paper(32, 3072, 30), 1},

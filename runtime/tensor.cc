@@ -1,5 +1,6 @@
 #include "pipewright/tensor.h"
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -7,6 +8,21 @@
 #include "absl/strings/str_join.h"
 
 namespace pipewright {
+namespace {
+
+// A device failure where the API has no Status to return: says what failed, then aborts.
+void CheckOk(const absl::Status& status, const char* what) {
+  if (status.ok()) return;
+  std::fprintf(stderr, "pipewright: %s failed: %s\n", what, std::string(status.ToString()).c_str());
+  std::abort();
+}
+
+// Host to host is a memcpy; anything else goes through CopyBytes (see Tensor::CopyFrom).
+bool BothHost(const Tensor& a, const Tensor& b) {
+  return a.device().is_cpu() && b.device().is_cpu();
+}
+
+}  // namespace
 
 size_t DTypeSize(DType dtype) {
   switch (dtype) {
@@ -63,23 +79,28 @@ absl::StatusOr<DType> ParseDType(absl::string_view name) {
   return absl::InvalidArgumentError(absl::StrCat("unknown dtype '", name, "'"));
 }
 
-void Allocator::RecordAlloc(size_t bytes) {
-  int64_t now = current_.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed) +
-                static_cast<int64_t>(bytes);
-  int64_t peak = peak_.load(std::memory_order_relaxed);
-  while (now > peak && !peak_.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
-  }
-}
-
-void Allocator::RecordFree(size_t bytes) {
-  current_.fetch_sub(static_cast<int64_t>(bytes), std::memory_order_relaxed);
-}
-
 void* CpuAllocator::Allocate(size_t bytes) {
   if (bytes == 0) return nullptr;
   size_t rounded = (bytes + 63) / 64 * 64;
   void* p = std::aligned_alloc(64, rounded);
   PW_CHECK(p != nullptr);
+  RecordAlloc(bytes);
+  return p;
+}
+
+absl::StatusOr<void*> CpuAllocator::TryAllocate(size_t bytes) {
+  if (bytes == 0) return nullptr;
+  size_t rounded = (bytes + 63) / 64 * 64;
+  if (rounded < bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("host allocation of ", bytes, " bytes overflows"));
+  }
+  void* p = std::aligned_alloc(64, rounded);
+  if (p == nullptr) {
+    return absl::ResourceExhaustedError(absl::StrCat("out of host memory allocating ", bytes,
+                                                     " bytes (", current_bytes(),
+                                                     " bytes in use by this allocator)"));
+  }
   RecordAlloc(bytes);
   return p;
 }
@@ -121,17 +142,52 @@ Tensor Tensor::Empty(std::vector<int64_t> shape, DType dtype, Allocator* allocat
   return t;
 }
 
+absl::StatusOr<Tensor> Tensor::TryEmpty(std::vector<int64_t> shape, DType dtype,
+                                        Allocator* allocator) {
+  if (allocator == nullptr) allocator = DefaultCpuAllocator();
+  for (int64_t d : shape) {
+    if (d < 0) return absl::InvalidArgumentError("negative dimension in tensor shape");
+  }
+  Tensor t;
+  t.numel_ = NumElements(shape);
+  t.shape_ = std::move(shape);
+  t.dtype_ = dtype;
+  const size_t bytes = t.nbytes();
+  PW_ASSIGN_OR_RETURN(void* ptr, allocator->TryAllocate(bytes));
+  t.storage_ = std::make_shared<Storage>();
+  t.storage_->allocator = allocator;
+  t.storage_->bytes = bytes;
+  t.storage_->ptr = ptr;
+  return t;
+}
+
 Tensor Tensor::Zeros(std::vector<int64_t> shape, DType dtype, Allocator* allocator) {
   Tensor t = Empty(std::move(shape), dtype, allocator);
   t.SetZero();
   return t;
 }
 
+namespace {
+
+// Copies host values into a new tensor's storage (uploading, and waiting, on a device).
+void Upload(Tensor& t, const void* values) {
+  if (t.nbytes() == 0) return;
+  if (t.device().is_cpu()) {
+    std::memcpy(t.raw(), values, t.nbytes());
+    return;
+  }
+  CheckOk(CopyBytes(t.raw(), t.device(), values, Device::Cpu(), t.nbytes(), t.stream()),
+          "Tensor::FromVector upload");
+  CheckOk(SynchronizeStream(t.stream()), "Tensor::FromVector upload");
+}
+
+}  // namespace
+
 Tensor Tensor::FromVector(std::vector<int64_t> shape, const std::vector<float>& values,
                           Allocator* allocator) {
   Tensor t = Empty(std::move(shape), DType::kF32, allocator);
   PW_CHECK(static_cast<int64_t>(values.size()) == t.numel());
-  if (!values.empty()) std::memcpy(t.raw(), values.data(), t.nbytes());
+  Upload(t, values.data());
   return t;
 }
 
@@ -139,12 +195,16 @@ Tensor Tensor::FromVectorI32(std::vector<int64_t> shape, const std::vector<int32
                              Allocator* allocator) {
   Tensor t = Empty(std::move(shape), DType::kI32, allocator);
   PW_CHECK(static_cast<int64_t>(values.size()) == t.numel());
-  if (!values.empty()) std::memcpy(t.raw(), values.data(), t.nbytes());
+  Upload(t, values.data());
   return t;
 }
 
 Device Tensor::device() const {
   return storage_ && storage_->allocator ? storage_->allocator->device() : Device::Cpu();
+}
+
+Stream Tensor::stream() const {
+  return storage_ && storage_->allocator ? storage_->allocator->stream() : Stream{};
 }
 
 absl::StatusOr<Tensor> Tensor::Reshape(std::vector<int64_t> shape) const {
@@ -161,16 +221,70 @@ absl::StatusOr<Tensor> Tensor::Reshape(std::vector<int64_t> shape) const {
 }
 
 Tensor Tensor::Clone(Allocator* allocator) const {
-  PW_CHECK(device().is_cpu());
   Tensor t =
       Empty(shape_, dtype_, allocator ? allocator : (storage_ ? storage_->allocator : nullptr));
-  if (nbytes() > 0) std::memcpy(t.raw(), raw(), nbytes());
+  if (BothHost(t, *this)) {
+    if (nbytes() > 0) std::memcpy(t.raw(), raw(), nbytes());
+  } else {
+    CheckOk(t.CopyFrom(*this), "Tensor::Clone");
+  }
   return t;
 }
 
+absl::StatusOr<Tensor> Tensor::CopyTo(Allocator* allocator) const {
+  PW_ASSIGN_OR_RETURN(Tensor t, TryEmpty(shape_, dtype_, allocator));
+  PW_RETURN_IF_ERROR(t.CopyFrom(*this));
+  return t;
+}
+
+absl::Status Tensor::CopyFrom(const Tensor& src) {
+  if (nbytes() != src.nbytes()) {
+    return absl::InvalidArgumentError(absl::StrCat("CopyFrom: cannot copy ", src.ShapeString(),
+                                                   " (", src.nbytes(), " bytes) into ",
+                                                   ShapeString(), " (", nbytes(), " bytes)"));
+  }
+  if (nbytes() == 0 || raw() == src.raw()) return absl::OkStatus();
+  const Device dst_device = device(), src_device = src.device();
+  if (dst_device.is_cpu() && src_device.is_cpu()) {
+    std::memcpy(raw(), src.raw(), nbytes());
+    return absl::OkStatus();
+  }
+  const Stream dst_stream = stream(), src_stream = src.stream();
+  if (dst_device.is_cpu() || src_device.is_cpu()) {
+    // Host <-> device: on the device side's stream (after the work queued there), then waited
+    // for, so the host side may be read, freed or overwritten at once.
+    const Stream s = src_device.is_cuda() ? src_stream : dst_stream;
+    PW_RETURN_IF_ERROR(CopyBytes(raw(), dst_device, src.raw(), src_device, nbytes(), s));
+    return SynchronizeStream(s);
+  }
+  if (dst_stream == src_stream) {
+    return CopyBytes(raw(), dst_device, src.raw(), src_device, nbytes(), dst_stream);
+  }
+  if (dst_stream.is_cpu() || src_stream.is_cpu()) {
+    // An allocator without a CUDA stream: drain both sides, then copy synchronously.
+    PW_RETURN_IF_ERROR(SynchronizeStream(src_stream));
+    PW_RETURN_IF_ERROR(SynchronizeStream(dst_stream));
+    return CopyBytes(raw(), dst_device, src.raw(), src_device, nbytes(), Stream{});
+  }
+  // Device to device across streams: the destination stream waits for the source's queued work
+  // (its producers), copies, and the source stream waits for the copy before its later work (a
+  // later write, or the stream-ordered free of the source).
+  PW_ASSIGN_OR_RETURN(CudaEvent produced, CudaEvent::Create(src_device, /*timing=*/false));
+  PW_RETURN_IF_ERROR(produced.Record(src_stream));
+  PW_RETURN_IF_ERROR(produced.MakeStreamWait(dst_stream));
+  PW_RETURN_IF_ERROR(CopyBytes(raw(), dst_device, src.raw(), src_device, nbytes(), dst_stream));
+  PW_ASSIGN_OR_RETURN(CudaEvent copied, CudaEvent::Create(dst_device, /*timing=*/false));
+  PW_RETURN_IF_ERROR(copied.Record(dst_stream));
+  return copied.MakeStreamWait(src_stream);
+}
+
 void Tensor::SetZero() {
-  PW_CHECK(device().is_cpu());
-  if (nbytes() > 0) std::memset(raw(), 0, nbytes());
+  if (nbytes() == 0) return;
+  if (device().is_cpu()) {
+    std::memset(raw(), 0, nbytes());
+    return;
+  }
+  CheckOk(MemsetBytes(raw(), device(), 0, nbytes(), stream()), "Tensor::SetZero");
 }
 
 void Tensor::Fill(float value) {
@@ -180,6 +294,7 @@ void Tensor::Fill(float value) {
 }
 
 std::vector<float> Tensor::ToVector() const {
+  // Host tensors only (an internal invariant: callers copy device tensors with CopyTo first).
   PW_CHECK(dtype_ == DType::kF32 && device().is_cpu());
   std::vector<float> out(numel_);
   if (numel_ > 0) std::memcpy(out.data(), raw(), nbytes());

@@ -1,12 +1,17 @@
-// `pipewright bench`: benchmark suites (kernels, overhead, scaling, partitioner).
+// `pipewright bench`: benchmark suites (kernels, overhead, scaling, partitioner, cuda).
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "bench/kernel_suite.h"
 #include "bench/partitioner_suite.h"
 #include "bench/pipeline_suite.h"
 #include "tools/commands.h"
+
+#if PIPEWRIGHT_WITH_CUDA
+#include "bench/cuda_suite.h"
+#endif
 
 namespace pipewright::tools {
 
@@ -109,6 +114,65 @@ int RunPartitioner(int repetitions, bool as_json) {
   return 0;
 }
 
+int RunCuda(int repetitions, bool as_json) {
+#if PIPEWRIGHT_WITH_CUDA
+  auto r = bench::RunCudaSuite(repetitions);
+  if (!r.ok()) return ReportError(r.status());
+  nlohmann::json gemm = nlohmann::json::array();
+  for (const auto& row : r->gemm_rows) {
+    gemm.push_back({{"name", row.name},
+                    {"dtype", row.dtype},
+                    {"m", row.m},
+                    {"n", row.n},
+                    {"k", row.k},
+                    {"seconds", row.seconds},
+                    {"tflops_per_s", row.tflops_per_s}});
+  }
+  nlohmann::json copies = nlohmann::json::array();
+  for (const auto& row : r->copy_rows) {
+    copies.push_back({{"name", row.name},
+                      {"bytes", row.bytes},
+                      {"seconds", row.seconds},
+                      {"gb_per_s", row.gb_per_s}});
+  }
+  if (as_json) {
+    nlohmann::json j = {{"suite", "cuda"},
+                        {"device", r->device_name},
+                        {"device_count", r->device_count},
+                        {"repetitions", repetitions},
+                        {"gemm", gemm},
+                        {"copies", copies},
+                        {"measured_bf16_peak_tflops", r->measured_bf16_peak_tflops},
+                        {"d2d_copy_gb_per_s", r->d2d_gb_per_s}};
+    if (r->peer_gb_per_s >= 0) {
+      j["peer_copy_gb_per_s"] = r->peer_gb_per_s;
+      j["peer_access"] = r->peer_access;
+    } else {
+      j["peer_copy_gb_per_s"] = nullptr;
+    }
+    std::printf("%s\n", j.dump(2).c_str());
+    return 0;
+  }
+  std::printf("%s (%d CUDA device%s), median of %d runs, inputs rotated between 2 sets\n",
+              r->device_name.c_str(), r->device_count, r->device_count == 1 ? "" : "s",
+              repetitions);
+  for (const auto& row : r->gemm_rows) {
+    std::printf("%-44s %10.3f ms %9.1f TFLOP/s\n", row.name.c_str(), 1e3 * row.seconds,
+                row.tflops_per_s);
+  }
+  for (const auto& row : r->copy_rows) {
+    std::printf("%-66s %10.3f ms %9.1f GB/s\n", row.name.c_str(), 1e3 * row.seconds, row.gb_per_s);
+  }
+  std::printf("measured bf16 peak: %.1f TFLOP/s\n", r->measured_bf16_peak_tflops);
+  return 0;
+#else
+  (void)repetitions;
+  (void)as_json;
+  return ReportError(absl::UnavailableError(
+      "no CUDA device: this pipewright was built without CUDA (PIPEWRIGHT_CUDA=OFF or no nvcc)"));
+#endif
+}
+
 }  // namespace
 
 void RegisterBench(CLI::App& app, int* exit_code) {
@@ -122,8 +186,8 @@ void RegisterBench(CLI::App& app, int* exit_code) {
   };
   auto f = std::make_shared<BenchFlags>();
   CLI::App* cmd = app.add_subcommand("bench", "Run a benchmark suite");
-  cmd->add_option("--suite", f->suite, "kernels | overhead | scaling | partitioner")
-      ->check(CLI::IsMember({"kernels", "overhead", "scaling", "partitioner"}));
+  cmd->add_option("--suite", f->suite, "kernels | overhead | scaling | partitioner | cuda")
+      ->check(CLI::IsMember({"kernels", "overhead", "scaling", "partitioner", "cuda"}));
   cmd->add_option("--steps", f->steps, "Timed steps per row (overhead, scaling)")
       ->check(CLI::Range(1, 1000));
   cmd->add_option("--micro-batches", f->micro_batches, "Micro-batches (scaling)")
@@ -140,6 +204,10 @@ void RegisterBench(CLI::App& app, int* exit_code) {
     }
     if (f->suite == "partitioner") {
       *exit_code = RunPartitioner(f->repetitions, f->json);
+      return;
+    }
+    if (f->suite == "cuda") {
+      *exit_code = RunCuda(f->repetitions, f->json);
       return;
     }
     if (f->suite == "scaling") {

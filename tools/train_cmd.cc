@@ -25,7 +25,7 @@ using json = nlohmann::json;
 // The presets small enough to instantiate and train on this machine; the analytic giants
 // (gpt3-175b, megatron-*) are for `pipewright model` and `plan` only.
 const std::vector<std::string>& TrainablePresets() {
-  static const std::vector<std::string> kNames = {"mlp", "gpt-tiny", "gpt-small"};
+  static const std::vector<std::string> kNames = {"mlp", "gpt-tiny", "gpt-small", "gpt2-124m"};
   return kNames;
 }
 
@@ -39,18 +39,13 @@ struct TrainFlags {
   uint64_t seed = 1;
   float lr = 3e-3f, clip = 1.0f, weight_decay = 0.1f, min_lr_ratio = 0.1f;
   std::string lr_scaling = "none", optimizer = "adamw", data = "synthetic";
-  std::string device = "cpu", precision = "fp32", save, resume;
+  std::string device = "cpu", precision = "fp32", save, resume, comm = "auto";
   float loss_scale = 65536.0f;
   int64_t loss_scale_window = 1000;
   bool json = false;
   // Layout flags the user gave explicitly: they may not be combined with --plan.
   std::vector<std::string> layout_flags;
 };
-
-absl::Status Unsupported(const std::string& what, const std::string& when) {
-  return absl::UnimplementedError(
-      absl::StrCat(what, " is not yet supported (arrives with ", when, ")"));
-}
 
 absl::Status CheckFlags(const TrainFlags& f) {
   if (f.pp < 1) return absl::InvalidArgumentError("--pp must be >= 1");
@@ -80,10 +75,9 @@ absl::Status CheckFlags(const TrainFlags& f) {
   if (f.loss_scale_window < 1) {
     return absl::InvalidArgumentError("--loss-scale-window must be >= 1");
   }
-  if (f.device != "cpu" && f.device.rfind("cpu:", 0) != 0) {
-    return Unsupported(absl::StrCat("--device ", f.device,
-                                    CudaDeviceCount() == 0 ? " (and no CUDA GPU is present)" : ""),
-                       "the CUDA backend issue");
+  if (f.comm != "auto" && f.comm != "local" && f.comm != "nccl") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--comm must be auto, local or nccl, not '", f.comm, "'"));
   }
   return absl::OkStatus();
 }
@@ -272,6 +266,13 @@ int RunTrain(const TrainFlags& f, bool preset_given) {
     for (const PlanStage& st : p.stages) eo.stage_recompute.push_back(st.recompute);
   }
   eo.timeout = absl::Seconds(f.timeout_s);
+  {
+    Device d = *Device::Parse(f.device);  // checked in CheckFlags
+    eo.device = d.is_cuda() ? Device::Cuda(0) : Device::Cpu();
+    // "cuda:N" pins every rank to GPU N; plain "cuda" spreads ranks over every visible GPU.
+    if (d.is_cuda() && f.device != "cuda") eo.cuda_devices = {d.index};
+    eo.comm = f.comm;
+  }
   eo.bucket_bytes = static_cast<int64_t>(f.bucket_mb * 1048576.0);
   auto engine = Engine::Create(*graph, eo);
   if (!engine.ok()) return ReportError(engine.status());
@@ -447,7 +448,7 @@ int RunTrain(const TrainFlags& f, bool preset_given) {
 void RegisterTrain(CLI::App& app, int* exit_code) {
   auto f = std::make_shared<TrainFlags>();
   CLI::App* cmd = app.add_subcommand("train", "Train a model: pp x dp ranks on CPU threads");
-  cmd->add_option("--preset", f->preset, "Model preset: mlp, gpt-tiny, gpt-small")
+  cmd->add_option("--preset", f->preset, "Model preset: mlp, gpt-tiny, gpt-small, gpt2-124m")
       ->check(CLI::IsMember(TrainablePresets()));
   cmd->add_option("--pp", f->pp, "Pipeline-parallel stages");
   cmd->add_option("--dp", f->dp, "Data-parallel replicas");
@@ -472,7 +473,11 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
   cmd->add_option("--clip", f->clip, "Clip gradients to this global norm (0: off)");
   cmd->add_option("--optimizer", f->optimizer, "adamw|sgd");
   cmd->add_option("--weight-decay", f->weight_decay, "Decoupled weight decay");
-  cmd->add_option("--device", f->device, "cpu|cuda");
+  cmd->add_option("--device", f->device,
+                  "cpu | cuda (ranks over every visible GPU) | cuda:N (every rank on GPU N)");
+  cmd->add_option("--comm", f->comm,
+                  "auto | local | nccl: how ranks talk (auto: NCCL when every rank has its own "
+                  "GPU)");
   cmd->add_option("--precision", f->precision,
                   "fp32|bf16|fp16: bf16/fp16 run matrix products on 16-bit inputs with fp32 "
                   "accumulation and fp32 master weights");

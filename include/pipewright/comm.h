@@ -1,5 +1,5 @@
 // Communication between ranks: the Topology of a pp x dp run and the Communicator interface that
-// every backend implements (local threads here; MPI and NCCL in their own issues). The engine
+// every backend implements (local threads, NCCL GPUs; MPI in its own issue). The engine
 // talks to other ranks only through this interface, so the in-process default exercises the
 // same code paths as a cluster.
 //
@@ -18,6 +18,26 @@
 //    status. A timed-out Wait is DeadlineExceeded and does not abort by itself.
 //  - Tensors passed to an operation stay referenced by it (storage is shared), so a rank that
 //    gives up on a Wait never leaves a dangling buffer behind.
+//
+// Device tensors (docs/cuda.md). The local backend accepts CUDA tensors too (a pipeline of
+// several stages on one GPU): messages are copied device to device, ordered by events on the
+// tensors' allocator streams, and AllReduce/Broadcast stage through host memory with the same
+// rank-order sum as on the host. A completed operation's result is ready for work queued on the
+// destination tensor's allocator stream after Wait; a host reader synchronises that stream.
+//
+// The NCCL backend (CreateNcclWorld, CreateNcclCommunicator) differs from the rules above:
+//  - Tensors are CUDA tensors on the communicator's GPU. Each operation first waits (on the GPU)
+//    for the work queued on the tensor's allocator stream, runs on the communicator's own
+//    stream, and completes when the GPU has finished it; Wait polls for that.
+//  - Send is not eager: it completes once the receiver has taken the data, and the sender must
+//    not overwrite the tensor before its Wait returns (dropping it is safe).
+//  - No tags: between two ranks, receives match sends in posting order (one FIFO per peer
+//    pair), which the engine's per-peer program order makes agree with the tags. A receive
+//    whose size differs from the matching send cannot be detected; it is undefined.
+//  - AllReduce is NCCL's sum: identical on every rank and run to run for a fixed
+//    NCCL_ALGO/NCCL_PROTO and topology, but not the local backend's rank-order sum.
+//  - Abort calls ncclCommAbort on every communicator of the world (and its splits); pending
+//    and future operations fail with the abort status.
 #ifndef PIPEWRIGHT_COMM_H_
 #define PIPEWRIGHT_COMM_H_
 
@@ -86,6 +106,15 @@ class Communicator {
   // Copies `root`'s tensor into every rank's `t` (same shape and dtype everywhere).
   virtual std::unique_ptr<Work> Broadcast(Tensor& t, int root) = 0;
   virtual std::unique_ptr<Work> Barrier() = 0;
+
+  // Groups the point-to-point operations posted between GroupStart and GroupEnd (nestable) so a
+  // backend issues them together (NCCL: ncclGroupStart/ncclGroupEnd, one launch, so two ranks
+  // that send to each other cannot deadlock). Do not Wait for an operation of an open group.
+  // No-ops in the local backend, whose operations never block when posted.
+  virtual void GroupStart() {}
+  // Ends the group; an error here is also the status of the group's operations.
+  virtual absl::Status GroupEnd() { return absl::OkStatus(); }
+
   virtual void Abort(const absl::Status& status) = 0;
   // OK, or the status the world was aborted with.
   virtual absl::Status abort_status() const = 0;
@@ -99,6 +128,20 @@ class Communicator {
 // The local backend: `size` communicators of one world, for `size` threads of this process.
 // Element i is rank i's and must be used by one thread at a time.
 std::vector<std::unique_ptr<Communicator>> CreateLocalWorld(int size);
+
+// The NCCL backend, for the rank threads of one process: rank i on CUDA device cuda_devices[i]
+// (distinct devices; ncclCommInitAll). `timeout` bounds the creation and every NCCL call that
+// may block the host (a call still blocked after it aborts the world with DeadlineExceeded).
+// FailedPrecondition "pipewright was built without NCCL" in builds without NCCL.
+absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> CreateNcclWorld(
+    const std::vector<int>& cuda_devices, absl::Duration timeout);
+// Multi-process NCCL: one process makes the id (NCCL_UNIQUE_ID_BYTES = 128 bytes, returned as
+// a byte string), every process receives it out of band and creates its rank.
+absl::StatusOr<std::string> NcclUniqueId();
+absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(const std::string& unique_id,
+                                                                     int rank, int size,
+                                                                     int cuda_device,
+                                                                     absl::Duration timeout);
 
 }  // namespace pipewright
 

@@ -49,6 +49,15 @@ struct EngineOptions {
   // A receive, collective or data wait that takes longer fails the step on every rank.
   absl::Duration timeout = absl::Seconds(60);
   int64_t bucket_bytes = int64_t{1} << 20;  // gradient all-reduce bucket size
+
+  // Where the ranks run. CPU: every rank is a thread with its own host allocator. CUDA: rank g
+  // runs on GPU cuda_devices[g % n] (empty = every visible GPU) with its own stream and
+  // stream-ordered allocator; the ranks talk through NCCL when each has a GPU of its own, and
+  // through the local backend with device buffers when several share one (so a whole pipeline
+  // runs on one GPU). `comm` forces a backend: "auto", "local" or "nccl".
+  Device device = Device::Cpu();
+  std::vector<int> cuda_devices;
+  std::string comm = "auto";
 };
 
 // One recorded interval of a rank's step (times in seconds from the engine's creation).

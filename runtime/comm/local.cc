@@ -5,6 +5,15 @@
 // every completion and on abort; Work::Wait re-checks its op under the mutex. Simple and
 // adequate for a handful of in-process ranks.
 //
+// Device tensors: the same protocol with CUDA tensors (several pipeline stages on one GPU). A
+// message is a device copy made on the sender's allocator stream; delivering it copies device to
+// device on the receiver's stream, ordered by events (Tensor::CopyFrom), so a completed receive
+// is ready for the receiver's later work on that stream. AllReduce and Broadcast stage through
+// host memory: each participant's tensor is copied to the host (waiting for its stream), summed
+// there in the same group-rank order as host tensors, and copied back (waited for), so the
+// result is bit-identical to the host backend's for the same inputs. Host tensors take exactly
+// the code path they always did.
+//
 // P2P: Send copies the payload (eagerly) into the receiver's mailbox, or straight into the
 // tensor of a receive that is already pending for the same (source, tag). A receive takes the
 // oldest queued message of its (source, tag) or registers itself as pending. A message of the
@@ -139,16 +148,35 @@ bool SameLayout(const Tensor& a, const Tensor& b) {
 
 absl::Status CheckTensor(const Tensor& t, absl::string_view what) {
   if (!t.defined()) return absl::InvalidArgumentError(absl::StrCat(what, ": undefined tensor"));
-  if (!t.device().is_cpu()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, ": the local backend needs host tensors, got a tensor on ", t.device().ToString()));
-  }
   return absl::OkStatus();
 }
 
-void CopyBytes(Tensor& dst, const Tensor& src) {
+bool OnHost(const Tensor& t) { return t.device().is_cpu(); }
+
+// dst = src (same nbytes). Host to host is the memcpy it always was; anything touching a GPU
+// goes through Tensor::CopyFrom (stream-ordered device copies, waited-for host copies).
+absl::Status CopyInto(Tensor& dst, const Tensor& src) {
   PW_CHECK(dst.nbytes() == src.nbytes());
-  if (dst.nbytes() > 0 && dst.raw() != src.raw()) std::memcpy(dst.raw(), src.raw(), dst.nbytes());
+  if (OnHost(dst) && OnHost(src)) {
+    if (dst.nbytes() > 0 && dst.raw() != src.raw()) {
+      std::memcpy(dst.raw(), src.raw(), dst.nbytes());
+    }
+    return absl::OkStatus();
+  }
+  return dst.CopyFrom(src);
+}
+
+// A copy of a message for the mailbox: a host clone, or a device copy with the sender's
+// allocator (queued on its stream).
+absl::StatusOr<Tensor> CloneMessage(const Tensor& t) {
+  if (OnHost(t)) return t.Clone();
+  return t.CopyTo(t.allocator());
+}
+
+// The host contents of `t`: `t` itself on the host, else a host copy (waits for its stream).
+absl::StatusOr<Tensor> HostView(const Tensor& t) {
+  if (OnHost(t)) return t;
+  return t.CopyTo(DefaultCpuAllocator());
 }
 
 template <typename T>
@@ -229,13 +257,18 @@ class LocalCommunicator final : public Communicator {
       Complete(*op, valid);
     } else {
       const MailKey key{peer, rank_, tag};
+      absl::Status sent;
       if (std::optional<PendingRecv> recv = PopFront(group_->pending, key)) {
         Deliver(*recv, t);
         world.cv.SignalAll();
+      } else if (absl::StatusOr<Tensor> message = CloneMessage(t); message.ok()) {
+        group_->messages[key].push_back(*std::move(message));
       } else {
-        group_->messages[key].push_back(t.Clone());
+        sent = absl::Status(message.status().code(),
+                            absl::StrCat(op->label, ": ", op->description,
+                                         ": copying the message: ", message.status().message()));
       }
-      Complete(*op, absl::OkStatus());
+      Complete(*op, std::move(sent));
     }
     return std::make_unique<LocalWork>(group_->world, std::move(op));
   }
@@ -341,8 +374,12 @@ class LocalCommunicator final : public Communicator {
                    recv.tensor.nbytes(), " bytes (", recv.tensor.ShapeString(), ")")));
       return;
     }
-    CopyBytes(recv.tensor, message);
-    Complete(*recv.op, absl::OkStatus());
+    absl::Status copied = CopyInto(recv.tensor, message);
+    if (!copied.ok()) {
+      copied = absl::Status(copied.code(), absl::StrCat(recv.op->label, ": ", recv.op->description,
+                                                        ": ", copied.message()));
+    }
+    Complete(*recv.op, std::move(copied));
   }
 
   // Checks one arrival on its own; returns the error that poisons the slot, if any.
@@ -463,10 +500,15 @@ class LocalCommunicator final : public Communicator {
     if (ready) {
       // Every rank has arrived and the slot left the map: no one else touches the arrivals'
       // tensors (they stay referenced), so compute outside the mutex.
-      Compute(*ready);
+      absl::Status computed = Compute(*ready);
+      if (!computed.ok()) {
+        computed =
+            absl::Status(computed.code(), absl::StrCat(KindName(ready->kind), " (collective #",
+                                                       ready->seq, "): ", computed.message()));
+      }
       absl::MutexLock lock(&world.mu);
       // An abort that came during the computation wins: the op never completed for its waiters.
-      const absl::Status result = world.aborted ? world.abort_status : absl::OkStatus();
+      const absl::Status result = world.aborted ? world.abort_status : computed;
       for (Arrival& arrival : ready->arrivals) Complete(*arrival.op, result);
       ready->arrivals.clear();
       world.cv.SignalAll();
@@ -474,42 +516,52 @@ class LocalCommunicator final : public Communicator {
     return std::make_unique<LocalWork>(group_->world, std::move(op));
   }
 
-  static void Compute(Collective& c) {
+  // Device tensors are staged through host memory (HostView), and results copied back with
+  // CopyInto; for host tensors both are the plain tensors and memcpy they always were.
+  static absl::Status Compute(Collective& c) {
     std::vector<Arrival>& in = c.arrivals;
     switch (c.kind) {
       case CollectiveKind::kAllReduce: {
+        std::vector<Tensor> host(in.size());
+        for (size_t r = 0; r < in.size(); ++r) {
+          PW_ASSIGN_OR_RETURN(host[r], HostView(in[r].tensor));
+        }
         // acc = x0; acc += x1; acc += x2; ...: per element ((x0 + x1) + x2) + ..., in group-rank
         // order, then the same bytes go to every rank.
-        Tensor acc = in[0].tensor.Clone();
+        Tensor acc = host[0].Clone();
         const int64_t n = acc.numel();
         for (size_t r = 1; r < in.size(); ++r) {
           switch (acc.dtype()) {
             case DType::kF32:
-              Accumulate(acc.data<float>(), in[r].tensor.data<float>(), n);
+              Accumulate(acc.data<float>(), host[r].data<float>(), n);
               break;
             case DType::kF64:
-              Accumulate(acc.data<double>(), in[r].tensor.data<double>(), n);
+              Accumulate(acc.data<double>(), host[r].data<double>(), n);
               break;
             case DType::kI32:
-              AccumulateI32(acc.data<int32_t>(), in[r].tensor.data<int32_t>(), n);
+              AccumulateI32(acc.data<int32_t>(), host[r].data<int32_t>(), n);
               break;
             default:
               PW_CHECK(false);  // rejected on arrival
           }
         }
-        for (Arrival& a : in) CopyBytes(a.tensor, acc);
-        break;
+        for (Arrival& a : in) PW_RETURN_IF_ERROR(CopyInto(a.tensor, acc));
+        return absl::OkStatus();
       }
       case CollectiveKind::kBroadcast: {
-        const Tensor& src = in[in[0].root].tensor;
-        for (Arrival& a : in) CopyBytes(a.tensor, src);
-        break;
+        const Tensor& root = in[in[0].root].tensor;
+        PW_ASSIGN_OR_RETURN(const Tensor src, HostView(root));
+        for (Arrival& a : in) {
+          if (a.tensor.raw() != root.raw()) PW_RETURN_IF_ERROR(CopyInto(a.tensor, src));
+        }
+        return absl::OkStatus();
       }
       case CollectiveKind::kBarrier:
-        break;
+        return absl::OkStatus();
       case CollectiveKind::kSplit:
         PW_CHECK(false);  // finished under the mutex
     }
+    return absl::OkStatus();
   }
 
   // Builds the communicators of a Split and completes every participant. Mutex held.

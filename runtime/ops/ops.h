@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "pipewright/device.h"
 #include "pipewright/layer.h"
 #include "pipewright/tensor.h"
 
@@ -113,6 +114,10 @@ absl::Status Copy(const Exec& e, const Tensor& src, Tensor& dst);
 // Copies `n` elements between two f32 tensors at element offsets (bucket packing).
 absl::Status CopyRange(const Exec& e, const Tensor& src, int64_t src_offset, Tensor& dst,
                        int64_t dst_offset, int64_t n);
+
+// Frees what the ops keep per CUDA stream (its cuBLAS context); call before destroying a stream
+// the ops ran on. No-op for the host.
+void ReleaseStream(Stream stream);
 
 }  // namespace pipewright::ops
 

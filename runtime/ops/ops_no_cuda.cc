@@ -101,3 +101,7 @@ absl::Status CopyBytes(const Exec& e, void* dst, Device dst_device, const void* 
 }
 
 }  // namespace pipewright::ops::cuda_impl
+
+namespace pipewright::ops {
+void ReleaseStream(Stream) {}
+}  // namespace pipewright::ops

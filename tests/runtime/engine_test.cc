@@ -522,3 +522,29 @@ TEST_F(EngineCheckpointTest, ResumesUnderAnotherPlan) {
 
 }  // namespace
 }  // namespace pipewright
+
+namespace pipewright {
+namespace {
+
+TEST(EngineDevice, CudaWithoutAGpuFailsClearlyAtCreate) {
+  if (CudaDeviceCount() > 0) GTEST_SKIP() << "a GPU is present";
+  EngineOptions o = Options(2, 1, ScheduleKind::k1F1B, 1, Recompute::kNone, 4);
+  o.device = Device::Cuda(0);
+  auto e = Engine::Create(Tiny(), o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(e.status().message().find("no CUDA GPU"), std::string::npos) << e.status();
+}
+
+TEST(EngineDevice, NcclNeedsOneGpuPerRank) {
+  EngineOptions o = Options(2, 1, ScheduleKind::k1F1B, 1, Recompute::kNone, 4);
+  o.comm = "nccl";  // on the CPU
+  auto e = Engine::Create(Tiny(), o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("NCCL"), std::string::npos) << e.status();
+  o.comm = "carrier-pigeon";
+  EXPECT_FALSE(Engine::Create(Tiny(), o).ok());
+}
+
+}  // namespace
+}  // namespace pipewright

@@ -1,0 +1,239 @@
+// The CUDA branch of ops.h: every op enqueues the kernels/cuda launcher on the stream of the
+// executing allocator. Ops that return a host value (a loss sum, a squared norm) copy it back
+// and wait for the stream; everything else stays asynchronous.
+#include <cuda_runtime_api.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_check.cuh"
+#include "kernels/cuda/cuda_kernels.cuh"
+#include "runtime/ops/ops_cuda.h"
+
+namespace pipewright::ops {
+namespace {
+
+cudaStream_t StreamOf(const Exec& e) {
+  return static_cast<cudaStream_t>(e.allocator()->stream().handle);
+}
+
+// One cuBLAS/cuBLASLt context per (device, stream): a Blas may serve one stream at a time, and
+// each rank drives its own stream from one thread at a time. Created on first use, released by
+// ReleaseStream when the stream's owner goes away.
+std::mutex blas_mu;
+std::map<std::pair<int, void*>, std::unique_ptr<cuda::Blas>>& BlasRegistry() {
+  static auto* registry = new std::map<std::pair<int, void*>, std::unique_ptr<cuda::Blas>>();
+  return *registry;
+}
+
+absl::StatusOr<cuda::Blas*> BlasFor(const Exec& e) {
+  const int device = e.device().index;
+  const std::pair<int, void*> key{device, e.allocator()->stream().handle};
+  std::lock_guard<std::mutex> lock(blas_mu);
+  auto& reg = BlasRegistry();
+  auto it = reg.find(key);
+  if (it != reg.end()) return it->second.get();
+  PW_ASSIGN_OR_RETURN(std::unique_ptr<cuda::Blas> blas, cuda::Blas::Create(device));
+  cuda::Blas* raw = blas.get();
+  reg.emplace(key, std::move(blas));
+  return raw;
+}
+
+int I(int64_t v) { return static_cast<int>(v); }
+
+}  // namespace
+
+void ReleaseStream(Stream stream) {
+  if (!stream.device.is_cuda()) return;
+  std::lock_guard<std::mutex> lock(blas_mu);
+  BlasRegistry().erase({stream.device.index, stream.handle});
+}
+
+namespace cuda_impl {
+
+absl::Status Gemm(const Exec& e, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                  float alpha, const Tensor& a, int64_t lda, const Tensor& b, int64_t ldb,
+                  float beta, Tensor& c, int64_t ldc, bool allow_tf32) {
+  PW_ASSIGN_OR_RETURN(cuda::Blas * blas, BlasFor(e));
+  if (a.dtype() == DType::kF32) {
+    return cuda::Gemm(StreamOf(e), *blas, trans_a, trans_b, I(m), I(n), I(k), alpha,
+                      a.data<float>(), I(lda), b.data<float>(), I(ldb), beta, c.data<float>(),
+                      I(ldc), allow_tf32);
+  }
+  return cuda::GemmHalf(StreamOf(e), *blas, a.dtype() == DType::kBF16, trans_a, trans_b, I(m),
+                        I(n), I(k), alpha, a.data<uint16_t>(), I(lda), b.data<uint16_t>(), I(ldb),
+                        beta, c.data<float>(), I(ldc));
+}
+
+absl::Status Cast(const Exec& e, const Tensor& x, Tensor& y) {
+  const size_t n = x.numel();
+  if (y.dtype() == DType::kBF16) {
+    return cuda::FloatToBf16(StreamOf(e), x.data<float>(), y.data<uint16_t>(), n);
+  }
+  if (y.dtype() == DType::kF16) {
+    return cuda::FloatToHalf(StreamOf(e), x.data<float>(), y.data<uint16_t>(), n);
+  }
+  if (x.dtype() == DType::kBF16) {
+    return cuda::Bf16ToFloat(StreamOf(e), x.data<uint16_t>(), y.data<float>(), n);
+  }
+  return cuda::HalfToFloat(StreamOf(e), x.data<uint16_t>(), y.data<float>(), n);
+}
+
+absl::Status BiasAdd(const Exec& e, Tensor& y, const Tensor& bias, int64_t rows, int64_t cols) {
+  return cuda::BiasAdd(StreamOf(e), y.data<float>(), bias.data<float>(), I(rows), I(cols));
+}
+
+absl::Status BiasBackward(const Exec& e, const Tensor& dy, Tensor& dbias, int64_t rows,
+                          int64_t cols) {
+  return cuda::BiasBackward(StreamOf(e), dy.data<float>(), dbias.data<float>(), I(rows), I(cols));
+}
+
+absl::Status Add(const Exec& e, const Tensor& a, const Tensor& b, Tensor& out) {
+  return cuda::Add(StreamOf(e), a.data<float>(), b.data<float>(), out.data<float>(), a.numel());
+}
+
+absl::Status AddInPlace(const Exec& e, Tensor& y, const Tensor& x) {
+  return cuda::AddInPlace(StreamOf(e), y.data<float>(), x.data<float>(), y.numel());
+}
+
+absl::Status Scale(const Exec& e, Tensor& x, float s) {
+  return cuda::Scale(StreamOf(e), x.data<float>(), x.numel(), s);
+}
+
+absl::Status GeluForward(const Exec& e, const Tensor& x, Tensor& y) {
+  return cuda::GeluForward(StreamOf(e), x.data<float>(), y.data<float>(), x.numel());
+}
+
+absl::Status GeluBackward(const Exec& e, const Tensor& x, const Tensor& dy, Tensor& dx) {
+  return cuda::GeluBackward(StreamOf(e), x.data<float>(), dy.data<float>(), dx.data<float>(),
+                            dy.numel());
+}
+
+absl::Status LayerNormForward(const Exec& e, const Tensor& x, const Tensor& gamma,
+                              const Tensor& beta, Tensor& y, Tensor& mean, Tensor& rstd,
+                              int64_t rows, int64_t cols, float eps) {
+  return cuda::LayerNormForward(StreamOf(e), x.data<float>(), gamma.data<float>(),
+                                beta.data<float>(), y.data<float>(), mean.data<float>(),
+                                rstd.data<float>(), I(rows), I(cols), eps);
+}
+
+absl::Status LayerNormBackwardInput(const Exec& e, const Tensor& x, const Tensor& gamma,
+                                    const Tensor& mean, const Tensor& rstd, const Tensor& dy,
+                                    Tensor& dx, int64_t rows, int64_t cols) {
+  return cuda::LayerNormBackwardInput(StreamOf(e), x.data<float>(), gamma.data<float>(),
+                                      mean.data<float>(), rstd.data<float>(), dy.data<float>(),
+                                      dx.data<float>(), I(rows), I(cols));
+}
+
+absl::Status LayerNormBackwardWeight(const Exec& e, const Tensor& x, const Tensor& mean,
+                                     const Tensor& rstd, const Tensor& dy, Tensor& dgamma,
+                                     Tensor& dbeta, int64_t rows, int64_t cols) {
+  return cuda::LayerNormBackwardWeight(StreamOf(e), x.data<float>(), mean.data<float>(),
+                                       rstd.data<float>(), dy.data<float>(), dgamma.data<float>(),
+                                       dbeta.data<float>(), I(rows), I(cols));
+}
+
+absl::StatusOr<double> CrossEntropyForward(const Exec& e, const Tensor& logits,
+                                           const Tensor& targets, int64_t rows, int64_t vocab,
+                                           int64_t* count) {
+  // Per-row losses, then the sum and the count (device scratch from the rank's allocator).
+  Tensor row_loss = Tensor::Empty({rows}, DType::kF64, e.allocator());
+  Tensor sum = Tensor::Empty({1}, DType::kF64, e.allocator());
+  Tensor n = Tensor::Empty({1}, DType::kF64, e.allocator());  // 8 bytes for the int64 count
+  PW_RETURN_IF_ERROR(cuda::SoftmaxCrossEntropyForward(
+      StreamOf(e), logits.data<float>(), targets.data<int32_t>(), I(rows), I(vocab),
+      row_loss.data<double>(), sum.data<double>(), static_cast<int64_t*>(n.raw())));
+  double host_sum = 0;
+  int64_t host_count = 0;
+  cudaStream_t s = StreamOf(e);
+  PW_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(&host_sum, sum.raw(), sizeof(double), cudaMemcpyDeviceToHost, s));
+  PW_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(&host_count, n.raw(), sizeof(int64_t), cudaMemcpyDeviceToHost, s));
+  PW_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
+  *count = host_count;
+  return host_sum;
+}
+
+absl::Status CrossEntropyBackward(const Exec& e, const Tensor& logits, const Tensor& targets,
+                                  int64_t rows, int64_t vocab, float scale, Tensor& dlogits) {
+  return cuda::SoftmaxCrossEntropyBackward(StreamOf(e), logits.data<float>(),
+                                           targets.data<int32_t>(), I(rows), I(vocab), scale,
+                                           dlogits.data<float>());
+}
+
+absl::Status AttentionForward(const Exec& e, const Tensor& qkv, Tensor& out, Tensor& lse,
+                              int64_t B, int64_t T, int64_t C, int64_t H) {
+  return cuda::AttentionForward(StreamOf(e), qkv.data<float>(), out.data<float>(),
+                                lse.data<float>(), I(B), I(T), I(C), I(H));
+}
+
+absl::Status AttentionBackward(const Exec& e, const Tensor& dout, const Tensor& qkv,
+                               const Tensor& out, const Tensor& lse, Tensor& dqkv, int64_t B,
+                               int64_t T, int64_t C, int64_t H) {
+  Tensor scratch = Tensor::Empty({B, H, T}, DType::kF32, e.allocator());
+  return cuda::AttentionBackward(StreamOf(e), dout.data<float>(), qkv.data<float>(),
+                                 out.data<float>(), lse.data<float>(), dqkv.data<float>(),
+                                 scratch.data<float>(), I(B), I(T), I(C), I(H));
+}
+
+absl::Status EmbeddingForward(const Exec& e, const Tensor& tokens, const Tensor& wte,
+                              const Tensor& wpe, Tensor& out, int64_t B, int64_t T, int64_t C) {
+  return cuda::EmbeddingForward(StreamOf(e), tokens.data<int32_t>(), wte.data<float>(),
+                                wpe.data<float>(), out.data<float>(), I(B), I(T), I(C));
+}
+
+absl::Status EmbeddingBackward(const Exec& e, const Tensor& dout, const Tensor& tokens,
+                               Tensor& dwte, Tensor& dwpe, int64_t B, int64_t T, int64_t C) {
+  return cuda::EmbeddingBackward(StreamOf(e), dout.data<float>(), tokens.data<int32_t>(),
+                                 dwte.data<float>(), dwpe.data<float>(), I(B), I(T), I(C));
+}
+
+absl::Status AdamW(const Exec& e, const std::vector<AdamWItem>& items, float lr, float beta1,
+                   float beta2, float eps, int64_t t) {
+  std::vector<cuda::AdamWTensor> list;
+  list.reserve(items.size());
+  for (const AdamWItem& it : items) {
+    list.push_back({it.param->data<float>(), it.grad->data<float>(), it.m->data<float>(),
+                    it.v->data<float>(), it.param->numel(), it.weight_decay});
+  }
+  if (list.empty()) return absl::OkStatus();
+  return cuda::AdamWMulti(StreamOf(e), list.data(), static_cast<int>(list.size()), lr, beta1,
+                          beta2, eps, t);
+}
+
+absl::StatusOr<double> SumSquares(const Exec& e, const std::vector<const Tensor*>& ts) {
+  if (ts.empty()) return 0.0;
+  std::vector<const float*> ptrs;
+  std::vector<int64_t> sizes;
+  for (const Tensor* t : ts) {
+    ptrs.push_back(t->data<float>());
+    sizes.push_back(t->numel());
+  }
+  const int64_t count = static_cast<int64_t>(ts.size());
+  Tensor out = Tensor::Empty({count}, DType::kF64, e.allocator());
+  cudaStream_t s = StreamOf(e);
+  PW_RETURN_IF_ERROR(cuda::SumSquaresMulti(s, ptrs.data(), sizes.data(), static_cast<int>(count),
+                                           out.data<double>()));
+  std::vector<double> host(count);
+  PW_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host.data(), out.raw(), count * sizeof(double),
+                                          cudaMemcpyDeviceToHost, s));
+  PW_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
+  double sum = 0;  // per tensor, in order: the CPU's grouping
+  for (double v : host) sum += v;
+  return sum;
+}
+
+absl::Status CopyBytes(const Exec& e, void* dst, Device dst_device, const void* src,
+                       Device src_device, size_t bytes) {
+  const Stream stream = e.allocator()->stream();
+  PW_RETURN_IF_ERROR(pipewright::CopyBytes(dst, dst_device, src, src_device, bytes, stream));
+  if (dst_device.is_cpu()) return SynchronizeStream(stream);
+  return absl::OkStatus();
+}
+
+}  // namespace cuda_impl
+}  // namespace pipewright::ops

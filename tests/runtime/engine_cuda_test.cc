@@ -1,0 +1,162 @@
+// The engine on CUDA against the CPU reference (gpt-tiny). Every test skips without a GPU.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "pipewright/device.h"
+#include "pipewright/engine.h"
+#include "tests/test_util.h"
+
+namespace pipewright {
+namespace {
+
+#define PW_NEED_GPUS(n)                                                      \
+  do {                                                                       \
+    if (CudaDeviceCount() < (n)) GTEST_SKIP() << "needs " << (n) << " GPU(s)"; \
+  } while (0)
+
+EngineOptions Options(Device device, int pp, int dp, Precision precision) {
+  EngineOptions o;
+  o.train.preset = "gpt-tiny";
+  o.train.micro_batches = 4;
+  o.train.steps = 3;
+  o.train.seed = 7;
+  o.train.lr = 1e-2f;
+  o.train.warmup_steps = 1;
+  o.train.precision = precision;
+  o.pp = pp;
+  o.dp = dp;
+  o.schedule = ScheduleKind::k1F1B;
+  o.timeout = absl::Seconds(60);
+  o.device = device;
+  return o;
+}
+
+struct RunResult {
+  std::vector<double> losses;
+  std::map<std::string, std::vector<float>> weights;
+  int64_t peak_bytes = 0;
+};
+
+RunResult RunEngine(const EngineOptions& o) {
+  auto g = PresetModel("gpt-tiny", 2);
+  EXPECT_TRUE(g.ok());
+  auto e = Engine::Create(*g, o);
+  EXPECT_TRUE(e.ok()) << e.status();
+  RunResult r;
+  if (!e.ok()) return r;
+  for (int i = 0; i < o.train.steps; ++i) {
+    auto s = (*e)->Step();
+    EXPECT_TRUE(s.ok()) << s.status();
+    if (!s.ok()) break;
+    r.losses.push_back(s->result.loss);
+  }
+  for (auto& [name, t] : (*e)->Weights()) {
+    EXPECT_TRUE(t.device().is_cpu()) << name;  // Weights() are host copies
+    r.weights[name] = t.ToVector();
+  }
+  for (const RankTimes& t : (*e)->Summary().ranks) {
+    r.peak_bytes = std::max(r.peak_bytes, t.peak_memory_bytes);
+  }
+  return r;
+}
+
+double MaxRelWeightDiff(const RunResult& a, const RunResult& b) {
+  double worst = 0;
+  for (const auto& [name, w] : a.weights) {
+    const std::vector<float>& v = b.weights.at(name);
+    double num = 0, den = 0;
+    for (size_t i = 0; i < w.size(); ++i) {
+      num += (w[i] - v[i]) * (w[i] - v[i]);
+      den += double(v[i]) * v[i];
+    }
+    worst = std::max(worst, std::sqrt(num / std::max(den, 1e-30)));
+  }
+  return worst;
+}
+
+TEST(EngineCuda, Fp32MatchesTheCpu) {
+  PW_NEED_GPUS(1);
+  RunResult cpu = RunEngine(Options(Device::Cpu(), 1, 1, Precision::kFp32));
+  RunResult gpu = RunEngine(Options(Device::Cuda(0), 1, 1, Precision::kFp32));
+  ASSERT_EQ(gpu.losses.size(), cpu.losses.size());
+  for (size_t i = 0; i < cpu.losses.size(); ++i) {
+    EXPECT_NEAR(gpu.losses[i], cpu.losses[i], 1e-4 * cpu.losses[i]) << i;
+  }
+  EXPECT_LT(MaxRelWeightDiff(gpu, cpu), 1e-3);
+  EXPECT_GT(gpu.peak_bytes, 0);  // the device allocator counted the rank's memory
+}
+
+TEST(EngineCuda, Bf16MatchesTheCpuBf16) {
+  PW_NEED_GPUS(1);
+  RunResult cpu = RunEngine(Options(Device::Cpu(), 1, 1, Precision::kBf16));
+  RunResult gpu = RunEngine(Options(Device::Cuda(0), 1, 1, Precision::kBf16));
+  ASSERT_EQ(gpu.losses.size(), cpu.losses.size());
+  for (size_t i = 0; i < cpu.losses.size(); ++i) {
+    EXPECT_NEAR(gpu.losses[i], cpu.losses[i], 1e-2 * cpu.losses[i]) << i;
+  }
+}
+
+// Several stages share one GPU through the local backend with device buffers; the numerics
+// promise (any depth = the single stage, bit for bit) holds on the GPU too.
+TEST(EngineCuda, WholePipelineOnOneGpuIsBitIdenticalToOneStage) {
+  PW_NEED_GPUS(1);
+  EngineOptions one = Options(Device::Cuda(0), 1, 1, Precision::kFp32);
+  one.cuda_devices = {0};
+  EngineOptions four = Options(Device::Cuda(0), 4, 1, Precision::kFp32);
+  four.cuda_devices = {0};
+  RunResult a = RunEngine(one);
+  RunResult b = RunEngine(four);
+  EXPECT_EQ(a.losses, b.losses);
+  EXPECT_EQ(a.weights, b.weights);
+  EngineOptions dp = Options(Device::Cuda(0), 2, 2, Precision::kFp32);
+  dp.cuda_devices = {0};
+  dp.train.micro_batches = 2;
+  RunResult c = RunEngine(dp);
+  ASSERT_EQ(c.losses.size(), a.losses.size());
+  for (size_t i = 0; i < a.losses.size(); ++i) EXPECT_NEAR(c.losses[i], a.losses[i], 1e-5);
+}
+
+TEST(EngineCuda, NcclAcrossGpusMatchesOneGpu) {
+  PW_NEED_GPUS(2);
+  RunResult a = RunEngine(Options(Device::Cuda(0), 1, 1, Precision::kFp32));
+  EngineOptions o = Options(Device::Cuda(0), 2, 1, Precision::kFp32);
+  o.comm = "nccl";
+  RunResult b = RunEngine(o);
+  EXPECT_EQ(a.losses, b.losses);  // P2P moves bits; no reduction is involved with dp = 1
+  EngineOptions d = Options(Device::Cuda(0), 1, 2, Precision::kFp32);
+  d.comm = "nccl";
+  d.train.micro_batches = 2;
+  RunResult c = RunEngine(d);
+  ASSERT_EQ(c.losses.size(), a.losses.size());
+  for (size_t i = 0; i < a.losses.size(); ++i) EXPECT_NEAR(c.losses[i], a.losses[i], 1e-5);
+}
+
+class EngineCudaCheckpoint : public testing_util::ScratchDirTest {};
+
+// A checkpoint written from the GPU resumes on the CPU (global names, host tensors).
+TEST_F(EngineCudaCheckpoint, GpuCheckpointResumesOnTheCpu) {
+  PW_NEED_GPUS(1);
+  auto g = PresetModel("gpt-tiny", 2);
+  ASSERT_TRUE(g.ok());
+  EngineOptions o = Options(Device::Cuda(0), 2, 1, Precision::kFp32);
+  o.cuda_devices = {0};
+  auto e = Engine::Create(*g, o);
+  ASSERT_TRUE(e.ok()) << e.status();
+  ASSERT_TRUE((*e)->Step().ok());
+  ASSERT_TRUE((*e)->Save(Path("ck")).ok());
+  auto next_gpu = (*e)->Step();
+  ASSERT_TRUE(next_gpu.ok());
+  auto c = Engine::Create(*g, Options(Device::Cpu(), 1, 1, Precision::kFp32));
+  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE((*c)->Resume(Path("ck")).ok());
+  auto next_cpu = (*c)->Step();
+  ASSERT_TRUE(next_cpu.ok());
+  EXPECT_NEAR(next_cpu->result.loss, next_gpu->result.loss, 1e-4 * next_gpu->result.loss);
+}
+
+}  // namespace
+}  // namespace pipewright
