@@ -86,6 +86,52 @@ int64_t P2PTag(int num_stages, int mb, int stage, int dir) {
   return (static_cast<int64_t>(mb) * num_stages + stage) * 2 + dir;
 }
 
+// NCCL has no tags: between two ranks, receives match sends in posting order. That is correct
+// only when, for every ordered pair of pipeline ranks, the tags the sender posts come in the
+// same order as the tags the receiver posts. OK when they do; otherwise names the first pair
+// and position where they differ.
+}  // namespace
+
+absl::Status CheckFifoOrder(const Schedule& sched) {
+  const int S = sched.num_stages, P = static_cast<int>(sched.programs.size());
+  // sent[from][to] / expected[to][from]: tags in program order.
+  std::vector<std::vector<std::vector<int64_t>>> sent(P, std::vector<std::vector<int64_t>>(P)),
+      expected(P, std::vector<std::vector<int64_t>>(P));
+  for (int r = 0; r < P; ++r) {
+    for (const Action& a : sched.programs[r].actions) {
+      const bool send = a.kind == ActionKind::kSendF || a.kind == ActionKind::kSendB;
+      const bool recv = a.kind == ActionKind::kRecvF || a.kind == ActionKind::kRecvB;
+      if (!send && !recv) continue;
+      const bool fwd = a.kind == ActionKind::kSendF || a.kind == ActionKind::kRecvF;
+      const int other = send ? (fwd ? a.virtual_stage + 1 : a.virtual_stage - 1)
+                             : (fwd ? a.virtual_stage - 1 : a.virtual_stage + 1);
+      if (other < 0 || other >= S) continue;  // Validate reports it
+      const int peer = sched.stage_rank[other];
+      const int arriving_at = send ? other : a.virtual_stage;
+      const int64_t tag = P2PTag(S, a.micro_batch, arriving_at, fwd ? kDirF : kDirB);
+      (send ? sent[r][peer] : expected[r][peer]).push_back(tag);
+    }
+  }
+  for (int from = 0; from < P; ++from) {
+    for (int to = 0; to < P; ++to) {
+      const std::vector<int64_t>& a = sent[from][to];
+      const std::vector<int64_t>& b = expected[to][from];
+      for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+        if (a[i] != b[i]) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "the NCCL backend matches messages in posting order (it has no tags), but this "
+              "schedule's message ",
+              i, " from pipeline rank ", from, " to ", to,
+              " is posted in a different order by the receiver; run it with --comm local"));
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
 struct Bucket {
   std::vector<Parameter*> params;
   int pending = 0;  // layers whose last weight gradient of the step is still to come
@@ -125,6 +171,7 @@ struct StepOutcome {
 class RankExecutor {
  public:
   int global = 0, pipe = 0, replica = 0;
+  int slot = 0;  // index among this process's ranks
   Topology topo;
   const Schedule* schedule = nullptr;
   const EngineOptions* opts = nullptr;
@@ -193,7 +240,14 @@ class RankExecutor {
   // device (copied from the loader's host batch once per step on CUDA).
   absl::StatusOr<Tensor> Tokens(int mb);
   absl::StatusOr<const Tensor*> Targets(int mb);
+
+ public:
+  // In-place sum of a host tensor over the world (staged through the GPU for NCCL).
   absl::Status AllReduceHost(Tensor& v, const std::string& what);
+  // The rank's totals over the steps so far, with per-stage mean times.
+  RankTimes Totals() const;
+
+ private:
   absl::Status RunAction(const Action& a, int index, int64_t step, float lr, StepOutcome* out);
   struct PendingRecv {
     Action action;
@@ -219,7 +273,7 @@ class RankExecutor {
 
   StepBatch batch_;
   std::vector<Tensor> dev_tokens_, dev_targets_;  // CUDA copies of batch_, per micro-batch
-  std::vector<double> losses_;  // [micro-batch], last-stage ranks only
+  std::vector<double> losses_;                    // [micro-batch], last-stage ranks only
   std::vector<std::unique_ptr<Work>> sends_;
   int64_t step_ = 0;
 };
@@ -460,8 +514,8 @@ absl::Status RankExecutor::IssueSend(const Action& a) {
   Tensor& t = fwd ? st->output[mb] : st->grad_in[mb];
   if (!t.defined()) {
     return absl::FailedPreconditionError(
-        absl::StrCat(Who(), " ", a.ToString(), ": nothing to send (the ",
-                     fwd ? "F" : "backward", " of this micro-batch has not run)"));
+        absl::StrCat(Who(), " ", a.ToString(), ": nothing to send (the ", fwd ? "F" : "backward",
+                     " of this micro-batch has not run)"));
   }
   const int peer = PeerOf(to_stage);
   const int64_t tag = P2PTag(S, mb, to_stage, fwd ? kDirF : kDirB);
@@ -498,8 +552,7 @@ absl::Status RankExecutor::PostRecv(const Action& a, PendingRecv* r) {
 }
 
 absl::Status RankExecutor::FinishRecv(PendingRecv& r) {
-  absl::Status s =
-      WaitOrAbort(*r.work, absl::StrCat(r.action.ToString(), " from rank ", r.peer));
+  absl::Status s = WaitOrAbort(*r.work, absl::StrCat(r.action.ToString(), " from rank ", r.peer));
   Record(EventKind::kRecvWait, r.action, r.start, r.peer, r.tag);
   PW_RETURN_IF_ERROR(s);
   const bool fwd = r.action.kind == ActionKind::kRecvF;
@@ -807,6 +860,18 @@ struct Engine::Impl {
   absl::Status failed;
   double wall = 0;
   int64_t steps_run = 0;
+  // Multi-process: this process holds one rank; GatherReports fills the world's reports.
+  bool multi_process = false;
+  bool gathered = false;
+  std::vector<RankTimes> gathered_times;                // by global rank
+  std::vector<std::vector<RankEvent>> gathered_events;  // by global rank
+
+  RankExecutor* Find(int global) const {
+    for (const auto& r : ranks) {
+      if (r->global == global) return r.get();
+    }
+    return nullptr;
+  }
 
   // Runs fn(rank) on one thread per rank and returns the first error (the world's abort
   // status when a rank aborted).
@@ -856,6 +921,12 @@ Engine::~Engine() {
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const LayerGraph& graph,
                                                        const EngineOptions& options) {
+  return Create(graph, options, nullptr);
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
+    const LayerGraph& graph, const EngineOptions& options,
+    std::unique_ptr<Communicator> process_world) {
   const TrainOptions& to = options.train;
   if (options.pp < 1) return absl::InvalidArgumentError("--pp must be >= 1");
   if (options.dp < 1) return absl::InvalidArgumentError("--dp must be >= 1");
@@ -945,27 +1016,56 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const LayerGraph& graph,
     distinct_gpus = static_cast<int>(gpus.size()) >= world_size;
   }
   if (options.comm != "auto" && options.comm != "local" && options.comm != "nccl") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("communication backend must be auto, local or nccl, not '", options.comm,
-                     "'"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "communication backend must be auto, local or nccl, not '", options.comm, "'"));
   }
-  const bool use_nccl = options.comm == "nccl" || (options.comm == "auto" &&
-                                                   options.device.is_cuda() && distinct_gpus &&
-                                                   world_size > 1);
-  if (use_nccl && (!options.device.is_cuda() || !distinct_gpus)) {
+  // In one process the engine picks the backend; with a launcher's world it is that world's.
+  const bool use_nccl =
+      process_world != nullptr
+          ? process_world->backend() == "nccl"
+          : options.comm == "nccl" || (options.comm == "auto" && options.device.is_cuda() &&
+                                       distinct_gpus && world_size > 1);
+  if (process_world == nullptr && use_nccl && (!options.device.is_cuda() || !distinct_gpus)) {
     return absl::InvalidArgumentError(
         "the NCCL backend needs --device cuda and one GPU per rank (pp x dp GPUs)");
   }
+  // A multi-process run: this process is one global rank of a launcher's world.
+  int only_rank = -1;
+  if (process_world != nullptr) {
+    if (process_world->size() != world_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the layout needs pp x dp = ", options.pp, " x ", options.dp, " = ", world_size,
+          " ranks, but the launcher started ", process_world->size(),
+          " processes (start exactly one process per rank: mpirun -np ", world_size, ")"));
+    }
+    only_rank = process_world->rank();
+  }
   std::vector<std::unique_ptr<Communicator>> comms;
-  if (use_nccl) {
+  if (process_world != nullptr) {
+    if (use_nccl) PW_RETURN_IF_ERROR(CheckFifoOrder(sched));
+    comms.resize(world_size);
+    comms[only_rank] = std::move(process_world);
+  } else if (use_nccl) {
+    PW_RETURN_IF_ERROR(CheckFifoOrder(sched));
     PW_ASSIGN_OR_RETURN(comms, CreateNcclWorld(rank_gpu, options.timeout));
   } else {
     comms = CreateLocalWorld(world_size);
   }
+  impl->multi_process = only_rank >= 0;
+  if (only_rank >= 0) {
+    // Processes start their clocks together (to within a barrier), so their trace events line
+    // up in one timeline.
+    std::unique_ptr<Work> b = comms[only_rank]->Barrier();
+    PW_RETURN_IF_ERROR(b->Wait(options.timeout));
+  }
   const Clock::time_point epoch = Clock::now();
   for (int g = 0; g < world_size; ++g) {
+    if (only_rank >= 0 && g != only_rank) continue;
     auto ex = std::make_unique<RankExecutor>();
+    ex->slot = static_cast<int>(impl->ranks.size());
     if (rank_gpu[g] >= 0) {
+      // One process per rank picks its GPU itself (cuda_devices[0], e.g. by local rank).
+      if (only_rank >= 0) rank_gpu[g] = options.cuda_devices.empty() ? 0 : options.cuda_devices[0];
       ex->cuda_device = rank_gpu[g];
       PW_RETURN_IF_ERROR(ex->BindDevice());
       PW_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create(Device::Cuda(rank_gpu[g])));
@@ -998,9 +1098,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const LayerGraph& graph,
           Recompute::kFull;
       // Parameters are initialised on the host (from the seed and their global names), then
       // moved to the rank's device.
-      PW_ASSIGN_OR_RETURN(st.stage, graph.Instantiate(st.begin, st.end, to.seed,
-                                                      ex->on_cuda() ? ex->host.get()
-                                                                    : ex->alloc.get()));
+      PW_ASSIGN_OR_RETURN(st.stage,
+                          graph.Instantiate(st.begin, st.end, to.seed,
+                                            ex->on_cuda() ? ex->host.get() : ex->alloc.get()));
       if (ex->on_cuda()) {
         for (Parameter* p : st.stage->Parameters()) {
           Tensor v = Tensor::Empty(p->value.shape(), DType::kF32, ex->alloc.get());
@@ -1077,7 +1177,7 @@ absl::StatusOr<StepReport> Engine::Step() {
   std::vector<StepOutcome> outcomes(m.ranks.size());
   Clock::time_point t0 = Clock::now();
   absl::Status s =
-      m.OnEveryRank([&](RankExecutor& r) { return r.RunStep(step, lr, &outcomes[r.global]); });
+      m.OnEveryRank([&](RankExecutor& r) { return r.RunStep(step, lr, &outcomes[r.slot]); });
   if (!s.ok()) {
     m.failed = s;
     return s;
@@ -1117,7 +1217,10 @@ const Topology& Engine::topology() const { return impl_->topo; }
 NamedTensors Engine::Weights() const {
   NamedTensors out;
   for (int s = 0; s < impl_->schedule.num_stages; ++s) {
-    RankExecutor& r = *impl_->ranks[impl_->topo.GlobalRank(impl_->schedule.stage_rank[s], 0)];
+    // Multi-process: only the stages this process holds (when it is in replica 0).
+    RankExecutor* rp = impl_->Find(impl_->topo.GlobalRank(impl_->schedule.stage_rank[s], 0));
+    if (rp == nullptr) continue;
+    RankExecutor& r = *rp;
     PW_CHECK(r.BindDevice().ok());
     for (Parameter* q : r.Local(s)->stage->Parameters()) {
       if (q->value.device().is_cpu()) {
@@ -1135,6 +1238,11 @@ NamedTensors Engine::Weights() const {
 
 absl::Status Engine::Save(const std::string& dir) const {
   const Impl& m = *impl_;
+  if (m.multi_process) {
+    return absl::UnimplementedError(
+        "--save in a multi-process run is not supported yet: the weights live in different "
+        "processes (run the same plan in one process to checkpoint it)");
+  }
   internal::ManifestInfo info;
   info.graph = &m.graph;
   info.options = &m.options.train;
@@ -1185,9 +1293,133 @@ absl::Status Engine::Resume(const std::string& dir) {
 }
 
 std::vector<std::vector<RankEvent>> Engine::Events() const {
+  if (impl_->gathered) return impl_->gathered_events;
   std::vector<std::vector<RankEvent>> out;
   for (const auto& r : impl_->ranks) out.push_back(r->events);
   return out;
+}
+
+RankTimes RankExecutor::Totals() const {
+  RankTimes t = total;
+  t.static_memory_bytes = static_bytes;
+  for (const StageRt& st : stages) {
+    t.stages.push_back(st.index);
+    auto mean = [](double v, int64_t k) { return k > 0 ? v / k : 0.0; };
+    t.stage_f.push_back(mean(st.f_s, st.f_n));
+    t.stage_b.push_back(mean(st.b_s + st.rc_s, st.b_n));
+    t.stage_w.push_back(mean(st.w_s, st.w_n));
+  }
+  return t;
+}
+
+namespace {
+
+// Every process's `mine`, in world-rank order: two sums over the world (lengths, then the
+// zero-padded values, each process writing only its own slot, so the sums are exact).
+absl::StatusOr<std::vector<std::vector<double>>> AllGather(RankExecutor& r,
+                                                           const std::vector<double>& mine,
+                                                           const std::string& what) {
+  const int n = r.world->size(), me = r.world->rank();
+  Tensor counts = Tensor::Zeros({n}, DType::kF64);
+  counts.data<double>()[me] = static_cast<double>(mine.size());
+  PW_RETURN_IF_ERROR(r.AllReduceHost(counts, what));
+  int64_t longest = 1;
+  for (int i = 0; i < n; ++i) {
+    longest = std::max(longest, static_cast<int64_t>(counts.data<double>()[i]));
+  }
+  Tensor flat = Tensor::Zeros({n * longest}, DType::kF64);
+  std::copy(mine.begin(), mine.end(), flat.data<double>() + me * longest);
+  PW_RETURN_IF_ERROR(r.AllReduceHost(flat, what));
+  std::vector<std::vector<double>> out(n);
+  for (int i = 0; i < n; ++i) {
+    const double* p = flat.data<double>() + i * longest;
+    out[i].assign(p, p + static_cast<int64_t>(counts.data<double>()[i]));
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::Status Engine::GatherReports() {
+  Impl& m = *impl_;
+  if (!m.multi_process) return absl::OkStatus();
+  RankExecutor& r = *m.ranks[0];
+  PW_RETURN_IF_ERROR(r.BindDevice());
+  // Rank times: 14 scalars, then (stage, forward, backward, weight) per stage.
+  const RankTimes t = r.Totals();
+  std::vector<double> mine = {double(t.global_rank),
+                              double(t.pipeline_rank),
+                              double(t.replica),
+                              t.compute,
+                              t.recompute,
+                              t.p2p_wait,
+                              t.all_reduce,
+                              t.optimizer,
+                              t.data_wait,
+                              t.idle,
+                              t.wall,
+                              double(t.peak_memory_bytes),
+                              double(t.peak_activation_bytes),
+                              double(r.static_bytes)};
+  for (size_t i = 0; i < t.stages.size(); ++i) {
+    mine.insert(mine.end(), {double(t.stages[i]), t.stage_f[i], t.stage_b[i], t.stage_w[i]});
+  }
+  PW_ASSIGN_OR_RETURN(auto times, AllGather(r, mine, "gathering rank times"));
+  // Events: 9 numbers each.
+  std::vector<double> ev;
+  for (const RankEvent& e : r.events) {
+    ev.insert(ev.end(), {double(e.kind), double(e.action.kind), double(e.action.virtual_stage),
+                         double(e.action.micro_batch), double(e.peer), double(e.tag),
+                         double(e.step), e.start, e.end});
+  }
+  PW_ASSIGN_OR_RETURN(auto events, AllGather(r, ev, "gathering trace events"));
+  m.gathered_times.clear();
+  m.gathered_events.clear();
+  for (size_t g = 0; g < times.size(); ++g) {
+    const std::vector<double>& v = times[g];
+    if (v.size() < 14 || (v.size() - 14) % 4 != 0) {
+      return absl::InternalError(absl::StrCat("rank ", g, " sent a malformed report"));
+    }
+    RankTimes x;
+    x.global_rank = static_cast<int>(v[0]);
+    x.pipeline_rank = static_cast<int>(v[1]);
+    x.replica = static_cast<int>(v[2]);
+    x.compute = v[3];
+    x.recompute = v[4];
+    x.p2p_wait = v[5];
+    x.all_reduce = v[6];
+    x.optimizer = v[7];
+    x.data_wait = v[8];
+    x.idle = v[9];
+    x.wall = v[10];
+    x.peak_memory_bytes = static_cast<int64_t>(v[11]);
+    x.peak_activation_bytes = static_cast<int64_t>(v[12]);
+    x.static_memory_bytes = static_cast<int64_t>(v[13]);
+    for (size_t i = 14; i + 3 < v.size(); i += 4) {
+      x.stages.push_back(static_cast<int>(v[i]));
+      x.stage_f.push_back(v[i + 1]);
+      x.stage_b.push_back(v[i + 2]);
+      x.stage_w.push_back(v[i + 3]);
+    }
+    m.gathered_times.push_back(std::move(x));
+    std::vector<RankEvent> list;
+    const std::vector<double>& e = events[g];
+    for (size_t i = 0; i + 8 < e.size(); i += 9) {
+      RankEvent re;
+      re.kind = static_cast<EventKind>(static_cast<int>(e[i]));
+      re.action = Action{static_cast<ActionKind>(static_cast<int>(e[i + 1])),
+                         static_cast<int>(e[i + 2]), static_cast<int>(e[i + 3])};
+      re.peer = static_cast<int>(e[i + 4]);
+      re.tag = static_cast<int64_t>(e[i + 5]);
+      re.step = static_cast<int64_t>(e[i + 6]);
+      re.start = e[i + 7];
+      re.end = e[i + 8];
+      list.push_back(re);
+    }
+    m.gathered_events.push_back(std::move(list));
+  }
+  m.gathered = true;
+  return absl::OkStatus();
 }
 
 RunSummary Engine::Summary() const {
@@ -1200,18 +1432,16 @@ RunSummary Engine::Summary() const {
   std::vector<double> f(S, 0), b(S, 0), w(S, 0);
   std::vector<int> n(S, 0);
   double busy = 0, walls = 0, optimizer = 0;
-  for (const auto& r : m.ranks) {
-    RankTimes t = r->total;
-    for (const StageRt& st : r->stages) {
-      t.stages.push_back(st.index);
-      auto mean = [](double v, int64_t k) { return k > 0 ? v / k : 0.0; };
-      t.stage_f.push_back(mean(st.f_s, st.f_n));
-      t.stage_b.push_back(mean(st.b_s + st.rc_s, st.b_n));
-      t.stage_w.push_back(mean(st.w_s, st.w_n));
-      f[st.index] += t.stage_f.back();
-      b[st.index] += t.stage_b.back();
-      w[st.index] += t.stage_w.back();
-      ++n[st.index];
+  std::vector<RankTimes> all = m.gathered_times;
+  if (!m.gathered) {
+    for (const auto& r : m.ranks) all.push_back(r->Totals());
+  }
+  for (RankTimes& t : all) {
+    for (size_t i = 0; i < t.stages.size(); ++i) {
+      f[t.stages[i]] += t.stage_f[i];
+      b[t.stages[i]] += t.stage_b[i];
+      w[t.stages[i]] += t.stage_w[i];
+      ++n[t.stages[i]];
     }
     busy += t.compute + t.recompute + t.optimizer;
     walls += t.wall;
@@ -1230,7 +1460,11 @@ RunSummary Engine::Summary() const {
     }
   }
   if (m.steps_run > 0) {
-    const RankTimes& bt = s.ranks[s.bottleneck_rank];
+    const RankTimes* bp = &s.ranks[0];
+    for (const RankTimes& t : s.ranks) {
+      if (t.global_rank == s.bottleneck_rank) bp = &t;
+    }
+    const RankTimes& bt = *bp;
     s.bottleneck_reason = absl::StrFormat(
         "rank %d computes %.1f ms per step (mean over ranks %.1f ms); it waits %.1f ms on P2P, "
         "%.1f ms on all-reduce, %.1f ms on data",

@@ -114,6 +114,17 @@ class Engine {
  public:
   static absl::StatusOr<std::unique_ptr<Engine>> Create(const LayerGraph& graph,
                                                         const EngineOptions& options);
+  // A multi-process run (docs/cluster.md): this process runs only global rank
+  // `world->rank()` of the pp x dp grid and talks to the other processes through `world` (the
+  // MPI backend, or NCCL bootstrapped through it), whose size must be pp x dp
+  // (InvalidArgument naming both otherwise). Every process calls every method below; the
+  // reports (Summary, Events) need GatherReports first.
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(const LayerGraph& graph,
+                                                        const EngineOptions& options,
+                                                        std::unique_ptr<Communicator> world);
+  // Multi-process: collects every process's rank times and events so that Summary and Events
+  // describe the whole world on every process. Collective; a no-op in one process.
+  absl::Status GatherReports();
   ~Engine();
 
   // One optimizer step on every rank. Any rank's failure (a layer error or exception, a
@@ -146,6 +157,12 @@ class Engine {
   explicit Engine(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
+
+// OK when a backend without message tags (NCCL: receives match sends in posting order) runs
+// `sched` correctly: for every ordered pair of pipeline ranks the receiver posts its receives in
+// the order the sender posts the sends. Otherwise InvalidArgument naming the pair. The engine
+// checks it before running a schedule on NCCL.
+absl::Status CheckFifoOrder(const Schedule& sched);
 
 // Contiguous split of `graph` into `stages` non-empty ranges minimising the largest stage's
 // forward + backward FLOPs; returns stages + 1 boundaries.

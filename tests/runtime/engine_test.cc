@@ -548,3 +548,34 @@ TEST(EngineDevice, NcclNeedsOneGpuPerRank) {
 
 }  // namespace
 }  // namespace pipewright
+
+namespace pipewright {
+namespace {
+
+// NCCL matches messages in posting order: the engine checks a schedule allows that before
+// running it on NCCL. 1F1B and GPipe do; the check must also be able to fail.
+TEST(EngineFifoOrder, OneFOneBPassesAndASwappedReceiveFails) {
+  for (ScheduleKind k : {ScheduleKind::k1F1B, ScheduleKind::kGpipe, ScheduleKind::kZbH1}) {
+    auto s = GenerateSchedule({k, 4, 8, 1});
+    ASSERT_TRUE(s.ok());
+    ASSERT_TRUE(LowerComm(*s).ok());
+    EXPECT_TRUE(CheckFifoOrder(*s).ok()) << ScheduleKindName(k) << ": " << CheckFifoOrder(*s);
+  }
+  auto s = GenerateSchedule({ScheduleKind::kGpipe, 2, 4, 1});
+  ASSERT_TRUE(s.ok());
+  ASSERT_TRUE(LowerComm(*s).ok());
+  // Rank 1 receives micro-batches 0 and 1 in swapped order.
+  std::vector<Action>& acts = s->programs[1].actions;
+  std::vector<size_t> recvs;
+  for (size_t i = 0; i < acts.size(); ++i) {
+    if (acts[i].kind == ActionKind::kRecvF) recvs.push_back(i);
+  }
+  ASSERT_GE(recvs.size(), 2u);
+  std::swap(acts[recvs[0]].micro_batch, acts[recvs[1]].micro_batch);
+  absl::Status st = CheckFifoOrder(*s);
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("pipeline rank 0 to 1"), std::string::npos) << st;
+}
+
+}  // namespace
+}  // namespace pipewright
