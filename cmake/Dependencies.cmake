@@ -19,6 +19,20 @@ if(PIPEWRIGHT_BUILD_TESTS)
 endif()
 find_package(benchmark QUIET)
 
+# ---- MPI: the mpi communicator backend (runtime/comm/mpi.cc) when an MPI C library is found ----
+set(PIPEWRIGHT_MPI AUTO CACHE STRING "Build the MPI backend: AUTO (when MPI is found), ON, OFF")
+set_property(CACHE PIPEWRIGHT_MPI PROPERTY STRINGS AUTO ON OFF)
+set(PIPEWRIGHT_WITH_MPI OFF)
+if(NOT PIPEWRIGHT_MPI STREQUAL "OFF")
+  find_package(MPI COMPONENTS C)
+  if(MPI_C_FOUND)
+    set(PIPEWRIGHT_WITH_MPI ON)
+  elseif(PIPEWRIGHT_MPI STREQUAL "ON")
+    message(FATAL_ERROR "PIPEWRIGHT_MPI=ON but no MPI C library was found (install libopenmpi-dev)")
+  endif()
+endif()
+message(STATUS "pipewright: MPI backend ${PIPEWRIGHT_WITH_MPI}")
+
 # ---- CUDA: AUTO turns it on when nvcc is found ----
 set(PIPEWRIGHT_WITH_CUDA OFF)
 set(PIPEWRIGHT_WITH_NCCL OFF)

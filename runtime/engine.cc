@@ -364,6 +364,12 @@ absl::Status RankExecutor::RunStep(int64_t step, float lr, StepOutcome* out) {
   for (size_t i = 0; i < prog.actions.size(); ++i) {
     const Action& a = prog.actions[i];
     absl::Status s;
+    if (global == opts->inject_failure_rank && step == opts->inject_failure_step &&
+        (a.kind == ActionKind::kB || a.kind == ActionKind::kI)) {
+      s = absl::InternalError(absl::StrCat(Who(), " ", a.ToString(), ": injected failure"));
+      world->Abort(s);
+      return world->abort_status();
+    }
     try {
       if (group_p2p && is_p2p(a.kind)) {
         size_t end = i + 1;

@@ -3,18 +3,22 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <thread>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "pipewright/engine.h"
 #include "pipewright/plan.h"
 #include "pipewright/trace.h"
 #include "pipewright/train.h"
+#include "runtime/comm/mpi.h"
 #include "tools/commands.h"
 
 namespace pipewright::tools {
@@ -41,6 +45,7 @@ struct TrainFlags {
   std::string lr_scaling = "none", optimizer = "adamw", data = "synthetic";
   std::string device = "cpu", precision = "fp32", save, resume, comm = "auto";
   float loss_scale = 65536.0f;
+  std::string inject_failure;  // "RANK:STEP", tests of failure handling
   int64_t loss_scale_window = 1000;
   bool json = false;
   // Layout flags the user gave explicitly: they may not be combined with --plan.
@@ -274,7 +279,71 @@ int RunTrain(const TrainFlags& f, bool preset_given) {
     eo.comm = f.comm;
   }
   eo.bucket_bytes = static_cast<int64_t>(f.bucket_mb * 1048576.0);
-  auto engine = Engine::Create(*graph, eo);
+  if (!f.inject_failure.empty()) {
+    std::vector<std::string> parts = absl::StrSplit(f.inject_failure, ':');
+    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &eo.inject_failure_rank) ||
+        !absl::SimpleAtoi(parts[1], &eo.inject_failure_step)) {
+      return ReportError(absl::InvalidArgumentError("--inject-failure expects RANK:STEP"));
+    }
+  }
+  // Started by mpirun or srun: this process is one rank of the pp x dp grid (docs/cluster.md).
+  std::unique_ptr<Communicator> mpi_world, process_world;
+  bool root = true;
+  if (LaunchedByMpi()) {
+    absl::StatusOr<MpiProcess> proc = InitMpi();
+    if (!proc.ok()) return ReportError(proc.status());
+    root = proc->rank == 0;
+    // Checked on every process before any collective, so a wrong -np fails fast everywhere.
+    if (proc->size != eo.pp * eo.dp) {
+      return ReportError(absl::InvalidArgumentError(absl::StrFormat(
+          "rank %d: the layout needs pp x dp = %d x %d = %d processes, but %d were started "
+          "(mpirun -np %d)",
+          proc->rank, eo.pp, eo.dp, eo.pp * eo.dp, proc->size, eo.pp * eo.dp)));
+    }
+    if (!f.save.empty()) {
+      return ReportError(absl::UnimplementedError(
+          "--save is not supported in a multi-process run yet (each process holds only its own "
+          "stages); run the plan in one process to checkpoint it"));
+    }
+    absl::StatusOr<std::unique_ptr<Communicator>> w = CreateMpiWorld();
+    if (!w.ok()) return ReportError(w.status());
+    mpi_world = *std::move(w);
+    if (eo.device.is_cuda()) {
+      // NCCL bootstrapped through MPI: rank 0 makes the unique id, MPI broadcasts it, and each
+      // process drives one GPU, chosen by its rank on the node.
+      const int gpus = CudaDeviceCount();
+      Tensor id = Tensor::Zeros({32}, DType::kI32);  // NCCL_UNIQUE_ID_BYTES = 128
+      absl::Status made = gpus > 0 ? absl::OkStatus()
+                                   : absl::FailedPreconditionError(absl::StrCat(
+                                         "rank ", proc->rank, " (", proc->hostname,
+                                         "): --device cuda but no CUDA GPU is visible"));
+      if (made.ok() && root) {
+        absl::StatusOr<std::string> uid = NcclUniqueId();
+        made = uid.status();
+        if (uid.ok()) std::memcpy(id.raw(), uid->data(), std::min<size_t>(uid->size(), 128));
+      }
+      if (!made.ok()) {
+        mpi_world->Abort(made);
+        return ReportError(made);
+      }
+      std::unique_ptr<Work> b = mpi_world->Broadcast(id, 0);
+      if (absl::Status s = b->Wait(eo.timeout); !s.ok()) return ReportError(s);
+      const int gpu = eo.cuda_devices.empty() ? proc->local_rank % gpus : eo.cuda_devices[0];
+      absl::StatusOr<std::unique_ptr<Communicator>> nccl =
+          CreateNcclCommunicator(std::string(static_cast<const char*>(id.raw()), 128), proc->rank,
+                                 proc->size, gpu, eo.timeout);
+      if (!nccl.ok()) {
+        mpi_world->Abort(nccl.status());
+        return ReportError(nccl.status());
+      }
+      eo.cuda_devices = {gpu};
+      process_world = *std::move(nccl);
+    } else {
+      process_world = std::move(mpi_world);
+    }
+  }
+  const bool multi_process = process_world != nullptr;
+  auto engine = Engine::Create(*graph, eo, std::move(process_world));
   if (!engine.ok()) return ReportError(engine.status());
   Engine& t = **engine;
   if (!f.resume.empty()) {
@@ -292,7 +361,7 @@ int RunTrain(const TrainFlags& f, bool preset_given) {
       absl::StrAppend(&recompute_desc, recompute_desc.empty() ? "" : ",", RecomputeName(r));
     }
   }
-  if (!f.json) {
+  if (!f.json && root) {
     std::printf("pipewright train: %s (%lld layers, %.2fM parameters), data %s\n",
                 graph->name().c_str(), static_cast<long long>(graph->num_layers()),
                 cost.params / 1e6, f.data.c_str());
@@ -308,7 +377,7 @@ int RunTrain(const TrainFlags& f, bool preset_given) {
         static_cast<long long>(graph->shape().seq_len), static_cast<long long>(t.global_batch()),
         t.PeakLr());
   }
-  ProgressBar bar(f.steps, !f.json);
+  ProgressBar bar(f.steps, !f.json && root);
   std::vector<double> losses;
   double total_time = 0, data_wait = 0;
   int64_t skipped_steps = 0;
@@ -328,7 +397,9 @@ int RunTrain(const TrainFlags& f, bool preset_given) {
     last_loss_scale = res.loss_scale;
     total_time += res.step_time_s;
     data_wait += res.data_wait_s;
-    if (f.json) {
+    if (!root) {
+      // Only rank 0 prints; every process takes the same steps.
+    } else if (f.json) {
       json line = {{"step", res.step},
                    {"loss", res.loss},
                    {"lr", res.lr},
@@ -347,8 +418,14 @@ int RunTrain(const TrainFlags& f, bool preset_given) {
     }
   }
   bar.Finish();
-  // The trace is written even after a failure: it shows where each rank was.
-  if (!f.trace.empty()) {
+  // Multi-process: every process joins in collecting the world's times and events, which rank 0
+  // then reports (after a failure the world is aborted and there is nothing to collect).
+  if (multi_process && failure.ok()) {
+    if (absl::Status s = t.GatherReports(); !s.ok()) return ReportError(s);
+  }
+  if (!root) return failure.ok() ? 0 : ReportError(failure);
+  // The trace is written even after a failure: it shows where each rank was (in one process).
+  if (!f.trace.empty() && (failure.ok() || !multi_process)) {
     if (absl::Status s = WriteFile(f.trace, EngineChromeTrace(t.topology(), t.Events())); !s.ok()) {
       return ReportError(s);
     }
@@ -475,6 +552,10 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
   cmd->add_option("--weight-decay", f->weight_decay, "Decoupled weight decay");
   cmd->add_option("--device", f->device,
                   "cpu | cuda (ranks over every visible GPU) | cuda:N (every rank on GPU N)");
+  cmd->add_option("--inject-failure", f->inject_failure,
+                  "RANK:STEP: make that global rank fail in its first backward of that step "
+                  "(tests of failure handling)")
+      ->group("");  // hidden from --help
   cmd->add_option("--comm", f->comm,
                   "auto | local | nccl: how ranks talk (auto: NCCL when every rank has its own "
                   "GPU)");

@@ -58,6 +58,12 @@ struct EngineOptions {
   Device device = Device::Cpu();
   std::vector<int> cuda_devices;
   std::string comm = "auto";
+
+  // Fault injection for tests of failure handling: global rank `inject_failure_rank` fails
+  // with Internal "injected failure" at its first backward action of step
+  // `inject_failure_step` (-1: never).
+  int inject_failure_rank = -1;
+  int64_t inject_failure_step = -1;
 };
 
 // One recorded interval of a rank's step (times in seconds from the engine's creation).

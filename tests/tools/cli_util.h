@@ -32,12 +32,13 @@ inline std::string TempPath(const std::string& name) {
   return (std::filesystem::path(::testing::TempDir()) / ("pw_cli_" + name)).string();
 }
 
-inline Result RunCli(const std::string& args) {
+// Runs `command args` (command: the binary, or a launcher line ending with it).
+inline Result RunCliWith(const std::string& command, const std::string& args) {
   // One stderr file per process: ctest runs the tests of this binary in parallel.
   static int counter = 0;
   std::string err_file =
       TempPath("stderr_" + std::to_string(getpid()) + "_" + std::to_string(counter++) + ".txt");
-  std::string cmd = Bin() + " " + args + " 2>" + err_file;
+  std::string cmd = command + " " + args + " 2>" + err_file;
   Result r;
   FILE* p = popen(cmd.c_str(), "r");
   if (p == nullptr) return r;
@@ -50,6 +51,8 @@ inline Result RunCli(const std::string& args) {
   r.err.assign(std::istreambuf_iterator<char>(e), std::istreambuf_iterator<char>());
   return r;
 }
+
+inline Result RunCli(const std::string& args) { return RunCliWith(Bin(), args); }
 
 inline std::vector<nlohmann::json> JsonLines(const std::string& text) {
   std::vector<nlohmann::json> out;

@@ -1,0 +1,122 @@
+// `pipewright train` under mpirun (one process per rank) against the in-process run: the same
+// losses bit for bit, a world size that does not match the layout rejected on every rank, and
+// a rank that fails mid-step ending the whole job with its error instead of a hang.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "tests/tools/cli_util.h"
+
+namespace {
+
+using namespace pipewright::cli_test;
+
+// mpirun with the settings that work on one machine without a network, as root, with more
+// processes than cores (Open MPI; tests/tools/CMakeLists.txt passes the launcher).
+Result RunMpi(int np, const std::string& args) {
+  const std::string env =
+      "OMPI_MCA_btl=self,vader OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_pml=ob1 "
+      "OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_ALLOW_RUN_AS_ROOT=1 "
+      "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ";
+  const std::string launcher = std::string(PIPEWRIGHT_MPIEXEC) + " " + PIPEWRIGHT_MPIEXEC_FLAGS +
+                               " -np " + std::to_string(np) + " " + Bin();
+  // RunCli prepends the binary; here the launcher comes first, so run through `env`.
+  return RunCliWith("env " + env + launcher, args);
+}
+
+const std::string kBase =
+    "train --preset gpt-tiny --micro-batch-size 2 --steps 4 --seed 7 --json --timeout 30 ";
+
+TEST(CliMpi, FourProcessesPp2Dp2MatchTheInProcessRunBitForBit) {
+  const std::string layout = "--pp 2 --dp 2 --schedule 1f1b --micro-batches 4";
+  Result local = RunCli(kBase + layout);
+  ASSERT_EQ(local.exit_code, 0) << local.err;
+  Result mpi = RunMpi(4, kBase + layout);
+  ASSERT_EQ(mpi.exit_code, 0) << mpi.err;
+  std::vector<double> want = Losses(local);
+  ASSERT_EQ(want.size(), 4u);
+  EXPECT_EQ(Losses(mpi), want);
+  // Only rank 0 prints: four step lines and one summary, not four of each.
+  EXPECT_EQ(JsonLines(mpi.out).size(), 5u) << mpi.out;
+}
+
+TEST(CliMpi, FourProcessPipelineAndTwoProcessZeroBubbleMatch) {
+  for (auto [np, layout] : {std::pair{4, "--pp 4 --schedule 1f1b --micro-batches 8"},
+                            std::pair{2, "--pp 2 --schedule zb-h1 --micro-batches 8"}}) {
+    Result local = RunCli(kBase + layout);
+    ASSERT_EQ(local.exit_code, 0) << local.err;
+    Result mpi = RunMpi(np, kBase + layout);
+    ASSERT_EQ(mpi.exit_code, 0) << layout << ": " << mpi.err;
+    EXPECT_EQ(Losses(mpi), Losses(local)) << layout;
+    // The summary describes every rank, gathered from every process.
+    std::vector<nlohmann::json> lines = JsonLines(mpi.out);
+    ASSERT_FALSE(lines.empty());
+    ASSERT_TRUE(lines.back().contains("summary"));
+    EXPECT_EQ(lines.back()["summary"]["ranks"].size(), static_cast<size_t>(np)) << layout;
+  }
+}
+
+TEST(CliMpi, WrongWorldSizeIsAClearErrorOnEveryRank) {
+  Result r = RunMpi(3, kBase + "--pp 2 --dp 2 --micro-batches 4");
+  EXPECT_NE(r.exit_code, 0);
+  for (int rank = 0; rank < 3; ++rank) {
+    EXPECT_NE(r.err.find("rank " + std::to_string(rank) +
+                         ": the layout needs pp x dp = 2 x 2 = 4 processes, but 3 were started"),
+              std::string::npos)
+        << r.err;
+  }
+}
+
+TEST(CliMpi, ARankFailingMidStepEndsTheJobWithItsError) {
+  Result r = RunMpi(4, kBase + "--pp 2 --dp 2 --micro-batches 4 --inject-failure 1:2");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("rank 1 (pipeline rank 1, replica 0)"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("injected failure"), std::string::npos) << r.err;
+  // The steps before the failure were reported by rank 0, the failed one was not.
+  EXPECT_EQ(Losses(r).size(), 2u) << r.out;
+}
+
+// A process that dies (SIGKILL, no chance to say goodbye) must not leave the others waiting
+// forever: the launcher or the receive timeouts end the job with an error.
+TEST(CliMpi, AKilledRankEndsTheJob) {
+  const std::string env =
+      "env OMPI_MCA_btl=self,vader OMPI_MCA_btl_vader_single_copy_mechanism=none "
+      "OMPI_MCA_pml=ob1 OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_ALLOW_RUN_AS_ROOT=1 "
+      "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ";
+  // Rank 1 kills itself one second in; `exec` keeps the shell's pid for the pipewright process.
+  const std::string wrapper =
+      "bash -c 'if [ \"${OMPI_COMM_WORLD_RANK:-${PMIX_RANK:-0}}\" = 1 ]; then "
+      "(sleep 1; kill -9 $$) & fi; exec \"$0\" \"$@\"' " +
+      Bin();
+  Result r =
+      RunCliWith(env + PIPEWRIGHT_MPIEXEC + " " + PIPEWRIGHT_MPIEXEC_FLAGS + " -np 4 " + wrapper,
+                 "train --preset gpt-tiny --micro-batch-size 2 --steps 100000 --timeout 10 "
+                 "--pp 2 --dp 2 --micro-batches 4 --json");
+  EXPECT_NE(r.exit_code, 0) << r.err;
+  EXPECT_FALSE(r.err.empty());
+}
+
+// A checkpoint written by one process resumes under mpirun and continues like it does in one
+// process.
+TEST(CliMpi, ResumesAnInProcessCheckpoint) {
+  const std::string dir = TempPath("mpi_resume_" + std::to_string(getpid()));
+  std::filesystem::remove_all(dir);
+  const std::string layout = "--pp 2 --dp 2 --micro-batches 4 ";
+  Result saved = RunCli(kBase + layout + "--stop-after 2 --save " + dir);
+  ASSERT_EQ(saved.exit_code, 0) << saved.err;
+  Result local = RunCli(kBase + layout + "--resume " + dir);
+  ASSERT_EQ(local.exit_code, 0) << local.err;
+  Result mpi = RunMpi(4, kBase + layout + "--resume " + dir);
+  ASSERT_EQ(mpi.exit_code, 0) << mpi.err;
+  EXPECT_EQ(Losses(mpi), Losses(local));
+  EXPECT_EQ(Losses(mpi).size(), 2u);
+  // Saving needs the weights of every process in one place: refused up front, clearly.
+  Result save = RunMpi(4, kBase + layout + "--save " + dir + "_b");
+  EXPECT_EQ(save.exit_code, 2);
+  EXPECT_NE(save.err.find("--save is not supported in a multi-process run"), std::string::npos)
+      << save.err;
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
