@@ -93,11 +93,11 @@ class ModelBuilder {
 
 // Presets. Runnable (small enough to train here): "mlp", "gpt-tiny", "gpt-small" (untied LM
 // head, default micro-batch size 8); "gpt2-124m" (GPT-2 small's shape, seq 1024, vocabulary
-// 50304, untied head: 163M parameters) is runnable too but meant for a GPU. Analytic (for planning only; their graphs allocate nothing,
-// but LayerGraph::Instantiate of the whole model would need terabytes): "gpt3-175b" and the
-// weak-scaling configurations of Narayanan et al. 2021, Table 1 ("megatron-1.7b" ...
-// "megatron-1t"), all with sequence 2048, vocabulary 51200, a tied LM head and default
-// micro-batch size 1. `micro_batch_size` 0 keeps the preset's default.
+// 50304, untied head: 163M parameters) is runnable too but meant for a GPU. Analytic (for planning
+// only; their graphs allocate nothing, but LayerGraph::Instantiate of the whole model would need
+// terabytes): "gpt3-175b" and the weak-scaling configurations of Narayanan et al. 2021, Table 1
+// ("megatron-1.7b" ... "megatron-1t"), all with sequence 2048, vocabulary 51200, a tied LM head and
+// default micro-batch size 1. `micro_batch_size` 0 keeps the preset's default.
 struct GptConfig {
   int64_t layers = 4, hidden = 64, heads = 4, seq = 32, vocab = 256;
   // LM head shares the embedding's weights. Only the cost model knows ties (ModelCosts

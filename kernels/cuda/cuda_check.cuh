@@ -20,6 +20,34 @@ namespace pipewright::cuda {
 absl::Status ToStatus(cudaError_t err, const char* expr, const char* file, int line);
 absl::Status ToStatus(cublasStatus_t err, const char* expr, const char* file, int line);
 
+// Makes `device` current on the calling thread for the scope and restores the previous device
+// afterwards (CUDA's current device is per thread). A device that cannot be made current is
+// left for the next CUDA call to report.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    int current = -1;
+    if (cudaGetDevice(&current) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return;
+    }
+    if (current == device) return;
+    if (cudaSetDevice(device) == cudaSuccess) {
+      previous_ = current;
+    } else {
+      (void)cudaGetLastError();  // the call that follows reports the device's problem
+    }
+  }
+  ~DeviceGuard() {
+    if (previous_ >= 0 && cudaSetDevice(previous_) != cudaSuccess) (void)cudaGetLastError();
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
 }  // namespace pipewright::cuda
 
 #define PW_CUDA_RETURN_IF_ERROR(expr) \

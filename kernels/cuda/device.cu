@@ -29,6 +29,8 @@
 namespace pipewright {
 namespace {
 
+using cuda::DeviceGuard;
+
 // "cpu:0", "cuda:1" (Device::ToString lives in the runtime library, which links this one).
 std::string Name(Device d) { return absl::StrCat(d.is_cpu() ? "cpu" : "cuda", ":", d.index); }
 
@@ -47,32 +49,6 @@ absl::Status Annotate(absl::Status status, const std::string& what) {
   if (status.ok()) return status;
   return absl::Status(status.code(), absl::StrCat(what, ": ", status.message()));
 }
-
-// Makes `device` current for the scope and restores the previous device.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    int current = -1;
-    if (cudaGetDevice(&current) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return;
-    }
-    if (current == device) return;
-    if (cudaSetDevice(device) == cudaSuccess) {
-      previous_ = current;
-    } else {
-      (void)cudaGetLastError();  // the call that follows reports the device's problem
-    }
-  }
-  ~DeviceGuard() {
-    if (previous_ >= 0 && cudaSetDevice(previous_) != cudaSuccess) (void)cudaGetLastError();
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = -1;
-};
 
 // OK when `device` is a visible CUDA device; otherwise says why not.
 absl::Status CheckCudaDevice(int device, absl::string_view what) {

@@ -63,28 +63,9 @@
 namespace pipewright {
 namespace {
 
+using cuda::DeviceGuard;
+
 std::string FormatSeconds(absl::Duration d) { return absl::StrCat(absl::ToDoubleSeconds(d), "s"); }
-
-// Makes `device` current for the scope and restores the previous device.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    int current = -1;
-    if (cudaGetDevice(&current) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return;
-    }
-    if (current != device && cudaSetDevice(device) == cudaSuccess) previous_ = current;
-  }
-  ~DeviceGuard() {
-    if (previous_ >= 0 && cudaSetDevice(previous_) != cudaSuccess) (void)cudaGetLastError();
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = -1;
-};
 
 // One ncclComm_t. `call_mu` is held for every NCCL call on it; `gone` (under state_mu) is set
 // once it was aborted or destroyed, after which nothing calls NCCL on it again.

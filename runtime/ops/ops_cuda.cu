@@ -63,9 +63,9 @@ absl::Status Gemm(const Exec& e, bool trans_a, bool trans_b, int64_t m, int64_t 
                       a.data<float>(), I(lda), b.data<float>(), I(ldb), beta, c.data<float>(),
                       I(ldc), allow_tf32);
   }
-  return cuda::GemmHalf(StreamOf(e), *blas, a.dtype() == DType::kBF16, trans_a, trans_b, I(m),
-                        I(n), I(k), alpha, a.data<uint16_t>(), I(lda), b.data<uint16_t>(), I(ldb),
-                        beta, c.data<float>(), I(ldc));
+  return cuda::GemmHalf(StreamOf(e), *blas, a.dtype() == DType::kBF16, trans_a, trans_b, I(m), I(n),
+                        I(k), alpha, a.data<uint16_t>(), I(lda), b.data<uint16_t>(), I(ldb), beta,
+                        c.data<float>(), I(ldc));
 }
 
 absl::Status Cast(const Exec& e, const Tensor& x, Tensor& y) {
@@ -165,8 +165,8 @@ absl::Status CrossEntropyBackward(const Exec& e, const Tensor& logits, const Ten
                                            dlogits.data<float>());
 }
 
-absl::Status AttentionForward(const Exec& e, const Tensor& qkv, Tensor& out, Tensor& lse,
-                              int64_t B, int64_t T, int64_t C, int64_t H) {
+absl::Status AttentionForward(const Exec& e, const Tensor& qkv, Tensor& out, Tensor& lse, int64_t B,
+                              int64_t T, int64_t C, int64_t H) {
   return cuda::AttentionForward(StreamOf(e), qkv.data<float>(), out.data<float>(),
                                 lse.data<float>(), I(B), I(T), I(C), I(H));
 }
@@ -201,8 +201,8 @@ absl::Status AdamW(const Exec& e, const std::vector<AdamWItem>& items, float lr,
                     it.v->data<float>(), it.param->numel(), it.weight_decay});
   }
   if (list.empty()) return absl::OkStatus();
-  return cuda::AdamWMulti(StreamOf(e), list.data(), static_cast<int>(list.size()), lr, beta1,
-                          beta2, eps, t);
+  return cuda::AdamWMulti(StreamOf(e), list.data(), static_cast<int>(list.size()), lr, beta1, beta2,
+                          eps, t);
 }
 
 absl::StatusOr<double> SumSquares(const Exec& e, const std::vector<const Tensor*>& ts) {
@@ -219,8 +219,8 @@ absl::StatusOr<double> SumSquares(const Exec& e, const std::vector<const Tensor*
   PW_RETURN_IF_ERROR(cuda::SumSquaresMulti(s, ptrs.data(), sizes.data(), static_cast<int>(count),
                                            out.data<double>()));
   std::vector<double> host(count);
-  PW_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host.data(), out.raw(), count * sizeof(double),
-                                          cudaMemcpyDeviceToHost, s));
+  PW_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(host.data(), out.raw(), count * sizeof(double), cudaMemcpyDeviceToHost, s));
   PW_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
   double sum = 0;  // per tensor, in order: the CPU's grouping
   for (double v : host) sum += v;

@@ -13,8 +13,8 @@
 namespace pipewright {
 namespace {
 
-#define PW_NEED_GPUS(n)                                                      \
-  do {                                                                       \
+#define PW_NEED_GPUS(n)                                                        \
+  do {                                                                         \
     if (CudaDeviceCount() < (n)) GTEST_SKIP() << "needs " << (n) << " GPU(s)"; \
   } while (0)
 

@@ -20,7 +20,8 @@ const nlohmann::json* SummaryOf(const std::vector<nlohmann::json>& lines) {
 }
 
 TEST(CliPrecision, Bf16AndFp16TrainAndReportTheirPrecision) {
-  const std::string base = "train --preset gpt-tiny --steps 3 --seed 7 --micro-batch-size 2 --json ";
+  const std::string base =
+      "train --preset gpt-tiny --steps 3 --seed 7 --micro-batch-size 2 --json ";
   Result ref = RunCli(base + "--pp 2");
   ASSERT_EQ(ref.exit_code, 0) << ref.err;
   std::vector<double> fp32 = Losses(ref);
