@@ -4,7 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/cpu_kernels.h"
-#include "runtime/ops/ops.h"
+#include "pipewright/ops.h"
 
 namespace pipewright {
 

@@ -6,8 +6,15 @@
 // Backward() = BackwardInput then BackwardWeight. One `Saved` per micro-batch in flight, so a
 // stage may hold several micro-batches' activations at once (1F1B warm-up).
 //
-// Parameters are created and initialised by LayerSpec::Create from (seed, global layer index),
-// so a layer has bit-identical weights whichever pipeline stage instantiates it.
+// Parameters are created and initialised by LayerSpec::Create, each from (seed, the parameter's
+// global name, e.g. "blocks.3.attn.qkv.weight") with a counter-based generator
+// (pipewright/init.h), so a layer has bit-identical weights whichever pipeline stage
+// instantiates it and in whatever order. The layer's global index (InitContext::layer_index) is
+// not part of the key: renaming a node changes its weights, moving it does not.
+//
+// Custom layers implement Layer and LayerSpec with the same tools as the built-in ones: device
+// dispatch through pipewright/ops.h, parameters and input checks through pipewright/init.h
+// (docs/custom_layers.md).
 #ifndef PIPEWRIGHT_LAYER_H_
 #define PIPEWRIGHT_LAYER_H_
 
@@ -57,10 +64,22 @@ class Layer {
   virtual ~Layer() = default;
   virtual absl::string_view kind() const = 0;
 
+  // Every pass runs on ctx.allocator's device: its inputs, the parameters and the `saved`
+  // tensors live there, and it allocates what it returns or keeps from that allocator
+  // (ops::ExecOf(ctx), AllocatorOf(ctx)). Inputs are not modified; a pass may keep a reference
+  // to them in `saved` (tensors share storage).
+  //
+  // y = f(x). Fills `*saved` (replacing its contents) with what the backward needs.
   virtual absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx,
                                          Saved* saved) = 0;
+  // dx = dL/dx for the output gradient dy of the Forward that filled `saved` (an undefined
+  // tensor for token inputs). Adds to `saved` what BackwardWeight needs; a layer without
+  // parameters may clear it here.
   virtual absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
                                                Saved* saved) = 0;
+  // Adds (+=, never =) dL/dW of this micro-batch to every Parameter::grad, so gradients sum
+  // across micro-batches, then clears `saved`. Runs after BackwardInput of the same `saved`,
+  // possibly much later (zero-bubble schedules) and after other micro-batches' passes.
   virtual absl::Status BackwardWeight(const LayerContext& ctx, Saved* saved) = 0;
   absl::StatusOr<Tensor> Backward(const Tensor& dy, const LayerContext& ctx, Saved* saved);
 
@@ -84,6 +103,9 @@ class LayerSpec {
   // Cost for one micro-batch; `input_bytes` is the previous layer's output_bytes (what
   // width-agnostic layers such as GELU and the loss are sized by).
   virtual Cost GetCost(const MicroBatchShape& shape, int64_t input_bytes) const = 0;
+  // A new layer with its parameters allocated from init.allocator (the engine passes a host
+  // allocator and moves the parameters to the rank's device afterwards) and initialised from
+  // (init.seed, parameter names under init.name), e.g. with pipewright/init.h.
   virtual absl::StatusOr<std::unique_ptr<Layer>> Create(const InitContext& init) const = 0;
   // Shape configuration as "key=value,..." for fingerprints and model files.
   virtual std::string Config() const = 0;

@@ -1,4 +1,5 @@
-// Linear, GELU, LayerNorm, Embedding, LM head, cross-entropy loss and the synthetic Delay.
+// Linear, GELU, LayerNorm, Embedding, LM head, cross-entropy loss and the synthetic Delay, and
+// the helpers of pipewright/init.h that they and custom layers share.
 #include <chrono>
 #include <cmath>
 #include <thread>
@@ -6,9 +7,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "runtime/layers/layer_util.h"
+#include "pipewright/init.h"
+#include "pipewright/ops.h"
 #include "runtime/layers/layers_internal.h"
-#include "runtime/ops/ops.h"
+#include "runtime/random.h"
 
 namespace pipewright {
 
@@ -25,7 +27,29 @@ absl::StatusOr<Tensor> Layer::Backward(const Tensor& dy, const LayerContext& ctx
   return dx;
 }
 
-namespace internal {
+// ---- pipewright/init.h ----
+namespace {
+
+// Every random initialiser of `p` draws from this key: the seed and the parameter's global name
+// only, so the value is independent of which stage creates it and of creation order.
+uint64_t InitKey(const Parameter& p, const InitContext& init) {
+  uint64_t key = HashCombine(init.seed, 0x5057ull);
+  for (char c : p.name) key = HashCombine(key, static_cast<uint8_t>(c));
+  return key;
+}
+
+float* HostValues(Parameter& p) {
+  PW_CHECK(p.value.defined() && p.value.dtype() == DType::kF32 && p.value.device().is_cpu());
+  return p.value.data<float>();
+}
+
+}  // namespace
+
+InitContext ChildInit(const InitContext& init, absl::string_view local) {
+  InitContext c = init;
+  c.name = init.name.empty() ? std::string(local) : absl::StrCat(init.name, ".", local);
+  return c;
+}
 
 Parameter MakeParameter(const InitContext& init, const std::string& local,
                         std::vector<int64_t> shape, bool weight_decay) {
@@ -38,12 +62,17 @@ Parameter MakeParameter(const InitContext& init, const std::string& local,
 }
 
 void InitNormal(Parameter& p, const InitContext& init, float std) {
-  // Keyed by the seed and the parameter's global name, so the value is independent of which
-  // stage creates it and of creation order.
-  uint64_t key = HashCombine(init.seed, 0x5057ull);
-  for (char c : p.name) key = HashCombine(key, static_cast<uint8_t>(c));
-  float* v = p.value.data<float>();
+  const uint64_t key = InitKey(p, init);
+  float* v = HostValues(p);
   for (int64_t i = 0; i < p.value.numel(); ++i) v[i] = std * NormalAt(key, i);
+}
+
+void InitUniform(Parameter& p, const InitContext& init, float low, float high) {
+  const uint64_t key = InitKey(p, init);
+  float* v = HostValues(p);
+  for (int64_t i = 0; i < p.value.numel(); ++i) {
+    v[i] = static_cast<float>(low + (static_cast<double>(high) - low) * UniformAt(key, i));
+  }
 }
 
 void InitConstant(Parameter& p, float value) { p.value.Fill(value); }
@@ -69,6 +98,8 @@ absl::Status CheckGradShape(const Tensor& dy, const std::vector<int64_t>& expect
   }
   return absl::OkStatus();
 }
+
+namespace internal {
 
 std::vector<int64_t> WithLastDim(const std::vector<int64_t>& shape, int64_t last) {
   std::vector<int64_t> s = shape;
@@ -98,7 +129,7 @@ absl::StatusOr<Tensor> LinearLayer::Forward(const Tensor& x, const LayerContext&
                                             Saved* saved) {
   PW_ASSIGN_OR_RETURN(int64_t rows, CheckRows(x, in_, "linear"));
   const ops::Exec e = ops::ExecOf(ctx);
-  Tensor y = Tensor::Empty(WithLastDim(x.shape(), out_), DType::kF32, Alloc(ctx));
+  Tensor y = Tensor::Empty(WithLastDim(x.shape(), out_), DType::kF32, AllocatorOf(ctx));
   const DType cd = ctx.compute_dtype;
   if (IsHalf(cd)) {
     PW_ASSIGN_OR_RETURN(Tensor xh, ops::Cast(e, x, cd));
@@ -123,7 +154,7 @@ absl::StatusOr<Tensor> LinearLayer::BackwardInput(const Tensor& dy, const LayerC
       CheckGradShape(dy, WithLastDim(saved->tensors[0].shape(), out_), "linear backward"));
   const ops::Exec e = ops::ExecOf(ctx);
   const DType cd = saved->tensors[0].dtype();  // the precision the forward ran in
-  Tensor dx = Tensor::Empty(WithLastDim(dy.shape(), in_), DType::kF32, Alloc(ctx));
+  Tensor dx = Tensor::Empty(WithLastDim(dy.shape(), in_), DType::kF32, AllocatorOf(ctx));
   if (IsHalf(cd)) {
     PW_ASSIGN_OR_RETURN(Tensor dyh, ops::Cast(e, dy, cd));
     PW_ASSIGN_OR_RETURN(Tensor wh, ops::Cast(e, weight_.value, cd));
@@ -198,9 +229,9 @@ LayerNormLayer::LayerNormLayer(const InitContext& init, int64_t dim, float eps)
 absl::StatusOr<Tensor> LayerNormLayer::Forward(const Tensor& x, const LayerContext& ctx,
                                                Saved* saved) {
   PW_ASSIGN_OR_RETURN(int64_t rows, CheckRows(x, dim_, "layernorm"));
-  Tensor y = Tensor::Empty(x.shape(), DType::kF32, Alloc(ctx));
-  Tensor mean = Tensor::Empty({rows}, DType::kF32, Alloc(ctx));
-  Tensor rstd = Tensor::Empty({rows}, DType::kF32, Alloc(ctx));
+  Tensor y = Tensor::Empty(x.shape(), DType::kF32, AllocatorOf(ctx));
+  Tensor mean = Tensor::Empty({rows}, DType::kF32, AllocatorOf(ctx));
+  Tensor rstd = Tensor::Empty({rows}, DType::kF32, AllocatorOf(ctx));
   PW_RETURN_IF_ERROR(ops::LayerNormForward(ops::ExecOf(ctx), x, gamma_.value, beta_.value, y, mean,
                                            rstd, rows, dim_, eps_));
   saved->tensors = {x, mean, rstd};
@@ -212,7 +243,7 @@ absl::StatusOr<Tensor> LayerNormLayer::BackwardInput(const Tensor& dy, const Lay
   PW_ASSIGN_OR_RETURN(int64_t rows, CheckRows(dy, dim_, "layernorm backward"));
   if (saved->tensors.size() != 3) return absl::FailedPreconditionError("layernorm: no forward");
   PW_RETURN_IF_ERROR(CheckGradShape(dy, saved->tensors[0].shape(), "layernorm backward"));
-  Tensor dx = Tensor::Empty(dy.shape(), DType::kF32, Alloc(ctx));
+  Tensor dx = Tensor::Empty(dy.shape(), DType::kF32, AllocatorOf(ctx));
   PW_RETURN_IF_ERROR(ops::LayerNormBackwardInput(ops::ExecOf(ctx), saved->tensors[0], gamma_.value,
                                                  saved->tensors[1], saved->tensors[2], dy, dx, rows,
                                                  dim_));
@@ -263,7 +294,7 @@ absl::StatusOr<Tensor> EmbeddingLayer::Forward(const Tensor& x, const LayerConte
       }
     }
   }
-  Tensor y = Tensor::Empty({B, T, dim_}, DType::kF32, Alloc(ctx));
+  Tensor y = Tensor::Empty({B, T, dim_}, DType::kF32, AllocatorOf(ctx));
   PW_RETURN_IF_ERROR(
       ops::EmbeddingForward(ops::ExecOf(ctx), x, wte_.value, wpe_.value, y, B, T, dim_));
   saved->tensors = {x};
@@ -337,7 +368,7 @@ absl::StatusOr<Tensor> CrossEntropyLayer::BackwardInput(const Tensor& dy, const 
   int64_t vocab = logits.dim(-1), rows = targets.numel();
   const int64_t count = static_cast<int64_t>(saved->tensors[2].data<double>()[0]);
   float g = dy.defined() ? dy.data<float>()[0] : 1.0f;
-  Tensor dx = Tensor::Empty(logits.shape(), DType::kF32, Alloc(ctx));
+  Tensor dx = Tensor::Empty(logits.shape(), DType::kF32, AllocatorOf(ctx));
   PW_RETURN_IF_ERROR(ops::CrossEntropyBackward(ops::ExecOf(ctx), logits, targets, rows, vocab,
                                                count > 0 ? g / static_cast<float>(count) : 0.0f,
                                                dx));
@@ -360,14 +391,14 @@ absl::StatusOr<Tensor> DelayLayer::Forward(const Tensor& x, const LayerContext& 
   PW_RETURN_IF_ERROR(CheckRows(x, dim_, "delay").status());
   SleepSeconds(forward_s_);
   saved->Clear();
-  return x.Clone(Alloc(ctx));  // a fresh output, so memory accounting resembles a real layer
+  return x.Clone(AllocatorOf(ctx));  // a fresh output, so memory accounting resembles a real layer
 }
 
 absl::StatusOr<Tensor> DelayLayer::BackwardInput(const Tensor& dy, const LayerContext& ctx,
                                                  Saved* saved) {
   PW_RETURN_IF_ERROR(CheckRows(dy, dim_, "delay backward").status());
   SleepSeconds(backward_input_s_);
-  return dy.Clone(Alloc(ctx));
+  return dy.Clone(AllocatorOf(ctx));
 }
 
 absl::Status DelayLayer::BackwardWeight(const LayerContext& ctx, Saved* saved) {

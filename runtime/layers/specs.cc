@@ -4,13 +4,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "runtime/layers/layer_util.h"
 #include "runtime/layers/layers_internal.h"
 
 namespace pipewright {
 namespace {
 
-using internal::Child;
 constexpr int64_t kF32 = 4;
 
 Cost LinearCost(int64_t n, int64_t in, int64_t out, bool bias) {

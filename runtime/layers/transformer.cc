@@ -2,9 +2,9 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
-#include "runtime/layers/layer_util.h"
+#include "pipewright/init.h"
+#include "pipewright/ops.h"
 #include "runtime/layers/layers_internal.h"
-#include "runtime/ops/ops.h"
 
 namespace pipewright::internal {
 
@@ -70,10 +70,10 @@ absl::StatusOr<Tensor> AttentionCoreLayer::Forward(const Tensor& x, const LayerC
   }
   int64_t B = x.dim(0), T = x.dim(1);
   const ops::Exec e = ops::ExecOf(ctx);
-  Tensor out = Tensor::Empty({B, T, dim_}, DType::kF32, Alloc(ctx));
+  Tensor out = Tensor::Empty({B, T, dim_}, DType::kF32, AllocatorOf(ctx));
   // CPU: the probabilities [B, H, T, T]; CUDA (fused): the row log-sum-exp [B, H, T].
-  Tensor aux =
-      Tensor::Empty(ops::AttentionAuxShape(e.device(), B, T, heads_), DType::kF32, Alloc(ctx));
+  Tensor aux = Tensor::Empty(ops::AttentionAuxShape(e.device(), B, T, heads_), DType::kF32,
+                             AllocatorOf(ctx));
   PW_RETURN_IF_ERROR(ops::AttentionForward(e, x, out, aux, B, T, dim_, heads_));
   // The fused CUDA backward also needs the output (rowsum(dout * out)); the CPU one does not.
   saved->tensors = {x, aux, e.device().is_cuda() ? out : Tensor()};
@@ -95,28 +95,28 @@ absl::StatusOr<Tensor> AttentionCoreLayer::BackwardInput(const Tensor& dy, const
 
 std::unique_ptr<Layer> MakeMlp(const InitContext& init, int64_t dim, int64_t hidden) {
   std::vector<std::unique_ptr<Layer>> c;
-  c.push_back(std::make_unique<LinearLayer>(Child(init, "fc"), dim, hidden, true, 0.02f));
+  c.push_back(std::make_unique<LinearLayer>(ChildInit(init, "fc"), dim, hidden, true, 0.02f));
   c.push_back(std::make_unique<GeluLayer>());
   c.push_back(
-      std::make_unique<LinearLayer>(Child(init, "proj"), hidden, dim, true, ResidualStd(init)));
+      std::make_unique<LinearLayer>(ChildInit(init, "proj"), hidden, dim, true, ResidualStd(init)));
   return std::make_unique<SequentialLayer>("mlp", std::move(c));
 }
 
 std::unique_ptr<Layer> MakeAttention(const InitContext& init, int64_t dim, int64_t heads) {
   std::vector<std::unique_ptr<Layer>> c;
-  c.push_back(std::make_unique<LinearLayer>(Child(init, "qkv"), dim, 3 * dim, true, 0.02f));
+  c.push_back(std::make_unique<LinearLayer>(ChildInit(init, "qkv"), dim, 3 * dim, true, 0.02f));
   c.push_back(std::make_unique<AttentionCoreLayer>(dim, heads));
   c.push_back(
-      std::make_unique<LinearLayer>(Child(init, "proj"), dim, dim, true, ResidualStd(init)));
+      std::make_unique<LinearLayer>(ChildInit(init, "proj"), dim, dim, true, ResidualStd(init)));
   return std::make_unique<SequentialLayer>("causal_self_attention", std::move(c));
 }
 
 // ---------------------------------------------------------------------------------------------
 TransformerBlockLayer::TransformerBlockLayer(const InitContext& init, int64_t dim, int64_t heads)
-    : ln_1_(std::make_unique<LayerNormLayer>(Child(init, "ln_1"), dim, 1e-5f)),
-      attn_(MakeAttention(Child(init, "attn"), dim, heads)),
-      ln_2_(std::make_unique<LayerNormLayer>(Child(init, "ln_2"), dim, 1e-5f)),
-      mlp_(MakeMlp(Child(init, "mlp"), dim, 4 * dim)) {}
+    : ln_1_(std::make_unique<LayerNormLayer>(ChildInit(init, "ln_1"), dim, 1e-5f)),
+      attn_(MakeAttention(ChildInit(init, "attn"), dim, heads)),
+      ln_2_(std::make_unique<LayerNormLayer>(ChildInit(init, "ln_2"), dim, 1e-5f)),
+      mlp_(MakeMlp(ChildInit(init, "mlp"), dim, 4 * dim)) {}
 
 absl::StatusOr<Tensor> TransformerBlockLayer::Forward(const Tensor& x, const LayerContext& ctx,
                                                       Saved* saved) {

@@ -1,6 +1,7 @@
-// The CUDA branch of ops.h: every op enqueues the kernels/cuda launcher on the stream of the
-// executing allocator. Ops that return a host value (a loss sum, a squared norm) copy it back
-// and wait for the stream; everything else stays asynchronous.
+// The CUDA branch of pipewright/ops.h (runtime/ops/ops_cuda.h), compiled only in CUDA builds:
+// every op enqueues the kernels/cuda launcher on the stream of the executing allocator. Ops that
+// return a host value (a loss sum, a squared norm) copy it back and wait for the stream;
+// everything else stays asynchronous.
 #include <cuda_runtime_api.h>
 
 #include <map>
@@ -46,13 +47,12 @@ int I(int64_t v) { return static_cast<int>(v); }
 
 }  // namespace
 
+namespace cuda_impl {
+
 void ReleaseStream(Stream stream) {
-  if (!stream.device.is_cuda()) return;
   std::lock_guard<std::mutex> lock(blas_mu);
   BlasRegistry().erase({stream.device.index, stream.handle});
 }
-
-namespace cuda_impl {
 
 absl::Status Gemm(const Exec& e, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
                   float alpha, const Tensor& a, int64_t lda, const Tensor& b, int64_t ldb,
@@ -225,14 +225,6 @@ absl::StatusOr<double> SumSquares(const Exec& e, const std::vector<const Tensor*
   double sum = 0;  // per tensor, in order: the CPU's grouping
   for (double v : host) sum += v;
   return sum;
-}
-
-absl::Status CopyBytes(const Exec& e, void* dst, Device dst_device, const void* src,
-                       Device src_device, size_t bytes) {
-  const Stream stream = e.allocator()->stream();
-  PW_RETURN_IF_ERROR(pipewright::CopyBytes(dst, dst_device, src, src_device, bytes, stream));
-  if (dst_device.is_cpu()) return SynchronizeStream(stream);
-  return absl::OkStatus();
 }
 
 }  // namespace cuda_impl

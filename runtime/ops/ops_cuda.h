@@ -1,10 +1,11 @@
-// The CUDA branch of ops.h: the same functions with their checks done, enqueued on the
-// allocator's stream. Implemented in ops_cuda.cu (CUDA builds) or ops_no_cuda.cc, where each
-// returns FailedPrecondition "built without CUDA".
+// The CUDA branch of pipewright/ops.h: the same functions with their checks done, enqueued on
+// the allocator's stream. Implemented in ops_cuda.cu, which only CUDA builds compile: ops.cc
+// calls these under `if constexpr (kWithCuda)`, so a build without CUDA needs no definitions
+// (a CUDA tensor cannot exist there; CheckDevice refuses a CUDA Exec).
 #ifndef PIPEWRIGHT_RUNTIME_OPS_OPS_CUDA_H_
 #define PIPEWRIGHT_RUNTIME_OPS_OPS_CUDA_H_
 
-#include "runtime/ops/ops.h"
+#include "pipewright/ops.h"
 
 namespace pipewright::ops::cuda_impl {
 
@@ -46,9 +47,8 @@ absl::Status EmbeddingBackward(const Exec& e, const Tensor& dout, const Tensor& 
 absl::Status AdamW(const Exec& e, const std::vector<AdamWItem>& items, float lr, float beta1,
                    float beta2, float eps, int64_t t);
 absl::StatusOr<double> SumSquares(const Exec& e, const std::vector<const Tensor*>& ts);
-// Ordered on the executing stream; complete on return when `dst_device` is the host.
-absl::Status CopyBytes(const Exec& e, void* dst, Device dst_device, const void* src,
-                       Device src_device, size_t bytes);
+// Frees the stream's cuBLAS context (ops::ReleaseStream for a CUDA stream).
+void ReleaseStream(Stream stream);
 
 }  // namespace pipewright::ops::cuda_impl
 

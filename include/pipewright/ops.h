@@ -1,0 +1,198 @@
+// Tensor-level ops: what the built-in layers, the optimizer and the engine call, and what a
+// custom layer calls to run on whatever device its stage lives on (docs/custom_layers.md).
+//
+// Dispatch. Every op runs on the device of its Exec (the allocator of the layer's context, see
+// ExecOf): the CPU reference kernels run synchronously on the calling thread; on CUDA the
+// kernels are enqueued on the allocator's stream. A layer written against these ops has no
+// device code and no `#if`: the same Forward runs on CPU and CUDA tensors.
+//
+// Devices. Every op but Copy and CopyRange (which move data between devices) first checks that
+// each defined tensor lives on the executing device and returns InvalidArgument naming the op
+// and the operand otherwise (never a silent host read of device memory). In a build without
+// CUDA no CUDA tensor or allocator can exist; an Exec that claims a CUDA device there gets
+// FailedPrecondition.
+//
+// Blocking. On the CPU every op is complete on return. On CUDA an op returns once its work is
+// queued, except where it returns a host value (CrossEntropyForward, SumSquares) or copies into
+// host memory (Copy, CopyRange), which wait for the stream. A tensor allocated from the
+// executing (stream-ordered) allocator may be dropped as soon as the call returns: its memory is
+// reused only by work queued after the op.
+//
+// Ownership. Ops never keep a reference to their arguments. Ops that return a Tensor allocate
+// it from the Exec's allocator and the caller owns it; ops that take a `Tensor&` output write
+// into caller-owned memory. Functions whose name ends in Backward and produce a weight
+// gradient (BiasBackward, LayerNormBackwardWeight, EmbeddingBackward) ACCUMULATE (+=) into it,
+// so gradients sum across micro-batches; input-gradient outputs are overwritten.
+//
+// Shapes. Tensors are dense and row-major; "rows" is the product of the leading dimensions
+// (batch * sequence) and "cols" the last one. Unless stated, an op checks devices (and the
+// dtypes it names) but not that rows and cols fit the tensors: the caller checks its inputs
+// first (CheckRows, CheckGradShape in pipewright/init.h). All floating-point tensors are f32
+// unless stated; token and target tensors are i32.
+//
+// Thread safety: ops on different Execs may run concurrently; one Exec (one stream) is driven
+// from one thread at a time.
+#ifndef PIPEWRIGHT_OPS_H_
+#define PIPEWRIGHT_OPS_H_
+
+#include <cstdint>
+#include <initializer_list>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "pipewright/device.h"
+#include "pipewright/layer.h"
+#include "pipewright/tensor.h"
+
+namespace pipewright::ops {
+
+// Where an op runs: the allocator's device (and, on CUDA, its stream). Outputs and scratch are
+// allocated from it. Non-owning; the allocator must outlive the ops' work.
+struct Exec {
+  Allocator* alloc = nullptr;  // nullptr = DefaultCpuAllocator()
+  // `alloc`, or DefaultCpuAllocator() when it is null.
+  Allocator* allocator() const;
+  Device device() const;
+};
+// The Exec of a layer call: the context's allocator (the rank's device and stream).
+inline Exec ExecOf(const LayerContext& ctx) { return Exec{ctx.allocator}; }
+
+// OK when every defined tensor in `ts` (null pointers and undefined tensors are skipped) is on
+// the executing device; otherwise InvalidArgument "<op>: operand <i> <shape> is on <device>, but
+// the op runs on <device>". Every op below calls it; a custom op may too.
+absl::Status CheckDevice(const Exec& e, const char* op, std::initializer_list<const Tensor*> ts);
+
+// ---- matrix product ----
+
+// C[m, n] = alpha op(A) op(B) + beta C, row-major, op(X) = X or X^T; A is m x k and B is k x n
+// after op; lda, ldb, ldc are the row strides of the stored matrices. A and B are both f32 (on
+// CUDA TF32 when SetAllowTf32(true)) or both bf16 or both f16, with fp32 accumulation; C is
+// f32. beta = 1 accumulates into C (weight gradients); beta = 0 overwrites it.
+absl::Status Gemm(const Exec& e, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                  float alpha, const Tensor& a, int64_t lda, const Tensor& b, int64_t ldb,
+                  float beta, Tensor& c, int64_t ldc);
+// Process-wide: let CUDA f32 GEMMs use TF32 tensor cores (default off: fp32 stays fp32). The CPU
+// ignores it.
+void SetAllowTf32(bool allow);
+
+// ---- conversion ----
+
+// A new tensor of `x`'s shape: `x` converted to `dtype`, f32 -> bf16/f16 (round-to-nearest-even,
+// NaN kept) or bf16/f16 -> f32 (exact). Other pairs are InvalidArgument.
+absl::StatusOr<Tensor> Cast(const Exec& e, const Tensor& x, DType dtype);
+
+// ---- elementwise ----
+
+// y[r, c] += bias[c] for y [rows, cols], bias [cols].
+absl::Status BiasAdd(const Exec& e, Tensor& y, const Tensor& bias, int64_t rows, int64_t cols);
+// dbias[c] += sum over r of dy[r, c] (accumulates).
+absl::Status BiasBackward(const Exec& e, const Tensor& dy, Tensor& dbias, int64_t rows,
+                          int64_t cols);
+// A new tensor of `a`'s shape: a + b. Both f32 with the same element count (InvalidArgument
+// otherwise).
+absl::StatusOr<Tensor> Add(const Exec& e, const Tensor& a, const Tensor& b);
+// y += x, both f32 with the same element count (InvalidArgument otherwise).
+absl::Status AddInPlace(const Exec& e, Tensor& y, const Tensor& x);
+// x *= s, in place.
+absl::Status Scale(const Exec& e, Tensor& x, float s);
+// A new tensor: GELU(x), tanh approximation 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+absl::StatusOr<Tensor> GeluForward(const Exec& e, const Tensor& x);
+// A new tensor of dy's shape: dx = dy * GELU'(x) (x and dy have the same element count).
+absl::StatusOr<Tensor> GeluBackward(const Exec& e, const Tensor& x, const Tensor& dy);
+
+// ---- LayerNorm over the last dimension ----
+
+// y = (x - mean) * rstd * gamma + beta for x, y [rows, cols], gamma, beta [cols]; writes mean
+// and rstd = 1 / sqrt(var + eps) (each [rows]) for the backward.
+absl::Status LayerNormForward(const Exec& e, const Tensor& x, const Tensor& gamma,
+                              const Tensor& beta, Tensor& y, Tensor& mean, Tensor& rstd,
+                              int64_t rows, int64_t cols, float eps);
+// dx = dL/dx (overwritten) from the forward's x, mean, rstd and the output gradient dy.
+absl::Status LayerNormBackwardInput(const Exec& e, const Tensor& x, const Tensor& gamma,
+                                    const Tensor& mean, const Tensor& rstd, const Tensor& dy,
+                                    Tensor& dx, int64_t rows, int64_t cols);
+// dgamma += sum over rows of dy * xhat, dbeta += sum over rows of dy (accumulate).
+absl::Status LayerNormBackwardWeight(const Exec& e, const Tensor& x, const Tensor& mean,
+                                     const Tensor& rstd, const Tensor& dy, Tensor& dgamma,
+                                     Tensor& dbeta, int64_t rows, int64_t cols);
+
+// ---- softmax cross-entropy (max-subtracted, numerically stable) ----
+
+// The SUM over non-ignored rows of -log softmax(logits[r])[targets[r]], returned to the host
+// (on CUDA this waits for the stream); *count = the number of those rows. logits [rows, vocab];
+// targets [rows] i32 on the executing device, each in [0, vocab) or negative to ignore the row.
+// The caller checks the range (on the host, before copying targets to a device).
+absl::StatusOr<double> CrossEntropyForward(const Exec& e, const Tensor& logits,
+                                           const Tensor& targets, int64_t rows, int64_t vocab,
+                                           int64_t* count);
+// dlogits[r, :] = scale * (softmax(logits[r]) - onehot(targets[r])), zero for ignored rows
+// (overwritten).
+absl::Status CrossEntropyBackward(const Exec& e, const Tensor& logits, const Tensor& targets,
+                                  int64_t rows, int64_t vocab, float scale, Tensor& dlogits);
+
+// ---- causal multi-head self-attention ----
+
+// The shape of AttentionForward's `aux` on device `d`: what the backward needs besides qkv and
+// out. On the CPU the probabilities [B, H, T, T]; on CUDA (fused, flash-style) the row
+// log-sum-exp [B, H, T].
+std::vector<int64_t> AttentionAuxShape(Device d, int64_t B, int64_t T, int64_t H);
+// out [B, T, C] = softmax(q k^T / sqrt(C / H), causal) v per head, for qkv [B, T, 3C] laid out
+// as (q | k | v) with head h at columns [h C/H, (h+1) C/H) of each; writes `aux`
+// (AttentionAuxShape) for the backward.
+absl::Status AttentionForward(const Exec& e, const Tensor& qkv, Tensor& out, Tensor& aux, int64_t B,
+                              int64_t T, int64_t C, int64_t H);
+// A new tensor dqkv [B, T, 3C] from dout and the forward's qkv, out and aux.
+absl::StatusOr<Tensor> AttentionBackward(const Exec& e, const Tensor& dout, const Tensor& qkv,
+                                         const Tensor& out, const Tensor& aux, int64_t B, int64_t T,
+                                         int64_t C, int64_t H);
+
+// ---- token + learned position embedding ----
+
+// out[b, t, :] = wte[tokens[b, t], :] + wpe[t, :] for tokens [B, T] i32 on the executing device
+// (each in [0, vocab): the caller checks, on the host, before copying them to a device).
+absl::Status EmbeddingForward(const Exec& e, const Tensor& tokens, const Tensor& wte,
+                              const Tensor& wpe, Tensor& out, int64_t B, int64_t T, int64_t C);
+// dwte[tokens[b, t], :] += dout[b, t, :]; dwpe[t, :] += sum over b of dout[b, t, :] (accumulate).
+absl::Status EmbeddingBackward(const Exec& e, const Tensor& dout, const Tensor& tokens,
+                               Tensor& dwte, Tensor& dwpe, int64_t B, int64_t T, int64_t C);
+
+// ---- optimizer updates (in place; step t >= 1) ----
+
+// One AdamW update of many tensors (a single multi-tensor launch on CUDA): decoupled weight
+// decay, p -= lr (mhat / (sqrt(vhat) + eps) + weight_decay p), with bias-corrected moments.
+struct AdamWItem {
+  Tensor* param;
+  const Tensor* grad;
+  Tensor* m;
+  Tensor* v;
+  float weight_decay;
+};
+absl::Status AdamW(const Exec& e, const std::vector<AdamWItem>& items, float lr, float beta1,
+                   float beta2, float eps, int64_t t);
+// buf = momentum buf + (grad + weight_decay param); param -= lr buf (PyTorch SGD, no dampening).
+// CPU only: Unimplemented on CUDA.
+absl::Status SgdMomentum(const Exec& e, Tensor& param, const Tensor& grad, Tensor& buf, float lr,
+                         float momentum, float weight_decay);
+
+// ---- reductions and copies ----
+
+// Sum of squares (in double) of all the f32 tensors, returned to the host (on CUDA this waits
+// for the stream); summed per tensor in order, the same grouping on every device.
+absl::StatusOr<double> SumSquares(const Exec& e, const std::vector<const Tensor*>& ts);
+
+// dst = src (same element count and dtype, InvalidArgument otherwise; the tensors may be on any
+// devices: this is how data moves between host and GPU). Ordered on the executing stream;
+// complete on return when `dst` is on the host.
+absl::Status Copy(const Exec& e, const Tensor& src, Tensor& dst);
+// Copies `n` elements between two f32 tensors at element offsets (gradient bucket packing),
+// with Copy's ordering. InvalidArgument when a range falls outside its tensor.
+absl::Status CopyRange(const Exec& e, const Tensor& src, int64_t src_offset, Tensor& dst,
+                       int64_t dst_offset, int64_t n);
+
+// Frees what the ops keep per CUDA stream (its cuBLAS context); call before destroying a stream
+// the ops ran on. No-op for a CPU stream.
+void ReleaseStream(Stream stream);
+
+}  // namespace pipewright::ops
+
+#endif  // PIPEWRIGHT_OPS_H_
