@@ -1,5 +1,5 @@
 // Communication between ranks: the Topology of a pp x dp run and the Communicator interface that
-// every backend implements (local threads, NCCL GPUs; MPI in its own issue). The engine
+// every backend implements (local: threads of one process; mpi: processes; nccl: GPUs). The engine
 // talks to other ranks only through this interface, so the in-process default exercises the
 // same code paths as a cluster.
 //
@@ -11,8 +11,8 @@
 //    preallocated by the receiver: a message of another size or dtype is an error.
 //  - AllReduce sums element-wise over the group in group-rank order (((x0 + x1) + x2) + ...),
 //    so every rank gets bit-identical results and reruns are bit-stable.
-//  - Collectives (AllReduce, Broadcast, Barrier, Split) are matched by call order: every
-//    rank's k-th collective on a communicator meets the others' k-th.
+//  - Collectives (AllReduce, AllGather, Broadcast, Barrier, Split) are matched by call order:
+//    every rank's k-th collective on a communicator meets the others' k-th.
 //  - Abort(status) ends every pending and future operation, on every rank, of this
 //    communicator and of every communicator split from the same world, with the first abort's
 //    status. A timed-out Wait is DeadlineExceeded and does not abort by itself.
@@ -21,9 +21,9 @@
 //
 // Device tensors (docs/cuda.md). The local backend accepts CUDA tensors too (a pipeline of
 // several stages on one GPU): messages are copied device to device, ordered by events on the
-// tensors' allocator streams, and AllReduce/Broadcast stage through host memory with the same
-// rank-order sum as on the host. A completed operation's result is ready for work queued on the
-// destination tensor's allocator stream after Wait; a host reader synchronises that stream.
+// tensors' allocator streams, and AllReduce/AllGather/Broadcast stage through host memory with the
+// same rank-order sum as on the host. A completed operation's result is ready for work queued on
+// the destination tensor's allocator stream after Wait; a host reader synchronises that stream.
 //
 // The NCCL backend (CreateNcclWorld, CreateNcclCommunicator) differs from the rules above:
 //  - Tensors are CUDA tensors on the communicator's GPU. Each operation first waits (on the GPU)
@@ -36,8 +36,11 @@
 //    whose size differs from the matching send cannot be detected; it is undefined.
 //  - AllReduce is NCCL's sum: identical on every rank and run to run for a fixed
 //    NCCL_ALGO/NCCL_PROTO and topology, but not the local backend's rank-order sum.
+//  - Collectives' arguments are not compared across ranks: an AllReduce or AllGather whose size
+//    differs between ranks, or a Broadcast with another root, is undefined.
 //  - Abort calls ncclCommAbort on every communicator of the world (and its splits); pending
 //    and future operations fail with the abort status.
+// Code that must work on every backend asks capabilities() rather than the backend's name.
 #ifndef PIPEWRIGHT_COMM_H_
 #define PIPEWRIGHT_COMM_H_
 
@@ -47,6 +50,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "pipewright/tensor.h"
 
@@ -92,17 +96,72 @@ class Work {
   virtual bool Done() = 0;
 };
 
+// The communicator backends.
+enum class CommBackend { kLocal, kMpi, kNccl };
+
+// "local", "mpi", "nccl".
+const char* CommBackendName(CommBackend b);
+// The inverse of CommBackendName; InvalidArgument naming the allowed values for anything else.
+absl::StatusOr<CommBackend> ParseCommBackend(absl::string_view name);
+
+// What a backend does where backends differ (see the rules at the top of this file). Constant for
+// the lifetime of a communicator and the same for every communicator of one world. The defaults
+// describe the reference semantics (the local backend on host tensors).
+struct CommCapabilities {
+  // Recv matches (peer, tag) whatever the arrival order; false = one FIFO per peer pair, tags
+  // ignored (NCCL): receives must be posted in the peer's send order.
+  bool tagged_p2p = true;
+  // Send completes without waiting for the receiver (the backend copies the tensor); false = a
+  // Send's Wait returns only once the receiver has posted the matching Recv, and the sender must
+  // not overwrite the tensor before then.
+  bool eager_send = true;
+  bool host_memory = true;     // accepts CPU tensors
+  bool device_memory = false;  // accepts CUDA tensors
+  // Operations on a CUDA tensor wait for the work queued on its allocator stream before reading
+  // it, so the caller need not synchronise before posting. False = the backend may read the
+  // buffer on another thread as soon as the operation is posted, so device work producing it
+  // must be complete (irrelevant without device_memory).
+  bool stream_ordered = false;
+  // Sends and receives that pair up between two ranks must be posted inside one
+  // GroupStart/GroupEnd (or in an order that never waits on the peer), else both sides block.
+  bool grouped_p2p = false;
+  // AllReduce sums in group-rank order, ((x0 + x1) + x2) + ..., bit-identical to the local
+  // backend for the same inputs; false = the library's own (deterministic per topology) order.
+  bool rank_order_sum = true;
+};
+
+// A process group. Methods that post an operation return a Work whose Wait observes the result;
+// errors of an operation (bad arguments, a disagreement with the peers, an abort) are the status
+// of its Work. A communicator is used by one thread at a time.
 class Communicator {
  public:
   virtual ~Communicator() = default;
   virtual int rank() const = 0;  // in this communicator
   virtual int size() const = 0;
-  virtual std::string backend() const = 0;  // "local", "mpi", "nccl"
+  virtual CommBackend kind() const = 0;
+  virtual CommCapabilities capabilities() const = 0;
+  // "local", "mpi", "nccl" (deprecated: use kind() / capabilities()).
+  std::string backend() const { return CommBackendName(kind()); }
 
+  // Sends `t` to `peer` with `tag` (>= 0). Eager (copies `t`) where capabilities().eager_send.
   virtual std::unique_ptr<Work> Send(const Tensor& t, int peer, int64_t tag) = 0;
+  // Receives the message of (`peer`, `tag`) into the preallocated `t` (same size and dtype as
+  // the message).
   virtual std::unique_ptr<Work> Recv(Tensor& t, int peer, int64_t tag) = 0;
-  // In-place sum over the group (f32, f64 or i32).
+  // In-place sum over the group (f32, f64 or i32; InvalidArgument for other dtypes). Every rank
+  // passes the same dtype and element count.
   virtual std::unique_ptr<Work> AllReduce(Tensor& t) = 0;
+  // Concatenates every rank's `in` into `out` in group-rank order: rank r's elements land at
+  // [r * in.numel(), (r + 1) * in.numel()) of every rank's `out`. Any dtype (f32, f64, i32,
+  // bf16, f16). `out` is preallocated by the caller with in's dtype and size() * in.numel()
+  // elements (shapes are free, only element counts matter); otherwise the operation fails with
+  // InvalidArgument naming AllGather. Every rank passes the same dtype and element count for
+  // `in`; a rank whose arguments are invalid, or disagree with rank 0's, fails the collective on
+  // every rank (it still counts, so later collectives stay matched). On NCCL only the rank with
+  // invalid arguments fails (the others wait for their timeout or an abort) and ranks that
+  // disagree are undefined. `in` must not change and `out` must not be read until the Work
+  // completes; `in` may be `out` itself only when size() == 1.
+  virtual std::unique_ptr<Work> AllGather(const Tensor& in, Tensor& out) = 0;
   // Copies `root`'s tensor into every rank's `t` (same shape and dtype everywhere).
   virtual std::unique_ptr<Work> Broadcast(Tensor& t, int root) = 0;
   virtual std::unique_ptr<Work> Barrier() = 0;
@@ -110,7 +169,8 @@ class Communicator {
   // Groups the point-to-point operations posted between GroupStart and GroupEnd (nestable) so a
   // backend issues them together (NCCL: ncclGroupStart/ncclGroupEnd, one launch, so two ranks
   // that send to each other cannot deadlock). Do not Wait for an operation of an open group.
-  // No-ops in the local backend, whose operations never block when posted.
+  // No-ops where !capabilities().grouped_p2p (local, mpi: their operations never block when
+  // posted).
   virtual void GroupStart() {}
   // Ends the group; an error here is also the status of the group's operations.
   virtual absl::Status GroupEnd() { return absl::OkStatus(); }

@@ -11,8 +11,9 @@
 // is ready for the receiver's later work on that stream. AllReduce and Broadcast stage through
 // host memory: each participant's tensor is copied to the host (waiting for its stream), summed
 // there in the same group-rank order as host tensors, and copied back (waited for), so the
-// result is bit-identical to the host backend's for the same inputs. Host tensors take exactly
-// the code path they always did.
+// result is bit-identical to the host backend's for the same inputs. AllGather concatenates the
+// host copies and copies the result into every output. Host tensors take exactly the code path
+// they always did.
 //
 // P2P: Send copies the payload (eagerly) into the receiver's mailbox, or straight into the
 // tensor of a receive that is already pending for the same (source, tag). A receive takes the
@@ -21,9 +22,10 @@
 //
 // Collectives: the k-th collective call on a rank's communicator joins slot k of its group.
 // The last rank to arrive computes the result outside the mutex (every participant's tensor is
-// held by a Tensor copy) and completes every participant's op. A rank whose arguments are
-// invalid or disagree with an earlier arrival's poisons the slot: every participant, past and
-// future, fails with that error, and the slot still counts as collective k so later
+// held by a Tensor copy) and completes every participant's op. AllReduce is the rank-order sum
+// of comm_core.h (Note [rank-order sum]), which the MPI backend shares bit for bit. A rank whose
+// arguments are invalid or disagree with an earlier arrival's poisons the slot: every participant,
+// past and future, fails with that error, and the slot still counts as collective k so later
 // collectives stay matched.
 #include <algorithm>
 #include <cstdint>
@@ -40,17 +42,25 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
-#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "pipewright/comm.h"
 #include "pipewright/status.h"
 #include "pipewright/tensor.h"
+#include "runtime/comm/comm_core.h"
 
 namespace pipewright {
 namespace {
+
+using comm_internal::CollectiveArgs;
+using comm_internal::CollectiveKind;
+
+// The reference semantics (CommCapabilities' defaults), on device tensors too. Stream-ordered:
+// P2P device copies are ordered by events on the tensors' allocator streams, collectives copy to
+// the host on those streams and wait, so the work queued before an operation is posted is
+// complete before its data is read.
+constexpr CommCapabilities kLocalCapabilities{.device_memory = true, .stream_ordered = true};
 
 struct WorldState {
   absl::Mutex mu;
@@ -73,29 +83,12 @@ struct OpState {
   std::unique_ptr<Communicator> split_result;
 };
 
-enum class CollectiveKind { kAllReduce, kBroadcast, kBarrier, kSplit };
-
-const char* KindName(CollectiveKind kind) {
-  switch (kind) {
-    case CollectiveKind::kAllReduce:
-      return "AllReduce";
-    case CollectiveKind::kBroadcast:
-      return "Broadcast";
-    case CollectiveKind::kBarrier:
-      return "Barrier";
-    case CollectiveKind::kSplit:
-      return "Split";
-  }
-  return "collective";
-}
-
 // One rank's contribution to a collective.
 struct Arrival {
   std::shared_ptr<OpState> op;
-  Tensor tensor;  // AllReduce, Broadcast
-  int root = 0;   // Broadcast
-  int color = 0;  // Split
-  int key = 0;    // Split
+  CollectiveArgs args;  // AllReduce, Broadcast, AllGather
+  int color = 0;        // Split
+  int key = 0;          // Split
 };
 
 // Rendezvous slot of the seq-th collective of a group.
@@ -140,15 +133,8 @@ std::optional<V> PopFront(std::map<MailKey, std::deque<V>>& queues, const MailKe
   return front;
 }
 
-std::string FormatSeconds(absl::Duration d) { return absl::StrCat(absl::ToDoubleSeconds(d), "s"); }
-
 bool SameLayout(const Tensor& a, const Tensor& b) {
   return a.dtype() == b.dtype() && a.numel() == b.numel();
-}
-
-absl::Status CheckTensor(const Tensor& t, absl::string_view what) {
-  if (!t.defined()) return absl::InvalidArgumentError(absl::StrCat(what, ": undefined tensor"));
-  return absl::OkStatus();
 }
 
 bool OnHost(const Tensor& t) { return t.device().is_cpu(); }
@@ -179,18 +165,6 @@ absl::StatusOr<Tensor> HostView(const Tensor& t) {
   return t.CopyTo(DefaultCpuAllocator());
 }
 
-template <typename T>
-void Accumulate(T* acc, const T* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) acc[i] += x[i];
-}
-
-// Signed overflow wraps (two's complement) instead of being undefined.
-void AccumulateI32(int32_t* acc, const int32_t* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    acc[i] = static_cast<int32_t>(static_cast<uint32_t>(acc[i]) + static_cast<uint32_t>(x[i]));
-  }
-}
-
 class LocalWork final : public Work {
  public:
   LocalWork(std::shared_ptr<WorldState> world, std::shared_ptr<OpState> op)
@@ -210,17 +184,14 @@ class LocalWork final : public Work {
       if (op.done) return op.status;
       if (world.aborted) return world.abort_status;
       if (absl::Now() >= deadline) {
-        std::string msg = absl::StrCat(op.label, ": ", op.description, " timed out after ",
-                                       FormatSeconds(timeout));
+        std::vector<int> missing;
         if (std::shared_ptr<Collective> c = op.collective.lock()) {
-          std::vector<int> missing;
           for (int r = 0; r < static_cast<int>(c->present.size()); ++r) {
             if (!c->present[r]) missing.push_back(r);
           }
-          if (!missing.empty())
-            absl::StrAppend(&msg, "; waiting for ranks ", absl::StrJoin(missing, ", "));
         }
-        return absl::DeadlineExceededError(msg);
+        return comm_internal::TimedOut(absl::StrCat(op.label, ": ", op.description), timeout,
+                                       comm_internal::WaitingForRanks(missing));
       }
       world.cv.WaitWithDeadline(&world.mu, deadline);
     }
@@ -244,10 +215,11 @@ class LocalCommunicator final : public Communicator {
 
   int rank() const override { return rank_; }
   int size() const override { return group_->size; }
-  std::string backend() const override { return "local"; }
+  CommBackend kind() const override { return CommBackend::kLocal; }
+  CommCapabilities capabilities() const override { return kLocalCapabilities; }
 
   std::unique_ptr<Work> Send(const Tensor& t, int peer, int64_t tag) override {
-    std::shared_ptr<OpState> op = NewOp(absl::StrCat("Send to rank ", peer, " (tag ", tag, ")"));
+    std::shared_ptr<OpState> op = NewOp(comm_internal::SendDescription(peer, tag));
     WorldState& world = *group_->world;
     absl::Status valid = CheckP2P(t, peer, tag, *op);
     absl::MutexLock lock(&world.mu);
@@ -264,9 +236,9 @@ class LocalCommunicator final : public Communicator {
       } else if (absl::StatusOr<Tensor> message = CloneMessage(t); message.ok()) {
         group_->messages[key].push_back(*std::move(message));
       } else {
-        sent = absl::Status(message.status().code(),
-                            absl::StrCat(op->label, ": ", op->description,
-                                         ": copying the message: ", message.status().message()));
+        sent = comm_internal::Annotate(
+            message.status(),
+            absl::StrCat(op->label, ": ", op->description, ": copying the message"));
       }
       Complete(*op, std::move(sent));
     }
@@ -274,7 +246,7 @@ class LocalCommunicator final : public Communicator {
   }
 
   std::unique_ptr<Work> Recv(Tensor& t, int peer, int64_t tag) override {
-    std::shared_ptr<OpState> op = NewOp(absl::StrCat("Recv from rank ", peer, " (tag ", tag, ")"));
+    std::shared_ptr<OpState> op = NewOp(comm_internal::RecvDescription(peer, tag));
     WorldState& world = *group_->world;
     absl::Status valid = CheckP2P(t, peer, tag, *op);
     absl::MutexLock lock(&world.mu);
@@ -296,14 +268,21 @@ class LocalCommunicator final : public Communicator {
 
   std::unique_ptr<Work> AllReduce(Tensor& t) override {
     Arrival a;
-    a.tensor = t;
+    a.args.tensor = t;
     return Join(CollectiveKind::kAllReduce, std::move(a));
+  }
+
+  std::unique_ptr<Work> AllGather(const Tensor& in, Tensor& out) override {
+    Arrival a;
+    a.args.tensor = in;
+    a.args.out = out;
+    return Join(CollectiveKind::kAllGather, std::move(a));
   }
 
   std::unique_ptr<Work> Broadcast(Tensor& t, int root) override {
     Arrival a;
-    a.tensor = t;
-    a.root = root;
+    a.args.tensor = t;
+    a.args.root = root;
     return Join(CollectiveKind::kBroadcast, std::move(a));
   }
 
@@ -351,16 +330,9 @@ class LocalCommunicator final : public Communicator {
   }
 
   absl::Status CheckP2P(const Tensor& t, int peer, int64_t tag, const OpState& op) const {
-    if (peer < 0 || peer >= group_->size) {
-      return absl::InvalidArgumentError(absl::StrCat(op.label, ": ", op.description, ": peer ",
-                                                     peer, " is out of range [0, ", group_->size,
-                                                     ")"));
-    }
-    if (tag < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(op.label, ": ", op.description, ": negative tag ", tag));
-    }
-    return CheckTensor(t, absl::StrCat(op.label, ": ", op.description));
+    return comm_internal::CheckP2P(t, peer, tag, group_->size,
+                                   absl::StrCat(op.label, ": ", op.description), kind(),
+                                   kLocalCapabilities);
   }
 
   // Copies `message` into the pending receive that matched it and completes the receive (with
@@ -374,63 +346,25 @@ class LocalCommunicator final : public Communicator {
                    recv.tensor.nbytes(), " bytes (", recv.tensor.ShapeString(), ")")));
       return;
     }
-    absl::Status copied = CopyInto(recv.tensor, message);
-    if (!copied.ok()) {
-      copied = absl::Status(copied.code(), absl::StrCat(recv.op->label, ": ", recv.op->description,
-                                                        ": ", copied.message()));
-    }
-    Complete(*recv.op, std::move(copied));
+    Complete(*recv.op,
+             comm_internal::Annotate(CopyInto(recv.tensor, message),
+                                     absl::StrCat(recv.op->label, ": ", recv.op->description)));
   }
 
   // Checks one arrival on its own; returns the error that poisons the slot, if any.
   absl::Status CheckArrival(CollectiveKind kind, const Arrival& a, const OpState& op) const {
-    const std::string what = absl::StrCat(op.label, ": ", op.description);
-    switch (kind) {
-      case CollectiveKind::kAllReduce: {
-        PW_RETURN_IF_ERROR(CheckTensor(a.tensor, what));
-        DType d = a.tensor.dtype();
-        if (d != DType::kF32 && d != DType::kF64 && d != DType::kI32) {
-          return absl::InvalidArgumentError(
-              absl::StrCat(what, ": AllReduce supports f32, f64 and i32, got ", DTypeName(d)));
-        }
-        return absl::OkStatus();
-      }
-      case CollectiveKind::kBroadcast:
-        PW_RETURN_IF_ERROR(CheckTensor(a.tensor, what));
-        if (a.root < 0 || a.root >= group_->size) {
-          return absl::InvalidArgumentError(
-              absl::StrCat(what, ": root ", a.root, " is out of range [0, ", group_->size, ")"));
-        }
-        return absl::OkStatus();
-      case CollectiveKind::kBarrier:
-      case CollectiveKind::kSplit:
-        return absl::OkStatus();
-    }
-    return absl::OkStatus();
+    return comm_internal::CheckCollective(kind, a.args, group_->size,
+                                          absl::StrCat(op.label, ": ", op.description),
+                                          this->kind(), kLocalCapabilities);
   }
 
   // Checks an arrival against the slot's first arrival.
   absl::Status CheckAgainstFirst(const Collective& c, CollectiveKind kind, const Arrival& a) const {
-    if (kind != c.kind) {
-      return absl::InvalidArgumentError(absl::StrCat("collective #", c.seq, ": ", label_,
-                                                     " called ", KindName(kind), " but rank ",
-                                                     c.first_rank, " called ", KindName(c.kind)));
-    }
     const Arrival& first = c.arrivals[c.first_rank];
-    if (kind == CollectiveKind::kAllReduce || kind == CollectiveKind::kBroadcast) {
-      if (!SameLayout(a.tensor, first.tensor)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(KindName(kind), " (collective #", c.seq, "): ", label_, " passed ",
-                         a.tensor.ShapeString(), " but rank ", c.first_rank, " passed ",
-                         first.tensor.ShapeString()));
-      }
-    }
-    if (kind == CollectiveKind::kBroadcast && a.root != first.root) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("Broadcast (collective #", c.seq, "): ", label_, " passed root ", a.root,
-                       " but rank ", c.first_rank, " passed root ", first.root));
-    }
-    return absl::OkStatus();
+    return comm_internal::CheckAgreement(
+        c.seq, comm_internal::CallOf(kind, a.args.tensor, a.args.root), label_,
+        comm_internal::CallOf(c.kind, first.args.tensor, first.args.root),
+        absl::StrCat("rank ", c.first_rank));
   }
 
   static void Poison(Collective& c, const absl::Status& status) {
@@ -443,7 +377,7 @@ class LocalCommunicator final : public Communicator {
   std::unique_ptr<Work> Join(CollectiveKind kind, Arrival a,
                              std::shared_ptr<OpState>* op_out = nullptr) {
     const int64_t seq = next_seq_++;
-    std::shared_ptr<OpState> op = NewOp(absl::StrCat(KindName(kind), " (collective #", seq, ")"));
+    std::shared_ptr<OpState> op = NewOp(comm_internal::CollectiveDescription(kind, seq));
     if (op_out) *op_out = op;
     a.op = op;
     WorldState& world = *group_->world;
@@ -500,12 +434,8 @@ class LocalCommunicator final : public Communicator {
     if (ready) {
       // Every rank has arrived and the slot left the map: no one else touches the arrivals'
       // tensors (they stay referenced), so compute outside the mutex.
-      absl::Status computed = Compute(*ready);
-      if (!computed.ok()) {
-        computed =
-            absl::Status(computed.code(), absl::StrCat(KindName(ready->kind), " (collective #",
-                                                       ready->seq, "): ", computed.message()));
-      }
+      const absl::Status computed = comm_internal::Annotate(
+          Compute(*ready), comm_internal::CollectiveDescription(ready->kind, ready->seq));
       absl::MutexLock lock(&world.mu);
       // An abort that came during the computation wins: the op never completed for its waiters.
       const absl::Status result = world.aborted ? world.abort_status : computed;
@@ -523,36 +453,39 @@ class LocalCommunicator final : public Communicator {
     switch (c.kind) {
       case CollectiveKind::kAllReduce: {
         std::vector<Tensor> host(in.size());
+        std::vector<const void*> terms(in.size());
         for (size_t r = 0; r < in.size(); ++r) {
-          PW_ASSIGN_OR_RETURN(host[r], HostView(in[r].tensor));
+          PW_ASSIGN_OR_RETURN(host[r], HostView(in[r].args.tensor));
+          terms[r] = host[r].raw();
         }
-        // acc = x0; acc += x1; acc += x2; ...: per element ((x0 + x1) + x2) + ..., in group-rank
-        // order, then the same bytes go to every rank.
-        Tensor acc = host[0].Clone();
-        const int64_t n = acc.numel();
-        for (size_t r = 1; r < in.size(); ++r) {
-          switch (acc.dtype()) {
-            case DType::kF32:
-              Accumulate(acc.data<float>(), host[r].data<float>(), n);
-              break;
-            case DType::kF64:
-              Accumulate(acc.data<double>(), host[r].data<double>(), n);
-              break;
-            case DType::kI32:
-              AccumulateI32(acc.data<int32_t>(), host[r].data<int32_t>(), n);
-              break;
-            default:
-              PW_CHECK(false);  // rejected on arrival
+        // Note [rank-order sum]: the same bytes then go to every rank.
+        const Tensor& first = host[0];
+        PW_ASSIGN_OR_RETURN(Tensor acc, Tensor::TryEmpty(first.shape(), first.dtype()));
+        comm_internal::RankOrderSum(acc.dtype(), acc.raw(), terms, acc.numel());
+        for (Arrival& a : in) PW_RETURN_IF_ERROR(CopyInto(a.args.tensor, acc));
+        return absl::OkStatus();
+      }
+      case CollectiveKind::kAllGather: {
+        // Rank r's input at [r * bytes, (r + 1) * bytes) of one host buffer, copied to everyone.
+        const Tensor& in0 = in[0].args.tensor;
+        const size_t bytes = in0.nbytes();
+        PW_ASSIGN_OR_RETURN(
+            Tensor gathered,
+            Tensor::TryEmpty({static_cast<int64_t>(in.size()) * in0.numel()}, in0.dtype()));
+        for (size_t r = 0; r < in.size(); ++r) {
+          PW_ASSIGN_OR_RETURN(const Tensor src, HostView(in[r].args.tensor));
+          if (bytes > 0) {
+            std::memcpy(static_cast<char*>(gathered.raw()) + r * bytes, src.raw(), bytes);
           }
         }
-        for (Arrival& a : in) PW_RETURN_IF_ERROR(CopyInto(a.tensor, acc));
+        for (Arrival& a : in) PW_RETURN_IF_ERROR(CopyInto(a.args.out, gathered));
         return absl::OkStatus();
       }
       case CollectiveKind::kBroadcast: {
-        const Tensor& root = in[in[0].root].tensor;
+        const Tensor& root = in[in[0].args.root].args.tensor;
         PW_ASSIGN_OR_RETURN(const Tensor src, HostView(root));
         for (Arrival& a : in) {
-          if (a.tensor.raw() != root.raw()) PW_RETURN_IF_ERROR(CopyInto(a.tensor, src));
+          if (a.args.tensor.raw() != root.raw()) PW_RETURN_IF_ERROR(CopyInto(a.args.tensor, src));
         }
         return absl::OkStatus();
       }

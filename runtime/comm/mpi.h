@@ -83,7 +83,7 @@ struct MpiWorldOptions {
   absl::Duration drain_timeout = absl::Seconds(10);
 };
 
-// A Communicator over MPI_COMM_WORLD for this process's rank (backend() == "mpi"). Calls InitMpi()
+// A Communicator over MPI_COMM_WORLD for this process's rank (kind() == kMpi). Calls InitMpi()
 // first. Collective: every process of the job calls it (MPI_Comm_dup, blocking). Each call makes
 // an independent world (its own duplicated MPI communicators and abort state). The communicator
 // and its Split results must be used by one thread at a time, like every Communicator; Work

@@ -16,8 +16,12 @@
 // block the host (NCCL connects peers lazily, on their first operation, and that needs the peer
 // to post its side; ncclCommSplit is a collective), so every NCCL call runs under a per-world
 // watchdog: a call still blocked after the world's timeout (Split: its own timeout) aborts the
-// world with DeadlineExceeded, which makes the blocked call return. Wait itself never blocks in
-// NCCL.
+// world with DeadlineExceeded, which makes the blocked call return (NcclWorld, nccl_world.h).
+// Wait itself never blocks in NCCL.
+//
+// Collectives are NCCL's: AllReduce is ncclAllReduce (ncclSum), AllGather ncclAllGather of the
+// bytes, Broadcast ncclBroadcast of the bytes, Barrier an all-reduce of one int. Only each rank's
+// own arguments are checked; NCCL cannot tell ranks whose sizes disagree.
 //
 // Abort. The world state (shared by the communicators of a world and every communicator split
 // from them) records the first abort status and calls ncclCommAbort on every communicator, also
@@ -32,17 +36,12 @@
 #include <nccl.h>
 
 #include <algorithm>
-#include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <functional>
-#include <map>
 #include <memory>
 #include <mutex>
-#include <set>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -50,7 +49,6 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "kernels/cuda/cuda_check.cuh"
@@ -58,145 +56,30 @@
 #include "pipewright/device.h"
 #include "pipewright/status.h"
 #include "pipewright/tensor.h"
+#include "runtime/comm/comm_core.h"
 #include "runtime/comm/nccl_check.h"
+#include "runtime/comm/nccl_world.h"
 
 namespace pipewright {
 namespace {
 
+using comm_internal::CollectiveDescription;
+using comm_internal::CollectiveKind;
 using cuda::DeviceGuard;
+using nccl_internal::CheckDevices;
+using nccl_internal::InitWithTimeout;
+using nccl_internal::NcclHandle;
+using nccl_internal::NcclWorld;
 
-std::string FormatSeconds(absl::Duration d) { return absl::StrCat(absl::ToDoubleSeconds(d), "s"); }
-
-// One ncclComm_t. `call_mu` is held for every NCCL call on it; `gone` (under state_mu) is set
-// once it was aborted or destroyed, after which nothing calls NCCL on it again.
-struct NcclHandle {
-  ncclComm_t comm = nullptr;
-  int device = 0;
-  std::timed_mutex call_mu;
-  std::mutex state_mu;
-  bool gone = false;
-
-  bool is_gone() {
-    std::lock_guard<std::mutex> lock(state_mu);
-    return gone;
-  }
-
-  // ncclCommAbort, once. A thread blocked in an NCCL call on this communicator holds call_mu:
-  // after a short grace the abort goes ahead anyway, which is what makes that call return.
-  void AbortOnce() {
-    {
-      std::lock_guard<std::mutex> lock(state_mu);
-      if (gone) return;
-      gone = true;
-    }
-    const bool locked = call_mu.try_lock_for(std::chrono::milliseconds(200));
-    {
-      DeviceGuard guard(device);
-      (void)ncclCommAbort(comm);  // nothing more to do if it fails
-    }
-    if (locked) call_mu.unlock();
-  }
-};
-
-// State shared by the communicators of one world and of everything split from it.
-class NcclWorld {
- public:
-  explicit NcclWorld(absl::Duration timeout) : timeout_(timeout) {
-    watchdog_ = std::thread([this] { WatchdogLoop(); });
-  }
-  ~NcclWorld() {
-    {
-      absl::MutexLock lock(&mu_);
-      stop_ = true;
-    }
-    watchdog_.join();
-  }
-  NcclWorld(const NcclWorld&) = delete;
-  NcclWorld& operator=(const NcclWorld&) = delete;
-
-  absl::Duration timeout() const { return timeout_; }
-
-  void Register(const std::shared_ptr<NcclHandle>& handle) {
-    absl::MutexLock lock(&mu_);
-    handles_.push_back(handle);
-  }
-
-  // The first abort wins; every communicator of the world is aborted.
-  void Abort(const absl::Status& status) {
-    std::vector<std::shared_ptr<NcclHandle>> handles;
-    {
-      absl::MutexLock lock(&mu_);
-      if (aborted_) return;
-      aborted_ = true;
-      abort_status_ = status.ok() ? absl::AbortedError("aborted") : status;
-      for (const std::weak_ptr<NcclHandle>& w : handles_) {
-        if (std::shared_ptr<NcclHandle> h = w.lock()) handles.push_back(std::move(h));
-      }
-    }
-    for (const std::shared_ptr<NcclHandle>& h : handles) h->AbortOnce();
-  }
-
-  bool aborted() {
-    absl::MutexLock lock(&mu_);
-    return aborted_;
-  }
-  absl::Status abort_status() {
-    absl::MutexLock lock(&mu_);
-    return aborted_ ? abort_status_ : absl::OkStatus();
-  }
-
-  // Brackets an NCCL call that may block the host: past `limit` the watchdog aborts the world
-  // with DeadlineExceeded naming `what`.
-  int64_t BeginCall(std::string what, absl::Duration limit) {
-    absl::MutexLock lock(&mu_);
-    const int64_t id = next_call_++;
-    calls_[id] = Call{std::move(what), limit, absl::Now() + limit};
-    return id;
-  }
-  void EndCall(int64_t id) {
-    absl::MutexLock lock(&mu_);
-    calls_.erase(id);
-  }
-
- private:
-  struct Call {
-    std::string what;
-    absl::Duration limit;
-    absl::Time deadline;
-  };
-
-  void WatchdogLoop() {
-    while (true) {
-      absl::Status expired;
-      {
-        absl::MutexLock lock(&mu_);
-        mu_.AwaitWithTimeout(absl::Condition(&stop_), absl::Milliseconds(50));
-        if (stop_) return;
-        if (aborted_) continue;
-        const absl::Time now = absl::Now();
-        for (const auto& [id, call] : calls_) {
-          if (now >= call.deadline) {
-            expired = absl::DeadlineExceededError(absl::StrCat(
-                call.what, ": blocked in NCCL for more than ", FormatSeconds(call.limit),
-                " (a peer never posted its side, or died); aborting the NCCL world"));
-            break;
-          }
-        }
-      }
-      if (!expired.ok()) Abort(expired);
-    }
-  }
-
-  const absl::Duration timeout_;
-  absl::Mutex mu_;
-  bool aborted_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Status abort_status_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::weak_ptr<NcclHandle>> handles_ ABSL_GUARDED_BY(mu_);
-  std::map<int64_t, Call> calls_ ABSL_GUARDED_BY(mu_);
-  int64_t next_call_ ABSL_GUARDED_BY(mu_) = 0;
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread watchdog_;
-};
+// CUDA tensors of the communicator's GPU, ordered after their allocator streams' work; no tags
+// (one FIFO per peer pair), rendezvous sends that must be grouped, NCCL's own sum order.
+constexpr CommCapabilities kNcclCapabilities{.tagged_p2p = false,
+                                             .eager_send = false,
+                                             .host_memory = false,
+                                             .device_memory = true,
+                                             .stream_ordered = true,
+                                             .grouped_p2p = true,
+                                             .rank_order_sum = false};
 
 // One operation, shared by its Work and the communicator's in-flight list (one thread).
 struct NcclOp {
@@ -220,7 +103,7 @@ struct NcclOp {
     absl::StatusOr<bool> q = done.Query();
     if (!q.ok()) {
       if (status.ok()) {
-        status = absl::Status(q.status().code(), absl::StrCat(what, ": ", q.status().message()));
+        status = comm_internal::Annotate(q.status(), what);
       }
       finished = true;  // the context is broken; nothing runs on it any more
     } else if (*q) {
@@ -253,9 +136,7 @@ class NcclWork final : public Work {
       }
       if (polls % 64 == 63) PW_RETURN_IF_ERROR(CheckAsyncError());
       if (absl::Now() >= deadline) {
-        return absl::DeadlineExceededError(absl::StrCat(op_->what, " timed out after ",
-                                                        FormatSeconds(timeout),
-                                                        " (the GPU has not finished it)"));
+        return comm_internal::TimedOut(op_->what, timeout, " (the GPU has not finished it)");
       }
       absl::SleepFor(std::min(nap, deadline - absl::Now()));
       nap = std::min(nap * 2, absl::Milliseconds(1));
@@ -291,7 +172,7 @@ class NcclWork final : public Work {
     if (r == ncclSuccess) r = async;
     if (r == ncclSuccess || r == ncclInProgress) return absl::OkStatus();
     absl::Status s = nccl::ToStatus(r, "ncclCommGetAsyncError", __FILE__, __LINE__, handle_->comm);
-    s = absl::Status(s.code(), absl::StrCat(op_->what, ": ", s.message()));
+    s = comm_internal::Annotate(s, op_->what);
     call.unlock();
     world_->Abort(s);
     return world_->abort_status();
@@ -311,8 +192,7 @@ absl::StatusOr<ncclDataType_t> ReduceType(DType d) {
     case DType::kI32:
       return ncclInt32;
     default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("AllReduce supports f32, f64 and i32, got ", DTypeName(d)));
+      return comm_internal::CheckReduceDType(d);
   }
 }
 
@@ -363,11 +243,14 @@ class NcclCommunicator final : public Communicator {
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
-  std::string backend() const override { return "nccl"; }
+  CommBackend kind() const override { return CommBackend::kNccl; }
+  CommCapabilities capabilities() const override { return kNcclCapabilities; }
 
   std::unique_ptr<Work> Send(const Tensor& t, int peer, int64_t tag) override {
-    const std::string what = absl::StrCat("Send to rank ", peer, " (tag ", tag, ")");
-    if (absl::Status s = CheckP2P(peer, tag); !s.ok()) return Failed(what, s);
+    const std::string what = comm_internal::SendDescription(peer, tag);
+    if (absl::Status s = comm_internal::CheckPeerAndTag(peer, tag, size_); !s.ok()) {
+      return Failed(what, s);
+    }
     void* buf = const_cast<void*>(t.raw());
     const size_t bytes = t.nbytes();
     return Enqueue(what, {t}, [=](ncclComm_t comm, cudaStream_t s) {
@@ -376,8 +259,10 @@ class NcclCommunicator final : public Communicator {
   }
 
   std::unique_ptr<Work> Recv(Tensor& t, int peer, int64_t tag) override {
-    const std::string what = absl::StrCat("Recv from rank ", peer, " (tag ", tag, ")");
-    if (absl::Status s = CheckP2P(peer, tag); !s.ok()) return Failed(what, s);
+    const std::string what = comm_internal::RecvDescription(peer, tag);
+    if (absl::Status s = comm_internal::CheckPeerAndTag(peer, tag, size_); !s.ok()) {
+      return Failed(what, s);
+    }
     void* buf = t.raw();
     const size_t bytes = t.nbytes();
     return Enqueue(what, {t}, [=](ncclComm_t comm, cudaStream_t s) {
@@ -386,7 +271,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   std::unique_ptr<Work> AllReduce(Tensor& t) override {
-    const std::string what = absl::StrCat("AllReduce (collective #", next_seq_++, ")");
+    const std::string what = CollectiveDescription(CollectiveKind::kAllReduce, next_seq_++);
     absl::StatusOr<ncclDataType_t> type = ReduceType(t.dtype());
     if (!type.ok()) return Failed(what, type.status());
     void* buf = t.raw();
@@ -397,13 +282,27 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
+  // Rank r's `in` into [r * in.nbytes(), (r + 1) * in.nbytes()) of every `out`, as bytes (any
+  // dtype). Only this rank's layout can be checked; ranks that disagree are undefined (comm.h).
+  std::unique_ptr<Work> AllGather(const Tensor& in, Tensor& out) override {
+    const std::string what = CollectiveDescription(CollectiveKind::kAllGather, next_seq_++);
+    if (in.defined() && out.defined()) {
+      if (absl::Status s = comm_internal::CheckGatherLayout(in, out, size_); !s.ok()) {
+        return Failed(what, s);
+      }
+    }
+    const void* send = in.raw();
+    void* recv = out.raw();
+    const size_t bytes = in.nbytes();
+    return Enqueue(what, {in, out}, [=](ncclComm_t comm, cudaStream_t s) {
+      return ncclAllGather(send, recv, bytes, ncclUint8, comm, s);
+    });
+  }
+
   std::unique_ptr<Work> Broadcast(Tensor& t, int root) override {
     const std::string what =
         absl::StrCat("Broadcast from rank ", root, " (collective #", next_seq_++, ")");
-    if (root < 0 || root >= size_) {
-      return Failed(what, absl::InvalidArgumentError(
-                              absl::StrCat("root ", root, " is out of range [0, ", size_, ")")));
-    }
+    if (absl::Status s = comm_internal::CheckRoot(root, size_); !s.ok()) return Failed(what, s);
     void* buf = t.raw();
     const size_t bytes = t.nbytes();
     return Enqueue(what, {t}, [=](ncclComm_t comm, cudaStream_t s) {
@@ -412,7 +311,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   std::unique_ptr<Work> Barrier() override {
-    const std::string what = absl::StrCat("Barrier (collective #", next_seq_++, ")");
+    const std::string what = CollectiveDescription(CollectiveKind::kBarrier, next_seq_++);
     void* buf = scratch_;
     return Enqueue(what, {}, [=](ncclComm_t comm, cudaStream_t s) {
       return ncclAllReduce(buf, buf, 1, ncclInt32, ncclSum, comm, s);
@@ -460,7 +359,7 @@ class NcclCommunicator final : public Communicator {
       if (!status.ok() && op->status.ok()) op->status = status;
     }
     if (!status.ok()) {
-      return absl::Status(status.code(), absl::StrCat(label_, ": ", status.message()));
+      return comm_internal::Annotate(status, label_);
     }
     return absl::OkStatus();
   }
@@ -509,19 +408,10 @@ class NcclCommunicator final : public Communicator {
         world_rank_(rank),
         label_(std::move(label)) {}
 
-  absl::Status CheckP2P(int peer, int64_t tag) const {
-    if (peer < 0 || peer >= size_) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("peer ", peer, " is out of range [0, ", size_, ")"));
-    }
-    if (tag < 0) return absl::InvalidArgumentError(absl::StrCat("negative tag ", tag));
-    return absl::OkStatus();
-  }
-
   std::unique_ptr<Work> Failed(const std::string& what, const absl::Status& s) {
     auto op = std::make_shared<NcclOp>();
     op->what = absl::StrCat(label_, ": ", what);
-    op->status = absl::Status(s.code(), absl::StrCat(op->what, ": ", s.message()));
+    op->status = comm_internal::Annotate(s, op->what);
     return std::make_unique<NcclWork>(world_, handle_, std::move(op));
   }
 
@@ -592,7 +482,7 @@ class NcclCommunicator final : public Communicator {
       });
     }
     if (!s.ok()) {
-      op->status = absl::Status(s.code(), absl::StrCat(op->what, ": ", s.message()));
+      op->status = comm_internal::Annotate(s, op->what);
       return work();
     }
     op->tensors = std::move(tensors);
@@ -600,7 +490,7 @@ class NcclCommunicator final : public Communicator {
       group_enqueued_ = true;
       group_ops_.push_back(op);
     } else if (absl::Status r = RecordDone({op}); !r.ok()) {
-      op->status = absl::Status(r.code(), absl::StrCat(op->what, ": ", r.message()));
+      op->status = comm_internal::Annotate(r, op->what);
     }
     return work();
   }
@@ -642,78 +532,6 @@ class NcclCommunicator final : public Communicator {
   std::vector<std::shared_ptr<NcclOp>> group_ops_;
   std::vector<std::shared_ptr<NcclOp>> inflight_;
 };
-
-// Runs a communicator initialisation on its own thread, waiting at most `timeout`. If it does not
-// finish in time the thread is left behind; should it finish later it aborts what it created.
-absl::Status InitWithTimeout(const std::string& what, absl::Duration timeout,
-                             std::function<ncclResult_t(std::vector<ncclComm_t>&)> init,
-                             std::vector<ncclComm_t>& comms) {
-  struct State {
-    std::mutex mu;
-    std::condition_variable cv;
-    bool done = false, abandoned = false;
-    ncclResult_t result = ncclSuccess;
-    std::vector<ncclComm_t> comms;
-  };
-  auto state = std::make_shared<State>();
-  state->comms.assign(comms.size(), nullptr);
-  std::thread([state, init = std::move(init)] {
-    std::vector<ncclComm_t> local(state->comms.size(), nullptr);
-    const ncclResult_t r = init(local);
-    std::lock_guard<std::mutex> lock(state->mu);
-    state->done = true;
-    state->result = r;
-    if (state->abandoned) {
-      for (ncclComm_t c : local) {
-        if (c != nullptr) (void)ncclCommAbort(c);
-      }
-      return;
-    }
-    state->comms = local;
-    state->cv.notify_all();
-  }).detach();
-  std::unique_lock<std::mutex> lock(state->mu);
-  const bool finished =
-      state->cv.wait_for(lock, absl::ToChronoNanoseconds(std::min(timeout, absl::Hours(24 * 365))),
-                         [&] { return state->done; });
-  if (!finished) {
-    state->abandoned = true;
-    return absl::DeadlineExceededError(
-        absl::StrCat(what, " did not finish within ", FormatSeconds(timeout),
-                     " (every rank must create its communicator; is one missing?)"));
-  }
-  if (state->result != ncclSuccess) {
-    for (ncclComm_t c : state->comms) {
-      if (c != nullptr) (void)ncclCommAbort(c);
-    }
-    return nccl::ToStatus(state->result, what.c_str(), __FILE__, __LINE__);
-  }
-  comms = state->comms;
-  return absl::OkStatus();
-}
-
-absl::Status CheckDevices(const std::vector<int>& devices, const char* what) {
-  const int count = CudaDeviceCount();
-  if (count == 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(what,
-                     ": no CUDA GPU is visible (no driver, no device, or "
-                     "CUDA_VISIBLE_DEVICES hides them)"));
-  }
-  std::set<int> seen;
-  for (int d : devices) {
-    if (d < 0 || d >= count) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(what, ": CUDA device ", d, " does not exist (", count, " visible)"));
-    }
-    if (!seen.insert(d).second) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(what, ": CUDA device ", d, " is listed twice; NCCL needs one GPU per rank [",
-                       absl::StrJoin(devices, ", "), "]"));
-    }
-  }
-  return absl::OkStatus();
-}
 
 }  // namespace
 

@@ -45,16 +45,46 @@ double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+// What the local backend promises (comm.h): the reference semantics, on host and device tensors.
+void ExpectLocalCapabilities(const Communicator& c) {
+  EXPECT_EQ(c.kind(), CommBackend::kLocal);
+  const CommCapabilities caps = c.capabilities();
+  EXPECT_TRUE(caps.tagged_p2p);
+  EXPECT_TRUE(caps.eager_send);
+  EXPECT_TRUE(caps.host_memory);
+  EXPECT_TRUE(caps.device_memory);
+  EXPECT_TRUE(caps.stream_ordered);
+  EXPECT_FALSE(caps.grouped_p2p);
+  EXPECT_TRUE(caps.rank_order_sum);
+}
+
 TEST(LocalCommTest, WorldShape) {
   Comms comms = CreateLocalWorld(3);
   ASSERT_EQ(comms.size(), 3u);
   for (int r = 0; r < 3; ++r) {
     EXPECT_EQ(comms[r]->rank(), r);
     EXPECT_EQ(comms[r]->size(), 3);
-    EXPECT_EQ(comms[r]->backend(), "local");
+    ExpectLocalCapabilities(*comms[r]);
     EXPECT_TRUE(comms[r]->abort_status().ok());
   }
   EXPECT_TRUE(CreateLocalWorld(0).empty());
+}
+
+TEST(CommBackendTest, NamesRoundTrip) {
+  for (CommBackend b : {CommBackend::kLocal, CommBackend::kMpi, CommBackend::kNccl}) {
+    absl::StatusOr<CommBackend> parsed = ParseCommBackend(CommBackendName(b));
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    EXPECT_EQ(*parsed, b);
+  }
+  EXPECT_STREQ(CommBackendName(CommBackend::kLocal), "local");
+  EXPECT_STREQ(CommBackendName(CommBackend::kMpi), "mpi");
+  EXPECT_STREQ(CommBackendName(CommBackend::kNccl), "nccl");
+  for (const char* bad : {"", "gloo", "NCCL", "auto"}) {
+    absl::StatusOr<CommBackend> parsed = ParseCommBackend(bad);
+    EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(parsed.status().message().find("local, mpi or nccl"), std::string::npos)
+        << parsed.status();
+  }
 }
 
 TEST(LocalCommTest, SendIsEagerAndCopies) {
@@ -356,6 +386,188 @@ TEST(LocalCommTest, CollectivesMatchByCallOrder) {
   EXPECT_EQ(b1.ToVector()[0], 30.0f);
 }
 
+// Rank r's element i of an AllGather input: exact in every dtype used here.
+double GatherValue(int rank, int64_t i) { return 1000.0 * (rank + 1) + static_cast<double>(i); }
+
+template <typename T>
+Tensor GatherInput(DType dtype, int rank, int64_t n) {
+  Tensor t = Tensor::Empty({n}, dtype);
+  for (int64_t i = 0; i < n; ++i) t.data<T>()[i] = static_cast<T>(GatherValue(rank, i));
+  return t;
+}
+
+// Every rank's output holds rank 0's input, then rank 1's, ... exactly.
+template <typename T>
+void ExpectGathered(const Tensor& out, int ranks, int64_t n) {
+  ASSERT_EQ(out.numel(), ranks * n);
+  for (int r = 0; r < ranks; ++r) {
+    for (int64_t i = 0; i < n; ++i) {
+      ASSERT_EQ(out.data<T>()[r * n + i], static_cast<T>(GatherValue(r, i)))
+          << "block " << r << " element " << i;
+    }
+  }
+}
+
+TEST(LocalCommTest, AllGatherConcatenatesInRankOrder) {
+  constexpr int kRanks = 4;
+  constexpr int64_t kN = 37;
+  Comms comms = CreateLocalWorld(kRanks);
+  std::vector<Tensor> f32_out(kRanks), i32_out(kRanks), f64_out(kRanks);
+  RunRanks(comms, [&](int rank, Communicator& c) {
+    // Ranks arrive in a scrambled order.
+    std::this_thread::sleep_for(std::chrono::milliseconds(3 * ((rank * 7) % kRanks)));
+    const Tensor f32 = GatherInput<float>(DType::kF32, rank, kN);
+    const Tensor i32 = GatherInput<int32_t>(DType::kI32, rank, kN);
+    const Tensor f64 = GatherInput<double>(DType::kF64, rank, kN);
+    // Output shapes are free: only the element count matters.
+    f32_out[rank] = Tensor::Zeros({kRanks, kN}, DType::kF32);
+    i32_out[rank] = Tensor::Zeros({kRanks * kN}, DType::kI32);
+    f64_out[rank] = Tensor::Zeros({kN, kRanks}, DType::kF64);
+    // Several in flight at once, waited for out of call order.
+    auto w1 = c.AllGather(f32, f32_out[rank]);
+    auto w2 = c.AllGather(i32, i32_out[rank]);
+    auto w3 = c.AllGather(f64, f64_out[rank]);
+    for (Work* w : {w3.get(), w1.get(), w2.get()}) {
+      absl::Status s = w->Wait(kWait);
+      EXPECT_TRUE(s.ok()) << s;
+    }
+  });
+  for (int r = 0; r < kRanks; ++r) {
+    SCOPED_TRACE(r);
+    ExpectGathered<float>(f32_out[r], kRanks, kN);
+    ExpectGathered<int32_t>(i32_out[r], kRanks, kN);
+    ExpectGathered<double>(f64_out[r], kRanks, kN);
+  }
+}
+
+TEST(LocalCommTest, AllGatherHalfPrecisionAndEdgeSizes) {
+  // bf16/f16 move as bytes; a size-1 world may gather in place; empty inputs are fine.
+  Comms comms = CreateLocalWorld(2);
+  std::vector<Tensor> bf16_out(2), empty_out(2);
+  RunRanks(comms, [&](int rank, Communicator& c) {
+    Tensor in = Tensor::Empty({3}, DType::kBF16);
+    for (int i = 0; i < 3; ++i)
+      in.data<uint16_t>()[i] = static_cast<uint16_t>(0x3f80 + rank * 16 + i);
+    bf16_out[rank] = Tensor::Zeros({6}, DType::kBF16);
+    EXPECT_TRUE(c.AllGather(in, bf16_out[rank])->Wait(kWait).ok());
+    Tensor empty_in = Tensor::Zeros({0}, DType::kF16);
+    empty_out[rank] = Tensor::Zeros({0}, DType::kF16);
+    EXPECT_TRUE(c.AllGather(empty_in, empty_out[rank])->Wait(kWait).ok());
+  });
+  for (int r = 0; r < 2; ++r) {
+    for (int b = 0; b < 2; ++b) {
+      for (int i = 0; i < 3; ++i) {
+        EXPECT_EQ(bf16_out[r].data<uint16_t>()[b * 3 + i], 0x3f80 + b * 16 + i);
+      }
+    }
+  }
+  Comms one = CreateLocalWorld(1);
+  Tensor t = Tensor::FromVector({2}, {4, 5});
+  ASSERT_TRUE(one[0]->AllGather(t, t)->Wait(kWait).ok());
+  EXPECT_EQ(t.ToVector(), (std::vector<float>{4, 5}));
+}
+
+TEST(LocalCommTest, AllGatherOutputMismatchIsInvalidArgumentForEveryRank) {
+  Comms comms = CreateLocalWorld(2);
+  Tensor in0 = Tensor::Zeros({3}), in1 = Tensor::Zeros({3});
+  // Rank 0's output is one element short; rank 1's is right but the collective is poisoned.
+  Tensor short_out = Tensor::Zeros({5}), out1 = Tensor::Zeros({6});
+  auto w0 = comms[0]->AllGather(in0, short_out);
+  absl::Status s0 = w0->Wait(kWait);
+  EXPECT_EQ(s0.code(), absl::StatusCode::kInvalidArgument) << s0;
+  EXPECT_NE(s0.message().find("AllGather"), std::string::npos) << s0;
+  EXPECT_NE(s0.message().find("[5] f32"), std::string::npos) << s0;
+  EXPECT_NE(s0.message().find("6 elements"), std::string::npos) << s0;
+  absl::Status s1 = comms[1]->AllGather(in1, out1)->Wait(kWait);
+  EXPECT_EQ(s1, s0);
+  // Other dtype for the output.
+  Tensor ints = Tensor::Zeros({6}, DType::kI32), out = Tensor::Zeros({6});
+  auto wd = comms[0]->AllGather(in0, ints);
+  absl::Status sd = comms[1]->AllGather(in1, out)->Wait(kWait);
+  EXPECT_EQ(sd.code(), absl::StatusCode::kInvalidArgument) << sd;
+  EXPECT_NE(sd.message().find("i32"), std::string::npos) << sd;
+  EXPECT_EQ(wd->Wait(kWait).code(), absl::StatusCode::kInvalidArgument);
+  // An undefined tensor.
+  Tensor undefined;
+  auto wu = comms[0]->AllGather(undefined, out);
+  EXPECT_EQ(comms[1]->AllGather(in1, out1)->Wait(kWait).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(wu->Wait(kWait).code(), absl::StatusCode::kInvalidArgument);
+  // Inputs that disagree between ranks fail every participant, naming both.
+  Tensor four = Tensor::Zeros({4}), eight = Tensor::Zeros({8});
+  auto wa = comms[0]->AllGather(in0, out);
+  absl::Status sa = comms[1]->AllGather(four, eight)->Wait(kWait);
+  EXPECT_EQ(sa.code(), absl::StatusCode::kInvalidArgument) << sa;
+  EXPECT_NE(sa.message().find("AllGather (collective #"), std::string::npos) << sa;
+  EXPECT_NE(sa.message().find("[4] f32"), std::string::npos) << sa;
+  EXPECT_NE(sa.message().find("[3] f32"), std::string::npos) << sa;
+  EXPECT_EQ(wa->Wait(kWait).code(), absl::StatusCode::kInvalidArgument);
+  // An AllGather against an AllReduce.
+  auto wk = comms[0]->AllGather(in0, out);
+  absl::Status sk = comms[1]->AllReduce(in1)->Wait(kWait);
+  EXPECT_EQ(sk.code(), absl::StatusCode::kInvalidArgument) << sk;
+  EXPECT_NE(sk.message().find("called AllReduce but rank 0 called AllGather"), std::string::npos)
+      << sk;
+  EXPECT_EQ(wk->Wait(kWait).code(), absl::StatusCode::kInvalidArgument);
+  // The failed collectives still counted: the next one matches, and nothing was aborted.
+  Tensor x = Scalar1(1), y = Scalar1(2), gx = Tensor::Zeros({2}), gy = Tensor::Zeros({2});
+  auto wx = comms[0]->AllGather(x, gx);
+  ASSERT_TRUE(comms[1]->AllGather(y, gy)->Wait(kWait).ok());
+  ASSERT_TRUE(wx->Wait(kWait).ok());
+  EXPECT_EQ(gx.ToVector(), (std::vector<float>{1, 2}));
+  EXPECT_EQ(gy.ToVector(), (std::vector<float>{1, 2}));
+  EXPECT_TRUE(comms[0]->abort_status().ok());
+}
+
+TEST(LocalCommTest, AllGatherTimesOutNamingMissingRanks) {
+  Comms comms = CreateLocalWorld(3);
+  Tensor in0 = Scalar1(0), in2 = Scalar1(2), out0 = Tensor::Zeros({3}), out2 = Tensor::Zeros({3});
+  auto w0 = comms[0]->AllGather(in0, out0);
+  auto w2 = comms[2]->AllGather(in2, out2);
+  const auto start = std::chrono::steady_clock::now();
+  absl::Status s = w0->Wait(absl::Milliseconds(30));
+  EXPECT_LT(SecondsSince(start), 1.0);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_NE(s.message().find("rank 0: AllGather (collective #0) timed out after 0.03s"),
+            std::string::npos)
+      << s;
+  EXPECT_NE(s.message().find("waiting for ranks 1"), std::string::npos) << s;
+  EXPECT_TRUE(comms[0]->abort_status().ok());
+  // The late rank completes it; waiting again works.
+  Tensor in1 = Scalar1(1), out1 = Tensor::Zeros({3});
+  ASSERT_TRUE(comms[1]->AllGather(in1, out1)->Wait(kWait).ok());
+  ASSERT_TRUE(w0->Wait(kWait).ok());
+  ASSERT_TRUE(w2->Wait(kWait).ok());
+  for (const Tensor* out : {&out0, &out1, &out2}) {
+    EXPECT_EQ(out->ToVector(), (std::vector<float>{0, 1, 2}));
+  }
+}
+
+TEST(LocalCommTest, AbortUnblocksWaitingAllGather) {
+  Comms comms = CreateLocalWorld(3);
+  const absl::Status cause = absl::UnavailableError("rank 2 lost its device");
+  std::vector<absl::Status> got(2);
+  std::vector<double> waited(2, -1);
+  std::vector<std::thread> waiters;
+  for (int r = 0; r < 2; ++r) {
+    waiters.emplace_back([&, r] {
+      Tensor in = Scalar1(static_cast<float>(r)), out = Tensor::Zeros({3});
+      auto w = comms[r]->AllGather(in, out);
+      const auto start = std::chrono::steady_clock::now();
+      got[r] = w->Wait(absl::Seconds(30));
+      waited[r] = SecondsSince(start);
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  comms[2]->Abort(cause);  // instead of joining the AllGather
+  for (std::thread& t : waiters) t.join();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(got[r], cause) << r;
+    EXPECT_LT(waited[r], 3.0) << r;
+  }
+  Tensor in = Scalar1(0), out = Tensor::Zeros({3});
+  EXPECT_EQ(comms[2]->AllGather(in, out)->Wait(kWait), cause);
+}
+
 TEST(LocalCommTest, Broadcast) {
   Comms comms = CreateLocalWorld(3);
   std::vector<Tensor> bufs;
@@ -398,11 +610,16 @@ TEST(LocalCommTest, SplitEvenOddThenAllReduce) {
     Communicator& g = **sub;
     EXPECT_EQ(g.size(), 2);
     EXPECT_EQ(g.rank(), rank < 2 ? 1 : 0);
-    EXPECT_EQ(g.backend(), "local");
+    ExpectLocalCapabilities(g);
     Tensor t = Scalar1(static_cast<float>(rank + 1));
     absl::Status s = g.AllReduce(t)->Wait(kWait);
     ASSERT_TRUE(s.ok()) << s;
     EXPECT_EQ(t.ToVector()[0], rank % 2 == 0 ? 1.0f + 3.0f : 2.0f + 4.0f);
+    // AllGather in the split is in its rank order: new rank 0 is the larger parent rank.
+    Tensor mine = Scalar1(static_cast<float>(rank)), all = Tensor::Zeros({2});
+    ASSERT_TRUE(g.AllGather(mine, all)->Wait(kWait).ok());
+    EXPECT_EQ(all.ToVector(),
+              rank % 2 == 0 ? (std::vector<float>{2, 0}) : (std::vector<float>{3, 1}));
     // P2P in the split uses its ranks: new rank 0 sends to new rank 1.
     Tensor m = Scalar1(static_cast<float>(rank));
     if (g.rank() == 0) {

@@ -21,6 +21,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -90,7 +91,15 @@ class MpiCommTest : public ::testing::Test {
 TEST_F(MpiCommTest, WorldShape) {
   EXPECT_EQ(world_->rank(), g_process.rank);
   EXPECT_EQ(world_->size(), g_process.size);
-  EXPECT_EQ(world_->backend(), "mpi");
+  EXPECT_EQ(world_->kind(), CommBackend::kMpi);
+  const CommCapabilities caps = world_->capabilities();
+  EXPECT_TRUE(caps.tagged_p2p);
+  EXPECT_TRUE(caps.eager_send);
+  EXPECT_TRUE(caps.host_memory);
+  EXPECT_FALSE(caps.device_memory);
+  EXPECT_FALSE(caps.stream_ordered);
+  EXPECT_FALSE(caps.grouped_p2p);
+  EXPECT_TRUE(caps.rank_order_sum);
   EXPECT_TRUE(world_->abort_status().ok());
   EXPECT_TRUE(LaunchedByMpi());
   absl::StatusOr<MpiProcess> again = InitMpi();  // idempotent
@@ -531,6 +540,115 @@ TEST_F(MpiCommTest, AllReduceMismatchFailsEveryParticipant) {
   EXPECT_EQ(x.ToVector()[0], 2.0f * size_);
 }
 
+// Element i of rank r's AllGather input, exact in every dtype used (bf16 is set by its bits).
+template <typename T>
+T GatherValue(int rank, int64_t i) {
+  if constexpr (std::is_same_v<T, uint16_t>) return static_cast<T>(0x3f80 + rank * 64 + i % 64);
+  return static_cast<T>(1000.0 * (rank + 1) + static_cast<double>(i % 1000));
+}
+
+// Gathers a rank-tagged input of n elements (element type T, stored as `dtype`) over the world
+// and checks every block, bit for bit.
+template <typename T>
+void CheckAllGather(Communicator& world, DType dtype, int64_t n) {
+  const int rank = world.rank(), size = world.size();
+  Tensor in = Tensor::Empty({n}, dtype);
+  for (int64_t i = 0; i < n; ++i) in.data<T>()[i] = GatherValue<T>(rank, i);
+  Tensor out = Tensor::Zeros({size, n}, dtype);
+  absl::Status s = world.AllGather(in, out)->Wait(kWait);
+  ASSERT_TRUE(s.ok()) << s;
+  for (int r = 0; r < size; ++r) {
+    for (int64_t i = 0; i < n; ++i) {
+      ASSERT_EQ(out.data<T>()[r * n + i], GatherValue<T>(r, i))
+          << DTypeName(dtype) << " n " << n << " block " << r << " element " << i;
+    }
+  }
+}
+
+TEST_F(MpiCommTest, AllGatherConcatenatesInRankOrder) {
+  // Ranks arrive staggered, so every rank's messages come in another order.
+  SleepMs(10 * ((rank_ * 3) % size_));
+  CheckAllGather<float>(*world_, DType::kF32, 1001);
+  CheckAllGather<int32_t>(*world_, DType::kI32, 7);
+  CheckAllGather<double>(*world_, DType::kF64, 1);
+  CheckAllGather<uint16_t>(*world_, DType::kBF16, 129);
+  CheckAllGather<float>(*world_, DType::kF32, 0);
+  // Large inputs (rendezvous protocol), and through derived datatypes of 1000-byte blocks.
+  CheckAllGather<float>(*world_, DType::kF32, int64_t{1} << 20);
+  MpiWorldOptions o;
+  o.max_block_bytes = 1000;
+  Create(o);
+  CheckAllGather<float>(*world_, DType::kF32, 300007);
+  // Several in flight, mixed with an AllReduce, waited for in reverse order.
+  Tensor a = Scalar1(static_cast<float>(rank_)), b = Scalar1(1), c = Scalar1(-2.0f * rank_);
+  Tensor ga = Tensor::Zeros({size_}), gc = Tensor::Zeros({size_});
+  auto wa = world_->AllGather(a, ga);
+  auto wb = world_->AllReduce(b);
+  auto wc = world_->AllGather(c, gc);
+  for (Work* w : {wc.get(), wb.get(), wa.get()}) ASSERT_TRUE(w->Wait(kWait).ok());
+  EXPECT_EQ(b.ToVector()[0], static_cast<float>(size_));
+  for (int r = 0; r < size_; ++r) {
+    EXPECT_EQ(ga.ToVector()[r], static_cast<float>(r));
+    EXPECT_EQ(gc.ToVector()[r], -2.0f * r);
+  }
+}
+
+TEST_F(MpiCommTest, AllGatherMismatchFailsEveryRank) {
+  // Only the last rank's output is too small: it fails at once, every other rank learns it.
+  Tensor in = Tensor::Zeros({3});
+  Tensor out = Tensor::Zeros({rank_ == size_ - 1 ? 3 * size_ - 1 : 3 * size_});
+  absl::Status s = world_->AllGather(in, out)->Wait(kWait);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_TRUE(Contains(s, "AllGather (collective #0)")) << s;
+  EXPECT_TRUE(Contains(s, absl::StrCat("must have ", 3 * size_, " elements"))) << s;
+  // An output of another dtype, on rank 0 only.
+  Tensor typed = Tensor::Zeros({3 * size_}, rank_ == 0 ? DType::kI32 : DType::kF32);
+  s = world_->AllGather(in, typed)->Wait(kWait);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_TRUE(Contains(s, "i32")) << s;
+  // Inputs that disagree between ranks (each one consistent with its own output).
+  const int64_t n = rank_ == 1 ? 5 : 4;
+  Tensor mine = Tensor::Zeros({n}), all = Tensor::Zeros({n * size_});
+  s = world_->AllGather(mine, all)->Wait(kWait);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_TRUE(Contains(s,
+                       "AllGather (collective #2): rank 1 passed [5] f32 but rank 0 passed "
+                       "[4] f32"))
+      << s;
+  // AllGather against a Barrier.
+  std::unique_ptr<Work> w;
+  if (rank_ == 0) {
+    w = world_->AllGather(in, out);
+  } else {
+    w = world_->Barrier();
+  }
+  s = w->Wait(kWait);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_TRUE(Contains(s, "called Barrier but rank 0 called AllGather")) << s;
+  // The communicator is still in step, and nothing was aborted.
+  EXPECT_TRUE(world_->abort_status().ok());
+  CheckAllGather<float>(*world_, DType::kF32, 3);
+}
+
+TEST_F(MpiCommTest, AbortUnblocksWaitingAllGather) {
+  const absl::Status cause = absl::UnavailableError("rank 0 lost its device");
+  Tensor in = Scalar1(1), out = Tensor::Zeros({size_});
+  if (rank_ == 0) {  // never joins the AllGather: it aborts instead
+    SleepMs(200);
+    world_->Abort(cause);
+  } else {
+    auto w = world_->AllGather(in, out);
+    const auto start = std::chrono::steady_clock::now();
+    absl::Status s = w->Wait(absl::Seconds(30));
+    EXPECT_LT(SecondsSince(start), 5.0);
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+    EXPECT_TRUE(Contains(s, "rank 0 aborted: rank 0 lost its device")) << s;
+  }
+  const absl::Status got = world_->abort_status();
+  EXPECT_EQ(got.code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(world_->AllGather(in, out)->Wait(kWait), got);
+}
+
 TEST_F(MpiCommTest, Broadcast) {
   for (int root : {size_ - 1, 0}) {
     Tensor t = Tensor::FromVector({3}, {float(rank_), float(-rank_), 7});
@@ -586,19 +704,29 @@ TEST_F(MpiCommTest, RecvTimeoutNamesPeerAndTagAndDoesNotAbort) {
 }
 
 TEST_F(MpiCommTest, CollectiveTimeoutNamesMissingRanks) {
-  Sync();
-  if (rank_ == size_ - 1) SleepMs(500);
-  Tensor t = Scalar1(1);
-  auto w = world_->AllReduce(t);
-  if (rank_ == 0) {
-    absl::Status s = w->Wait(absl::Milliseconds(100));
-    EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
-    EXPECT_TRUE(Contains(s, "AllReduce (collective #")) << s;
-    EXPECT_TRUE(Contains(s, "waiting for ranks")) << s;
-    EXPECT_TRUE(EndsWith(s, std::to_string(size_ - 1))) << s;
+  for (const bool gather : {false, true}) {
+    SCOPED_TRACE(gather ? "AllGather" : "AllReduce");
+    Sync();
+    if (rank_ == size_ - 1) SleepMs(500);
+    Tensor t = Scalar1(1), out = Tensor::Zeros({size_});
+    auto w = gather ? world_->AllGather(t, out) : world_->AllReduce(t);
+    if (rank_ == 0) {
+      absl::Status s = w->Wait(absl::Milliseconds(100));
+      EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+      EXPECT_TRUE(
+          Contains(s, absl::StrCat("rank 0: ", gather ? "AllGather" : "AllReduce", " (collective #",
+                                   gather ? 3 : 1, ") timed out after 0.1s")))
+          << s;
+      EXPECT_TRUE(Contains(s, "waiting for ranks")) << s;
+      EXPECT_TRUE(EndsWith(s, std::to_string(size_ - 1))) << s;
+      EXPECT_TRUE(world_->abort_status().ok());
+    }
+    ASSERT_TRUE(w->Wait(kWait).ok());  // waiting again after the timeout works
+    EXPECT_EQ(t.ToVector()[0], gather ? 1.0f : static_cast<float>(size_));
+    if (gather) {
+      EXPECT_EQ(out.ToVector(), std::vector<float>(size_, 1.0f));
+    }
   }
-  ASSERT_TRUE(w->Wait(kWait).ok());
-  EXPECT_EQ(t.ToVector()[0], static_cast<float>(size_));
 }
 
 TEST_F(MpiCommTest, SplitIntoDataParallelGroups) {
@@ -610,7 +738,8 @@ TEST_F(MpiCommTest, SplitIntoDataParallelGroups) {
   ASSERT_TRUE(sub.ok()) << sub.status();
   ASSERT_NE(*sub, nullptr);
   Communicator& dp = **sub;
-  EXPECT_EQ(dp.backend(), "mpi");
+  EXPECT_EQ(dp.kind(), CommBackend::kMpi);
+  EXPECT_TRUE(dp.capabilities().rank_order_sum);
   EXPECT_EQ(dp.size(), topo.dp);
   EXPECT_EQ(dp.rank(), topo.dp - 1 - replica);
   const std::vector<int> group = topo.DataParallelGroup(pipeline_rank);
@@ -621,6 +750,12 @@ TEST_F(MpiCommTest, SplitIntoDataParallelGroups) {
   float e = 0;
   for (int g : group) e += static_cast<float>(g + 1);
   EXPECT_EQ(t.ToVector()[0], e);
+  // AllGather in the group: blocks in group rank order (reverse replica order).
+  Tensor tagged = Scalar1(static_cast<float>(rank_)), all = Tensor::Zeros({dp.size()});
+  ASSERT_TRUE(dp.AllGather(tagged, all)->Wait(kWait).ok());
+  for (int r = 0; r < dp.size(); ++r) {
+    EXPECT_EQ(all.ToVector()[r], static_cast<float>(group[group.size() - 1 - r])) << r;
+  }
   // Bit-identical to the rank-order sum of the group's inputs, ordered by group rank.
   std::vector<Tensor> inputs;
   for (auto it = group.rbegin(); it != group.rend(); ++it) {

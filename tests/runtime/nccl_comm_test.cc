@@ -1,7 +1,7 @@
 // The NCCL communicator over every visible GPU (one rank thread per GPU): send/recv, all-reduce
-// of random data against a host sum, broadcast, barrier, split, a Wait timeout on a receive with
-// no sender, and abort unblocking it. Skips without a GPU or without NCCL; the multi-rank cases
-// skip with fewer than 2 GPUs (a 1-GPU machine still runs the size-1 world).
+// of random data against a host sum, all-gather, broadcast, barrier, split, a Wait timeout on a
+// receive with no sender, and abort unblocking it. Skips without a GPU or without NCCL; the
+// multi-rank cases skip with fewer than 2 GPUs (a 1-GPU machine still runs the size-1 world).
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -108,7 +108,15 @@ TEST(NcclCommTest, SizeOneWorld) {
   PW_NEED_GPUS(1);
   PW_MAKE_WORLD(w, 1, kWait);
   ASSERT_EQ(w.comms.size(), 1u);
-  EXPECT_EQ(w.comms[0]->backend(), "nccl");
+  EXPECT_EQ(w.comms[0]->kind(), CommBackend::kNccl);
+  const CommCapabilities caps = w.comms[0]->capabilities();
+  EXPECT_FALSE(caps.tagged_p2p);
+  EXPECT_FALSE(caps.eager_send);
+  EXPECT_FALSE(caps.host_memory);
+  EXPECT_TRUE(caps.device_memory);
+  EXPECT_TRUE(caps.stream_ordered);
+  EXPECT_TRUE(caps.grouped_p2p);
+  EXPECT_FALSE(caps.rank_order_sum);
   EXPECT_EQ(w.comms[0]->rank(), 0);
   EXPECT_EQ(w.comms[0]->size(), 1);
   RunRanks(w, [](int, Communicator& c, Rank& res) {
@@ -119,6 +127,9 @@ TEST(NcclCommTest, SizeOneWorld) {
     ASSERT_TRUE(c.Broadcast(t, 0)->Wait(kWait).ok());
     EXPECT_EQ(ToHost(t), v);
     ASSERT_TRUE(c.Barrier()->Wait(kWait).ok());
+    Tensor gathered = Tensor::Zeros({1000}, DType::kF32, res.alloc.get());
+    ASSERT_TRUE(c.AllGather(t, gathered)->Wait(kWait).ok());
+    EXPECT_EQ(ToHost(gathered), v);  // the one block
     // Send to and receive from itself in one group.
     Tensor in = Tensor::Zeros({1000}, DType::kF32, res.alloc.get());
     c.GroupStart();
@@ -136,6 +147,11 @@ TEST(NcclCommTest, SizeOneWorld) {
     EXPECT_EQ(c.Send(t, 1, 0)->Wait(kWait).code(), absl::StatusCode::kInvalidArgument);
     Tensor half = Tensor::Zeros({4}, DType::kBF16, res.alloc.get());
     EXPECT_EQ(c.AllReduce(half)->Wait(kWait).code(), absl::StatusCode::kInvalidArgument);
+    Tensor too_big = Tensor::Zeros({1001}, DType::kF32, res.alloc.get());
+    absl::Status gather = c.AllGather(t, too_big)->Wait(kWait);
+    EXPECT_EQ(gather.code(), absl::StatusCode::kInvalidArgument) << gather;
+    EXPECT_TRUE(absl::StrContains(gather.message(), "AllGather")) << gather;
+    EXPECT_EQ(c.AllGather(t, host)->Wait(kWait).code(), absl::StatusCode::kInvalidArgument);
     // Abort ends every later operation with its status.
     c.Abort(absl::UnavailableError("test abort"));
     EXPECT_EQ(c.abort_status().code(), absl::StatusCode::kUnavailable);
@@ -204,6 +220,39 @@ TEST(NcclCommTest, AllReduceMatchesAHostSum) {
     EXPECT_LT(worst, 1e-5 * n) << r;
     const int32_t rank_sum = n * (n - 1) / 2;
     EXPECT_EQ(ints[r], (std::vector<int32_t>{rank_sum, n, -2 * rank_sum})) << r;
+  }
+}
+
+TEST(NcclCommTest, AllGatherConcatenatesInRankOrder) {
+  PW_NEED_GPUS(2);
+  const int n = CudaDeviceCount();
+  PW_MAKE_WORLD(w, n, kWait);
+  constexpr int64_t kN = 4099;
+  std::vector<std::vector<float>> f32(n);
+  std::vector<std::vector<int32_t>> i32(n);
+  RunRanks(w, [&](int r, Communicator& c, Rank& res) {
+    Tensor in = Tensor::FromVector({kN}, RandomFloats(kN, 70 + r), res.alloc.get());
+    Tensor out = Tensor::Empty({n, kN}, DType::kF32, res.alloc.get());
+    ASSERT_TRUE(c.AllGather(in, out)->Wait(kWait).ok());
+    f32[r] = ToHost(out);
+    Tensor ii = Tensor::FromVectorI32({2}, {r, -r}, res.alloc.get());
+    Tensor io = Tensor::Empty({2 * n}, DType::kI32, res.alloc.get());
+    ASSERT_TRUE(c.AllGather(ii, io)->Wait(kWait).ok());
+    auto host = io.CopyTo(nullptr);
+    ASSERT_TRUE(host.ok()) << host.status();
+    i32[r].assign(host->data<int32_t>(), host->data<int32_t>() + 2 * n);
+  });
+  std::vector<float> expected;
+  std::vector<int32_t> expected_i32;
+  for (int r = 0; r < n; ++r) {
+    const std::vector<float> v = RandomFloats(kN, 70 + r);
+    expected.insert(expected.end(), v.begin(), v.end());
+    expected_i32.push_back(r);
+    expected_i32.push_back(-r);
+  }
+  for (int r = 0; r < n; ++r) {
+    EXPECT_EQ(f32[r], expected) << r;  // bytes moved, nothing summed: exact
+    EXPECT_EQ(i32[r], expected_i32) << r;
   }
 }
 
