@@ -1,13 +1,12 @@
 #include "bench/kernel_suite.h"
 
-#include <cblas.h>
-
 #include <algorithm>
 
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "bench/bench_util.h"
 #include "kernels/cpu/cpu_kernels.h"
+#include "pipewright/device.h"
 #include "pipewright/train.h"
 
 namespace pipewright::bench {
@@ -29,7 +28,7 @@ BenchRow SgemmRow(int m, int n, int k, int reps) {
 }  // namespace
 
 absl::StatusOr<KernelSuiteResult> RunKernelSuite(int repetitions) {
-  openblas_set_num_threads(1);
+  SetCpuKernelThreads(1);
   KernelSuiteResult out;
   PW_ASSIGN_OR_RETURN(LayerGraph graph, PresetModel("gpt-small", 0));
   const int tokens = static_cast<int>(graph.shape().tokens());
@@ -42,11 +41,9 @@ absl::StatusOr<KernelSuiteResult> RunKernelSuite(int repetitions) {
     out.rows.push_back(r);
   }
   TrainOptions o;
-  o.preset = "gpt-small";
-  o.micro_batches = 1;
   o.steps = repetitions + 1;
   o.warmup_steps = 0;
-  PW_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(graph, o));
+  PW_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(graph, 1, o));
   absl::Status status;
   BenchRow step;
   step.name = absl::StrFormat("gpt-small train step (%d tokens, fwd+bwd+adamw)", tokens);

@@ -1,11 +1,11 @@
 // Google Benchmark microbenchmarks of the CPU kernels at gpt-small shapes (one thread):
 //   build/bin/kernels_bench --benchmark_filter=Gelu
 #include <benchmark/benchmark.h>
-#include <cblas.h>
 
 #include <vector>
 
 #include "kernels/cpu/cpu_kernels.h"
+#include "pipewright/device.h"
 
 namespace {
 using namespace pipewright::cpu;
@@ -65,7 +65,7 @@ BENCHMARK(BM_AttentionForwardBackward);
 }  // namespace
 
 int main(int argc, char** argv) {
-  openblas_set_num_threads(1);
+  pipewright::SetCpuKernelThreads(1);
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();
   return 0;

@@ -1,11 +1,10 @@
 #include "bench/pipeline_suite.h"
 
-#include <cblas.h>
-
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
 #include "bench/bench_util.h"
+#include "pipewright/device.h"
 #include "pipewright/engine.h"
 #include "pipewright/simulator.h"
 
@@ -29,10 +28,26 @@ absl::StatusOr<LayerGraph> DelayModel(double stage_seconds, int stages) {
   return b.Build();
 }
 
+// An engine of `graph` on this process's threads, running `schedule` over `boundaries` (empty:
+// balanced), with synthetic data.
+absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const LayerGraph& graph,
+                                                   const ScheduleSpec& schedule,
+                                                   std::vector<int> boundaries, int steps) {
+  PW_ASSIGN_OR_RETURN(Schedule sched, GenerateSchedule(schedule));
+  PW_ASSIGN_OR_RETURN(RunSpec run, RunSpecFromSchedule(graph, std::move(sched), 1, Recompute::kNone,
+                                                       std::move(boundaries)));
+  TrainOptions o;
+  o.steps = steps;
+  o.warmup_steps = 0;
+  PW_ASSIGN_OR_RETURN(World world, World::InProcess({}));
+  return Engine::Create(graph, std::move(run), o, SyntheticDataset(graph.shape().seq_len, o.seed),
+                        std::move(world));
+}
+
 }  // namespace
 
 absl::StatusOr<std::vector<OverheadRow>> RunOverheadSuite(const OverheadConfig& config) {
-  openblas_set_num_threads(1);
+  SetCpuKernelThreads(1);
   struct Kind {
     ScheduleKind kind;
     int chunks;
@@ -51,17 +66,11 @@ absl::StatusOr<std::vector<OverheadRow>> RunOverheadSuite(const OverheadConfig& 
     const int S = p * k.chunks;
     // Whole-rank cost stays stage_seconds per pass; a chunk costs 1/v of it.
     PW_ASSIGN_OR_RETURN(LayerGraph graph, DelayModel(config.stage_seconds / k.chunks, S));
-    EngineOptions o;
-    o.train.micro_batches = config.micro_batches;
-    o.train.steps = config.steps + 1;
-    o.train.warmup_steps = 0;
-    o.pp = p;
-    o.schedule = k.kind;
-    o.chunks = k.chunks;
-    o.stage_boundaries.push_back(0);
-    for (int s = 1; s < S; ++s) o.stage_boundaries.push_back(1 + s * kDelayLayers / S);
-    o.stage_boundaries.push_back(graph.num_layers());
-    PW_ASSIGN_OR_RETURN(auto engine, Engine::Create(graph, o));
+    std::vector<int> bounds = {0};
+    for (int s = 1; s < S; ++s) bounds.push_back(1 + s * kDelayLayers / S);
+    bounds.push_back(graph.num_layers());
+    PW_ASSIGN_OR_RETURN(auto engine, MakeEngine(graph, {k.kind, p, config.micro_batches, k.chunks},
+                                                std::move(bounds), config.steps + 1));
     std::vector<double> times;
     for (int i = 0; i <= config.steps; ++i) {
       PW_ASSIGN_OR_RETURN(StepReport r, engine->Step());
@@ -86,20 +95,15 @@ absl::StatusOr<std::vector<OverheadRow>> RunOverheadSuite(const OverheadConfig& 
 }
 
 absl::StatusOr<ScalingResult> RunScalingSuite(int micro_batches, int steps) {
-  openblas_set_num_threads(1);
+  SetCpuKernelThreads(1);
   if (micro_batches < 1 || steps < 1) {
     return absl::InvalidArgumentError("the scaling suite needs micro-batches and steps >= 1");
   }
   PW_ASSIGN_OR_RETURN(LayerGraph graph, PresetModel("gpt-small", 0));
   ScalingResult out;
   for (int pp : {1, 2}) {
-    EngineOptions o;
-    o.train.preset = "gpt-small";
-    o.train.micro_batches = micro_batches;
-    o.train.steps = steps + 1;
-    o.pp = pp;
-    o.schedule = ScheduleKind::k1F1B;
-    PW_ASSIGN_OR_RETURN(auto engine, Engine::Create(graph, o));
+    PW_ASSIGN_OR_RETURN(
+        auto engine, MakeEngine(graph, {ScheduleKind::k1F1B, pp, micro_batches, 1}, {}, steps + 1));
     std::vector<double> times;
     for (int i = 0; i <= steps; ++i) {
       PW_ASSIGN_OR_RETURN(StepReport r, engine->Step());

@@ -2,6 +2,7 @@
 // instantiates two halves as separate stages (as two pipeline ranks would), checks that running
 // them back to back gives the same loss as the whole model, then trains the whole model briefly.
 #include <cstdio>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "pipewright/model.h"
@@ -29,7 +30,7 @@ absl::Status Run() {
   PW_ASSIGN_OR_RETURN(auto first, graph.Instantiate(0, 3, /*seed=*/7));
   PW_ASSIGN_OR_RETURN(auto second, graph.Instantiate(3, graph.num_layers(), /*seed=*/7));
   PW_ASSIGN_OR_RETURN(auto whole, graph.Instantiate(0, graph.num_layers(), /*seed=*/7));
-  auto data = SyntheticDataset(7);
+  auto data = SyntheticDataset(16, 7);
   BatchLayout layout{1, 4, 16, 1};
   StepBatch batch = MakeStepBatch(*data, layout, 0, 0);
   LayerContext ctx{nullptr, &batch.targets[0]};
@@ -39,15 +40,21 @@ absl::Status Run() {
   PW_ASSIGN_OR_RETURN(Tensor whole_loss, whole->Forward(batch.inputs[0], ctx, &s3));
   std::printf("loss through two stages %.6f, through one %.6f\n", split_loss.data<float>()[0],
               whole_loss.data<float>()[0]);
+  if (split_loss.data<float>()[0] != whole_loss.data<float>()[0]) {
+    return absl::InternalError("two stages and the whole model give different losses");
+  }
 
   TrainOptions o;
   o.steps = 20;
   o.lr = 3e-3f;
-  PW_ASSIGN_OR_RETURN(auto trainer, Trainer::Create(graph, o));
+  PW_ASSIGN_OR_RETURN(auto trainer, Trainer::Create(graph, /*micro_batches=*/4, o));
+  std::vector<double> losses;
   for (int i = 0; i < o.steps; ++i) {
     PW_ASSIGN_OR_RETURN(StepResult r, trainer->Step());
+    losses.push_back(r.loss);
     if (i % 5 == 0 || i + 1 == o.steps) std::printf("step %2d loss %.4f\n", i, r.loss);
   }
+  if (!(losses.back() < losses.front())) return absl::InternalError("the loss did not fall");
   return absl::OkStatus();
 }
 

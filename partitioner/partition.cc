@@ -534,4 +534,33 @@ absl::Status Predict(const ModelCosts& model, const DeviceSpec& dev, Precision p
   return PredictWith(c, scaled, dev, plan);
 }
 
+absl::StatusOr<std::vector<int>> BalancedBoundaries(const ModelCosts& model, int stages) {
+  const int L = model.num_layers();
+  if (stages < 1 || stages > L) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot split ", model.name, "'s ", L, " layers into ", stages,
+                     " non-empty stages (pp x chunks must be between 1 and the number of layers)"));
+  }
+  // The partitioner's own programs with FLOPs as the time unit (one "FLOP per second", no
+  // per-layer overhead), unbounded memory and one micro-batch in flight: the bottleneck is then
+  // the largest stage's FLOPs. Every layer weighs at least 1, so empty-cost layers still spread.
+  ModelCosts flops = model;
+  for (LayerCost& l : flops.layers) {
+    l.forward_time_s.reset();
+    l.backward_time_s.reset();
+    l.backward_flops = std::max(l.backward_flops, 1.0 - l.forward_flops);
+  }
+  DeviceSpec dev;
+  dev.tflops = 1e-12;
+  dev.layer_overhead_s = 0;
+  dev.memory_bytes = std::numeric_limits<int64_t>::max() / 4;
+  StageCosts c(flops, dev, Precision::kFp32, std::vector<int>(stages, 1), 1);
+  const double bottleneck = OptimalBottleneck(c, stages, /*allow_recompute=*/false);
+  Split split;
+  if (bottleneck == kInf || !LeastTotalWithin(c, stages, false, bottleneck * (1 + 1e-12), &split)) {
+    return absl::InternalError("balanced split: no split within the optimal bottleneck");
+  }
+  return split.bounds;
+}
+
 }  // namespace pipewright

@@ -1,5 +1,6 @@
 #include "pipewright/data.h"
 
+#include <algorithm>
 #include <deque>
 #include <fstream>
 #include <iterator>
@@ -12,14 +13,14 @@
 namespace pipewright {
 namespace {
 
-class TextDataset final : public Dataset {
+class TextDataset final : public TokenDataset {
  public:
-  TextDataset(std::string path, std::string bytes, uint64_t seed)
-      : path_(std::move(path)), bytes_(std::move(bytes)), seed_(seed) {}
+  TextDataset(std::string path, std::string bytes, int64_t seq_len, uint64_t seed)
+      : TokenDataset(seq_len), path_(std::move(path)), bytes_(std::move(bytes)), seed_(seed) {}
   std::string Describe() const override {
     return absl::StrCat("text:", path_, " (", bytes_.size(), " bytes)");
   }
-  void Sample(int64_t index, int64_t seq_len, int32_t* out) const override {
+  void Tokens(int64_t index, int64_t seq_len, int32_t* out) const override {
     uint64_t span = bytes_.size() - static_cast<uint64_t>(seq_len);  // > 1 (checked at open)
     uint64_t start = HashCombine(seed_ ^ 0x7465787400ull, static_cast<uint64_t>(index)) % span;
     for (int64_t t = 0; t <= seq_len; ++t) {
@@ -32,11 +33,11 @@ class TextDataset final : public Dataset {
   uint64_t seed_;
 };
 
-class Synthetic final : public Dataset {
+class Synthetic final : public TokenDataset {
  public:
-  explicit Synthetic(uint64_t seed) : seed_(seed) {}
+  Synthetic(int64_t seq_len, uint64_t seed) : TokenDataset(seq_len), seed_(seed) {}
   std::string Describe() const override { return "synthetic (repeated patterns)"; }
-  void Sample(int64_t index, int64_t seq_len, int32_t* out) const override {
+  void Tokens(int64_t index, int64_t seq_len, int32_t* out) const override {
     uint64_t key = HashCombine(seed_ ^ 0x73796e00ull, static_cast<uint64_t>(index));
     int period = 2 + static_cast<int>(SplitMix64(key) % 7);
     int32_t pattern[8];
@@ -52,8 +53,19 @@ class Synthetic final : public Dataset {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Dataset>> OpenTextDataset(const std::string& path, int64_t seq_len,
-                                                         uint64_t seed) {
+SampleSpec TokenDataset::Spec() const {
+  return SampleSpec{{seq_len_}, DType::kI32, {seq_len_}, DType::kI32};
+}
+
+void TokenDataset::Sample(int64_t index, void* input, void* target) const {
+  std::vector<int32_t> tokens(seq_len_ + 1);
+  Tokens(index, seq_len_, tokens.data());
+  std::copy_n(tokens.data(), seq_len_, static_cast<int32_t*>(input));
+  std::copy_n(tokens.data() + 1, seq_len_, static_cast<int32_t*>(target));
+}
+
+absl::StatusOr<std::unique_ptr<TokenDataset>> OpenTextDataset(const std::string& path,
+                                                              int64_t seq_len, uint64_t seed) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("data file '", path, "' cannot be opened"));
   std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -63,16 +75,16 @@ absl::StatusOr<std::unique_ptr<Dataset>> OpenTextDataset(const std::string& path
                                                    " bytes; a sample needs at least ",
                                                    seq_len + 2));
   }
-  return std::make_unique<TextDataset>(path, std::move(bytes), seed);
+  return std::make_unique<TextDataset>(path, std::move(bytes), seq_len, seed);
 }
 
-std::unique_ptr<Dataset> SyntheticDataset(uint64_t seed) {
-  return std::make_unique<Synthetic>(seed);
+std::unique_ptr<TokenDataset> SyntheticDataset(int64_t seq_len, uint64_t seed) {
+  return std::make_unique<Synthetic>(seq_len, seed);
 }
 
-absl::StatusOr<std::unique_ptr<Dataset>> OpenDataset(absl::string_view spec, int64_t seq_len,
-                                                     uint64_t seed) {
-  if (spec == "synthetic") return SyntheticDataset(seed);
+absl::StatusOr<std::unique_ptr<TokenDataset>> OpenDataset(absl::string_view spec, int64_t seq_len,
+                                                          uint64_t seed) {
+  if (spec == "synthetic") return SyntheticDataset(seq_len, seed);
   return OpenTextDataset(std::string(spec), seq_len, seed);
 }
 
@@ -80,15 +92,19 @@ StepBatch MakeStepBatch(const Dataset& data, const BatchLayout& layout, int64_t 
                         int64_t replica) {
   StepBatch batch;
   batch.step = step;
-  const int64_t B = layout.micro_batch_size, T = layout.seq_len;
-  std::vector<int32_t> sample(T + 1);
+  const SampleSpec spec = data.Spec();
+  const int64_t B = layout.micro_batch_size;
+  std::vector<int64_t> in_shape = {B}, tg_shape = {B};
+  in_shape.insert(in_shape.end(), spec.input_shape.begin(), spec.input_shape.end());
+  tg_shape.insert(tg_shape.end(), spec.target_shape.begin(), spec.target_shape.end());
   for (int64_t j = 0; j < layout.micro_batches; ++j) {
-    Tensor in = Tensor::Empty({B, T}, DType::kI32);
-    Tensor tg = Tensor::Empty({B, T}, DType::kI32);
+    Tensor in = Tensor::Empty(in_shape, spec.input_dtype);
+    Tensor tg = Tensor::Empty(tg_shape, spec.target_dtype);
+    const size_t in_bytes = in.nbytes() / B, tg_bytes = tg.nbytes() / B;
     for (int64_t b = 0; b < B; ++b) {
-      data.Sample(layout.SampleIndex(step, replica, j, b), T, sample.data());
-      std::copy_n(sample.data(), T, in.data<int32_t>() + b * T);
-      std::copy_n(sample.data() + 1, T, tg.data<int32_t>() + b * T);
+      data.Sample(layout.SampleIndex(step, replica, j, b),
+                  static_cast<char*>(in.raw()) + b * in_bytes,
+                  static_cast<char*>(tg.raw()) + b * tg_bytes);
     }
     batch.inputs.push_back(std::move(in));
     batch.targets.push_back(std::move(tg));

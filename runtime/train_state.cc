@@ -18,11 +18,19 @@ std::string BuildManifest(const ManifestInfo& info) {
   json m;
   m["format"] = kCheckpointFormat;
   m["model"] = {{"name", graph.name()},
-                {"preset", options.preset},
                 {"fingerprint", graph.Fingerprint()},
                 {"num_layers", graph.num_layers()},
                 {"micro_batch_size", graph.shape().batch},
                 {"seq_len", graph.shape().seq_len}};
+  absl::StatusOr<LayerGraph> preset = PresetModel(graph.name(), graph.shape().batch);
+  if (preset.ok() && preset->Fingerprint() == graph.Fingerprint()) {
+    m["model"]["preset"] = graph.name();
+  }
+  json layers = json::array();
+  for (const LayerNode& n : graph.nodes()) {
+    layers.push_back({{"name", n.name}, {"kind", n.spec->kind()}, {"config", n.spec->Config()}});
+  }
+  m["model"]["layers"] = std::move(layers);
   m["plan"] = {{"pipeline_parallel", info.pp},
                {"data_parallel", info.dp},
                {"schedule", info.schedule},
@@ -50,7 +58,7 @@ std::string BuildManifest(const ManifestInfo& info) {
                                     {"good_steps", info.scaler->good_steps()},
                                     {"skipped_steps", info.scaler->skipped_steps()}};
   }
-  m["data"] = {{"source", options.data},
+  m["data"] = {{"source", info.data_source},
                {"next_step", info.step},
                {"next_sample", info.step * info.layout.global_batch()}};
   return m.dump(2);
@@ -129,14 +137,6 @@ absl::Status CheckParameters(const std::string& dir, const std::map<std::string,
     }
   }
   return absl::OkStatus();
-}
-
-void CopyParameters(const std::map<std::string, Tensor>& tensors,
-                    const std::vector<Parameter*>& params) {
-  for (Parameter* p : params) {
-    const Tensor& src = tensors.at(p->name);
-    std::copy_n(src.data<float>(), src.numel(), p->value.data<float>());
-  }
 }
 
 }  // namespace pipewright::internal

@@ -18,6 +18,7 @@ namespace pipewright::internal {
 struct ManifestInfo {
   const LayerGraph* graph = nullptr;
   const TrainOptions* options = nullptr;
+  std::string data_source;  // Dataset::Describe()
   BatchLayout layout;
   int pp = 1, dp = 1, chunks = 1;
   std::string schedule = "1f1b";
@@ -26,6 +27,9 @@ struct ManifestInfo {
   LrSchedule lr;
   const LossScaler* scaler = nullptr;  // recorded when enabled (fp16)
 };
+// The manifest's JSON text (docs/checkpoint.md). model.preset is written only when the graph is
+// exactly that preset's (same name and fingerprint), so a custom model is never mistaken for a
+// preset; model.layers records every node's name, kind and configuration.
 std::string BuildManifest(const ManifestInfo& info);
 
 struct ResumePoint {
@@ -47,9 +51,6 @@ absl::StatusOr<ResumePoint> CheckManifest(const std::string& dir, const std::str
 // Checks that every parameter is in `tensors` (from `dir`) with its shape, in f32.
 absl::Status CheckParameters(const std::string& dir, const std::map<std::string, Tensor>& tensors,
                              const std::vector<Parameter*>& params);
-// Copies the checked tensors into the parameters' values.
-void CopyParameters(const std::map<std::string, Tensor>& tensors,
-                    const std::vector<Parameter*>& params);
 
 }  // namespace pipewright::internal
 

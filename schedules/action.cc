@@ -1,4 +1,5 @@
 // The action IR: names, text form of one action and of a whole schedule, stage placement.
+#include <algorithm>
 #include <cctype>
 #include <string>
 #include <vector>
@@ -252,6 +253,53 @@ absl::StatusOr<Schedule> ParseSchedule(absl::string_view text, const ScheduleSpe
     }
   }
   return sched;
+}
+
+// First pass over a hand-written program: its ranks, largest stage and micro-batch. Lines it
+// cannot read are left to ParseSchedule, which reports them precisely.
+absl::StatusOr<Schedule> ParseProgram(absl::string_view text) {
+  int max_rank = -1, max_stage = -1, max_mb = -1, lines = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    size_t hash = line.find('#');
+    if (hash != absl::string_view::npos) line = line.substr(0, hash);
+    line = absl::StripAsciiWhitespace(line);
+    size_t colon = line.find(':');
+    if (line.empty() || colon == absl::string_view::npos) continue;
+    absl::string_view head = absl::StripAsciiWhitespace(line.substr(0, colon));
+    int rank = -1;
+    if (!absl::ConsumePrefix(&head, "rank") ||
+        !ParseCount(absl::StripLeadingAsciiWhitespace(head), &rank)) {
+      continue;
+    }
+    ++lines;
+    max_rank = std::max(max_rank, rank);
+    for (absl::string_view tok :
+         absl::StrSplit(line.substr(colon + 1), absl::ByAnyChar(" \t\r"), absl::SkipEmpty())) {
+      absl::StatusOr<Action> a = ParseAction(tok);
+      if (!a.ok() || a->kind == ActionKind::kOptimizerStep) continue;
+      max_stage = std::max(max_stage, a->virtual_stage);
+      if (a->kind != ActionKind::kReduceGrads) max_mb = std::max(max_mb, a->micro_batch);
+    }
+  }
+  if (lines == 0) {
+    return absl::InvalidArgumentError("the program has no 'rank R: actions...' lines");
+  }
+  const int p = max_rank + 1;
+  if (lines != p) {
+    return absl::InvalidArgumentError(absl::StrCat("the program names rank ", max_rank, " but has ",
+                                                   lines,
+                                                   " rank lines: write one line for every rank 0..",
+                                                   max_rank, " (an idle rank as 'rank R:')"));
+  }
+  const int stages = std::max(max_stage + 1, p);
+  if (stages % p != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the program uses stages s0..s", max_stage, " on ", p, " ranks: the number of stages (",
+        stages, ") must be a multiple of the ranks (stage s runs on rank s mod ", p, ")"));
+  }
+  if (max_mb < 0) return absl::InvalidArgumentError("the program runs no micro-batch");
+  ScheduleSpec spec{ScheduleKind::kCustom, p, max_mb + 1, stages / p};
+  return ParseSchedule(text, spec);
 }
 
 }  // namespace pipewright

@@ -1,7 +1,6 @@
 // `pipewright model`: a model's per-layer costs as a pipewright.model/v1 layer graph (the
 // partitioner's input), analytic from the layers' own Cost or measured with --profile, and a
 // summary that puts a GPT's parameter and FLOP counts beside the published formulas.
-#include <cblas.h>
 
 #include <cmath>
 #include <cstdio>
@@ -12,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "pipewright/device.h"
 #include "pipewright/model.h"
 #include "pipewright/plan.h"
 #include "tools/commands.h"
@@ -66,7 +66,7 @@ absl::StatusOr<BuiltModel> Build(const ModelFlags& f) {
   if (f.profile) {
     // One BLAS thread, as `pipewright train` runs every rank: the measured times are then
     // the ones a CPU pipeline stage sees.
-    openblas_set_num_threads(1);
+    SetCpuKernelThreads(1);
     PW_ASSIGN_OR_RETURN(ModelCosts measured, ProfileModel(*m.graph, f.reps, f.seed));
     // Keep the analytic costs (with their ties) and take only the times.
     for (int i = 0; i < m.costs.num_layers(); ++i) {

@@ -140,8 +140,6 @@ class Communicator {
   virtual int size() const = 0;
   virtual CommBackend kind() const = 0;
   virtual CommCapabilities capabilities() const = 0;
-  // "local", "mpi", "nccl" (deprecated: use kind() / capabilities()).
-  std::string backend() const { return CommBackendName(kind()); }
 
   // Sends `t` to `peer` with `tag` (>= 0). Eager (copies `t`) where capabilities().eager_send.
   virtual std::unique_ptr<Work> Send(const Tensor& t, int peer, int64_t tag) = 0;

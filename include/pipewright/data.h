@@ -1,9 +1,10 @@
-// Training data: byte-level tokens (vocabulary 256) and a deterministic synthetic task, and a
-// loader thread that prefetches whole steps.
+// Training data: a Dataset gives global sample i as the first stage's input and the loss layer's
+// target, of the shapes and dtypes its SampleSpec says; the byte-level token datasets (text, and
+// a deterministic synthetic task) are TokenDatasets; a loader thread prefetches whole steps.
 //
 // Global sample i depends only on (dataset, seed, i) — never on the batch layout — so runs with
-// different pipeline depths, schedules or micro-batchings see the same global batches. A sample
-// is seq_len + 1 tokens: inputs are tokens [0, seq_len), targets tokens [1, seq_len].
+// different pipeline depths, schedules or micro-batchings see the same global batches. A token
+// sample is seq_len + 1 tokens: inputs are tokens [0, seq_len), targets tokens [1, seq_len].
 #ifndef PIPEWRIGHT_DATA_H_
 #define PIPEWRIGHT_DATA_H_
 
@@ -19,32 +20,61 @@
 
 namespace pipewright {
 
+// One sample without the batch dimension: what the first stage takes, and what the last stage's
+// loss layer reads as LayerContext::targets. The loader stacks micro_batch_size samples into
+// [B, ...shape] tensors. input_shape[0] is the sequence length (the engine checks it against the
+// model's MicroBatchShape::seq_len).
+struct SampleSpec {
+  std::vector<int64_t> input_shape;
+  DType input_dtype = DType::kI32;
+  std::vector<int64_t> target_shape;
+  DType target_dtype = DType::kI32;
+};
+
 class Dataset {
  public:
   virtual ~Dataset() = default;
-  // "synthetic" or "text:<path> (<n> bytes)"
+  // For reports and checkpoints: "synthetic (repeated patterns)", "text:<path> (<n> bytes)".
   virtual std::string Describe() const = 0;
-  // Writes seq_len + 1 tokens of global sample `index` (>= 0) into `out`.
-  virtual void Sample(int64_t index, int64_t seq_len, int32_t* out) const = 0;
+  virtual SampleSpec Spec() const = 0;
+  // Writes global sample `index` (>= 0) into host buffers of Spec()'s sizes. Called from loader
+  // threads of several ranks at once: must be thread-safe, and deterministic in `index`.
+  virtual void Sample(int64_t index, void* input, void* target) const = 0;
+};
+
+// Byte-level language modelling (vocabulary 256): input [T] i32 tokens, target [T] i32 = the
+// input shifted by one.
+class TokenDataset : public Dataset {
+ public:
+  explicit TokenDataset(int64_t seq_len) : seq_len_(seq_len) {}
+  int64_t seq_len() const { return seq_len_; }
+  // Writes seq_len + 1 tokens of sample `index` for sequences of `seq_len` tokens (the dataset's
+  // own, or shorter).
+  virtual void Tokens(int64_t index, int64_t seq_len, int32_t* out) const = 0;
+  SampleSpec Spec() const final;
+  void Sample(int64_t index, void* input, void* target) const final;
+
+ private:
+  int64_t seq_len_;
 };
 
 // Byte-level text: sample i is the window of seq_len + 1 bytes at a position drawn from
 // (seed, i). Errors when the file is missing, unreadable or shorter than seq_len + 2 bytes.
-absl::StatusOr<std::unique_ptr<Dataset>> OpenTextDataset(const std::string& path, int64_t seq_len,
-                                                         uint64_t seed);
+absl::StatusOr<std::unique_ptr<TokenDataset>> OpenTextDataset(const std::string& path,
+                                                              int64_t seq_len, uint64_t seed);
 // Repeated patterns (docs/data.md): sample i repeats a random pattern of 2..8 letters drawn
 // from 'a'..'p'. After one period every token is predictable, so a small attention model can
 // drive the loss far below the ln(16) of guessing.
-std::unique_ptr<Dataset> SyntheticDataset(uint64_t seed);
+std::unique_ptr<TokenDataset> SyntheticDataset(int64_t seq_len, uint64_t seed);
 // "synthetic" or a path to a text file.
-absl::StatusOr<std::unique_ptr<Dataset>> OpenDataset(absl::string_view spec, int64_t seq_len,
-                                                     uint64_t seed);
+absl::StatusOr<std::unique_ptr<TokenDataset>> OpenDataset(absl::string_view spec, int64_t seq_len,
+                                                          uint64_t seed);
 
 struct BatchLayout {
   int64_t micro_batches = 1;     // per replica
   int64_t micro_batch_size = 1;  // sequences per micro-batch
-  int64_t seq_len = 1;
-  int64_t replicas = 1;  // data-parallel width
+  int64_t seq_len = 1;           // tokens per sample (throughput reports)
+  int64_t replicas = 1;          // data-parallel width
   int64_t global_batch() const { return micro_batches * micro_batch_size * replicas; }
   // Global sample index of sequence `b` of micro-batch `j` of replica `r` at `step`.
   int64_t SampleIndex(int64_t step, int64_t r, int64_t j, int64_t b) const {
@@ -52,7 +82,7 @@ struct BatchLayout {
   }
 };
 
-// One replica's micro-batches for one step: inputs and targets are [B, T] i32.
+// One replica's micro-batches for one step: inputs and targets are [B, ...] stacks of samples.
 struct StepBatch {
   int64_t step = 0;
   std::vector<Tensor> inputs, targets;

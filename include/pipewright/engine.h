@@ -1,21 +1,26 @@
-// The pipeline engine: pp x dp ranks, each a RankExecutor that interprets its lowered Program
-// (schedule.h) over its stages of the model. On the embedded default every rank is a thread
-// of this process with its own CPU allocator and the ranks talk only through the Communicator
-// (comm.h, local backend).
+// The pipeline engine: pp x dp ranks, each a RankExecutor that interprets its program of a
+// RunSpec (run_spec.h: a lowered, validated schedule, the stages' layer ranges and
+// recomputation) over its stages of the model, with the data a Dataset gives and the ranks a
+// World places (launch.h: threads of this process, or one rank per process under a launcher).
+// The ranks talk only through the Communicator interface (comm.h).
 //
-//   EngineOptions o;  o.pp = 4;  o.dp = 2;  o.schedule = ScheduleKind::k1F1B;
-//   o.train.micro_batches = 8;   // per replica
-//   PW_ASSIGN_OR_RETURN(auto engine, Engine::Create(graph, o));
+//   PW_ASSIGN_OR_RETURN(Schedule s, GenerateSchedule({ScheduleKind::k1F1B, /*pp=*/4, /*M=*/8}));
+//   PW_ASSIGN_OR_RETURN(RunSpec run, RunSpecFromSchedule(graph, std::move(s), /*dp=*/2));
+//   PW_ASSIGN_OR_RETURN(World world, Launch(Device::Cpu(), absl::Seconds(60)));
+//   TrainOptions o;  o.lr = 3e-3f;  o.steps = 100;
+//   auto data = SyntheticDataset(graph.shape().seq_len, o.seed);
+//   PW_ASSIGN_OR_RETURN(auto engine, Engine::Create(graph, run, o, std::move(data),
+//                                                   std::move(world)));
 //   PW_ASSIGN_OR_RETURN(StepReport r, engine->Step());
 //
 // One step, on every rank: load (first stage) or receive each micro-batch's input, forward,
 // loss on the last stage, backward (I and W separately where the schedule splits them),
-// weight gradients accumulated across micro-batches in the schedule's order, gradients
-// all-reduced across replicas in buckets launched as soon as the bucket's last weight
-// gradient is done, then one agreement all-reduce over the world (losses, per-parameter
-// squared norms, failures) so that global-norm clipping and the optimizer step happen on every
-// rank or on none. With the same global batch the losses and weights are bit-identical to
-// pp = 1 for every schedule and recompute setting (docs/runtime.md).
+// weight gradients accumulated across micro-batches in the schedule's order and handed to the
+// gradient synchronization as they become final (runtime/grad_sync: bucketed all-reduce across
+// replicas, overlapping the rest of the backward), then one agreement all-reduce over the world
+// (losses, per-layer squared norms) so that global-norm clipping and the optimizer step happen
+// on every rank or on none. With the same global batch the losses and weights are bit-identical
+// to pp = 1 for every schedule and recompute setting (docs/runtime.md).
 #ifndef PIPEWRIGHT_ENGINE_H_
 #define PIPEWRIGHT_ENGINE_H_
 
@@ -24,47 +29,15 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "absl/time/time.h"
 #include "pipewright/comm.h"
+#include "pipewright/data.h"
+#include "pipewright/launch.h"
 #include "pipewright/model.h"
-#include "pipewright/plan.h"
+#include "pipewright/run_spec.h"
 #include "pipewright/schedule.h"
-#include "pipewright/simulator.h"
 #include "pipewright/train.h"
 
 namespace pipewright {
-
-struct EngineOptions {
-  TrainOptions train;  // micro_batches is per replica; global batch = dp * M * B
-  int pp = 1;
-  int dp = 1;
-  ScheduleKind schedule = ScheduleKind::k1F1B;
-  int chunks = 1;  // model chunks per rank (interleaved; zb-v uses 2)
-  Recompute recompute = Recompute::kNone;
-  // Per virtual stage (size = pp * chunks), overriding `recompute`; empty = `recompute` on all.
-  std::vector<Recompute> stage_recompute;
-  // Virtual-stage boundaries: S + 1 increasing layer indices from 0 to num_layers. Empty =
-  // contiguous stages balancing forward + backward FLOPs (the minimum possible maximum).
-  std::vector<int> stage_boundaries;
-  // A receive, collective or data wait that takes longer fails the step on every rank.
-  absl::Duration timeout = absl::Seconds(60);
-  int64_t bucket_bytes = int64_t{1} << 20;  // gradient all-reduce bucket size
-
-  // Where the ranks run. CPU: every rank is a thread with its own host allocator. CUDA: rank g
-  // runs on GPU cuda_devices[g % n] (empty = every visible GPU) with its own stream and
-  // stream-ordered allocator; the ranks talk through NCCL when each has a GPU of its own, and
-  // through the local backend with device buffers when several share one (so a whole pipeline
-  // runs on one GPU). `comm` forces a backend: "auto", "local" or "nccl".
-  Device device = Device::Cpu();
-  std::vector<int> cuda_devices;
-  std::string comm = "auto";
-
-  // Fault injection for tests of failure handling: global rank `inject_failure_rank` fails
-  // with Internal "injected failure" at its first backward action of step
-  // `inject_failure_step` (-1: never).
-  int inject_failure_rank = -1;
-  int64_t inject_failure_step = -1;
-};
 
 // One recorded interval of a rank's step (times in seconds from the engine's creation).
 enum class EventKind {
@@ -118,19 +91,15 @@ struct RunSummary {
 
 class Engine {
  public:
-  static absl::StatusOr<std::unique_ptr<Engine>> Create(const LayerGraph& graph,
-                                                        const EngineOptions& options);
-  // A multi-process run (docs/cluster.md): this process runs only global rank
-  // `world->rank()` of the pp x dp grid and talks to the other processes through `world` (the
-  // MPI backend, or NCCL bootstrapped through it), whose size must be pp x dp
-  // (InvalidArgument naming both otherwise). Every process calls every method below; the
-  // reports (Summary, Events) need GatherReports first.
-  static absl::StatusOr<std::unique_ptr<Engine>> Create(const LayerGraph& graph,
-                                                        const EngineOptions& options,
-                                                        std::unique_ptr<Communicator> world);
-  // Multi-process: collects every process's rank times and events so that Summary and Events
-  // describe the whole world on every process. Collective; a no-op in one process.
-  absl::Status GatherReports();
+  // Checks `run` against `graph` (CheckRunSpec) and `data` against the first stage's input,
+  // connects the World's ranks (World::Connect) and instantiates, on every rank this process
+  // runs, only that rank's stages, their optimizer state and its data loader. `data` gives
+  // every global sample (shared by the ranks; non-null). In a launcher's world every process
+  // calls every method below, and the reports (Summary, Events) need GatherReports first.
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(const LayerGraph& graph, RunSpec run,
+                                                        const TrainOptions& options,
+                                                        std::shared_ptr<const Dataset> data,
+                                                        World world);
   ~Engine();
 
   // One optimizer step on every rank. Any rank's failure (a layer error or exception, a
@@ -141,18 +110,33 @@ class Engine {
   int64_t step() const;
   int64_t global_batch() const;
   float PeakLr() const;
-  const Schedule& schedule() const;
+  const RunSpec& run() const;
+  const Schedule& schedule() const { return run().schedule; }
   // Layer range [begin, end) of each virtual stage.
-  const std::vector<int>& stage_boundaries() const;
+  const std::vector<int>& stage_boundaries() const { return run().boundaries; }
   const Topology& topology() const;
+  // One rank per process under a launcher (World::multi_process); the root process prints.
+  bool multi_process() const;
+  bool is_root() const;
 
-  // Replica 0's weights in model order with their global names (copies).
+  // Replica 0's weights in model order with their global names (host copies). In a launcher's
+  // world, only the stages this process holds.
   std::vector<std::pair<std::string, Tensor>> Weights() const;
+  // The live parameters of global rank `global_rank` when this process runs it (else empty).
+  std::vector<Parameter*> RankParameters(int global_rank) const;
+  // Current and peak bytes of that rank's allocator (weights, gradients, optimizer state,
+  // activations); the peak restarts at every step. 0 for a rank of another process.
+  int64_t RankMemoryBytes(int global_rank) const;
+  int64_t RankPeakMemoryBytes(int global_rank) const;
 
   // Checkpoint with global tensor names (docs/checkpoint.md): any plan can resume it.
   absl::Status Save(const std::string& dir) const;
   absl::Status Resume(const std::string& dir);
 
+  // Multi-process: collects every process's rank times and events (Communicator::AllGather)
+  // so that Summary and Events describe the whole world on every process. Collective; a no-op
+  // in one process.
+  absl::Status GatherReports();
   RunSummary Summary() const;
   // Every rank's recorded events, in (global rank, start) order.
   std::vector<std::vector<RankEvent>> Events() const;
@@ -163,16 +147,6 @@ class Engine {
   explicit Engine(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
-
-// OK when a backend without message tags (NCCL: receives match sends in posting order) runs
-// `sched` correctly: for every ordered pair of pipeline ranks the receiver posts its receives in
-// the order the sender posts the sends. Otherwise InvalidArgument naming the pair. The engine
-// checks it before running a schedule on NCCL.
-absl::Status CheckFifoOrder(const Schedule& sched);
-
-// Contiguous split of `graph` into `stages` non-empty ranges minimising the largest stage's
-// forward + backward FLOPs; returns stages + 1 boundaries.
-absl::StatusOr<std::vector<int>> BalancedBoundaries(const LayerGraph& graph, int stages);
 
 }  // namespace pipewright
 

@@ -78,6 +78,13 @@ absl::StatusOr<Plan> Partition(const ModelCosts& model, const DeviceSpec& device
 absl::Status Predict(const ModelCosts& model, const DeviceSpec& devices, Precision precision,
                      Plan& plan);
 
+// The split used when a run names no plan: `stages` contiguous non-empty layer ranges whose
+// largest forward + backward FLOPs is the smallest possible (every layer counts at least 1),
+// then the least total, by the same dynamic programs as Partition with memory unbounded.
+// Returns stages + 1 boundaries from 0 to the number of layers; InvalidArgument when stages is
+// not in [1, layers].
+absl::StatusOr<std::vector<int>> BalancedBoundaries(const ModelCosts& model, int stages);
+
 struct SearchOptions {
   int64_t global_batch = 0;  // sequences per step; 0: devices * the model's micro-batch size
   // Fixed choices; unset means "try every value".

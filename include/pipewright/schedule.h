@@ -108,6 +108,25 @@ absl::Status Validate(const Schedule& schedule);
 std::string ToText(const Schedule& schedule);
 absl::StatusOr<Schedule> ParseSchedule(absl::string_view text, const ScheduleSpec& spec);
 
+// A hand-written program whose shape is read from the text itself: p = the number of "rank R:"
+// lines (every rank 0..p-1 exactly once), S = the largest stage named + 1 (a multiple of p; the
+// chunks are S / p, stage s on rank s mod p), m = the largest micro-batch named + 1. The kind
+// is kCustom. Compute-only texts come back unlowered; texts that spell out their
+// communication come back lowered (see ParseSchedule). Errors name the line.
+absl::StatusOr<Schedule> ParseProgram(absl::string_view text);
+
+// Tag of the point-to-point message that arrives at virtual stage `arriving_stage` for
+// micro-batch `micro_batch`: activations (forward) into a stage's input, gradients (backward)
+// into a stage's output. Unique within a step for every schedule of `num_stages` stages; the
+// runtime and CheckFifoOrder use the same numbering.
+int64_t MessageTag(int num_stages, int micro_batch, int arriving_stage, bool forward);
+
+// OK when a transport without message tags (one FIFO per ordered pair of ranks: NCCL, where
+// receives match sends in posting order) runs the lowered `schedule` correctly: for every
+// ordered pair of ranks, the receiver posts its receives in the order the sender posts the
+// sends. Otherwise InvalidArgument naming the pair and the position where the orders differ.
+absl::Status CheckFifoOrder(const Schedule& schedule);
+
 // Stage placement: rank of virtual stage s. Interleaved: s mod p. zb-v: s for s < p, else
 // 2p - 1 - s (the "V"). Others: s.
 int StageRank(const ScheduleSpec& spec, int stage);

@@ -1,7 +1,6 @@
-// Single-stage training (pp = 1, dp = 1): the layer code the pipeline engine runs, driven
-// through whole steps with gradient accumulation over micro-batches, clipping, an optimizer and
-// an LR schedule, plus checkpoint save/resume and evaluation. The multi-rank Engine (engine.h,
-// runtime issue) generalises this loop; both share Stage, Optimizer and the data loader.
+// Training hyperparameters shared by every way of running a model (TrainOptions), the result of
+// one step, the single-stage Trainer (pp = dp = 1: a thin facade over the Engine, engine.h) and
+// checkpoint evaluation.
 #ifndef PIPEWRIGHT_TRAIN_H_
 #define PIPEWRIGHT_TRAIN_H_
 
@@ -17,20 +16,23 @@
 namespace pipewright {
 
 struct TrainOptions {
-  std::string preset = "gpt-tiny";  // recorded in checkpoints so eval can rebuild the model
-  int64_t micro_batches = 4;
-  int64_t steps = 60;
-  uint64_t seed = 1;
-  std::string data = "synthetic";
-  float lr = 3e-3f;  // for `base_batch` sequences; see lr_scaling
+  int64_t steps = 60;  // the run's length: the LR schedule's warm-up and cosine decay span it
+  uint64_t seed = 1;   // weights (and, by convention, the dataset the caller opens)
+  float lr = 3e-3f;    // for `base_batch` sequences; see lr_scaling
   LrScaling lr_scaling = LrScaling::kNone;
   int64_t base_batch = 32;  // the batch `lr` was tuned for (linear scaling rule)
   int64_t warmup_steps = 5;
   float min_lr_ratio = 0.1f;
   float clip_norm = 1.0f;  // <= 0 disables clipping
   OptimizerConfig optimizer;
-  Precision precision = Precision::kFp32;  // mixed precision: precision.h
-  LossScaleOptions loss_scale;             // fp16 only
+  Precision precision = Precision::kFp32;   // mixed precision: precision.h
+  LossScaleOptions loss_scale;              // fp16 only
+  int64_t bucket_bytes = int64_t{1} << 20;  // gradient all-reduce bucket size
+  // Fault injection for tests of failure handling: global rank `inject_failure_rank` fails
+  // with Internal "injected failure" at its first backward action of step
+  // `inject_failure_step` (-1: never).
+  int inject_failure_rank = -1;
+  int64_t inject_failure_step = -1;
 };
 
 struct StepResult {
@@ -47,49 +49,45 @@ struct StepResult {
   bool skipped = false;
 };
 
+// pp = dp = 1 on the CPU: the Engine with a one-stage 1F1B program over `micro_batches`
+// micro-batches, in this thread's process.
 class Trainer {
  public:
-  // Instantiates every layer of `graph` on one CPU stage.
-  static absl::StatusOr<std::unique_ptr<Trainer>> Create(const LayerGraph& graph,
-                                                         const TrainOptions& options);
+  // Instantiates every layer of `graph` on one CPU stage. `data` null = SyntheticDataset of the
+  // graph's sequence length and options.seed.
+  static absl::StatusOr<std::unique_ptr<Trainer>> Create(
+      const LayerGraph& graph, int64_t micro_batches, const TrainOptions& options,
+      std::shared_ptr<const Dataset> data = nullptr);
   ~Trainer();
 
   // One optimizer step over micro_batches x micro_batch_size sequences. A non-finite loss or
   // gradient is an error and leaves the weights unchanged, except with fp16 loss scaling,
   // where it skips the step (StepResult::skipped) and backs the scale off.
   absl::StatusOr<StepResult> Step();
-  int64_t step() const { return step_; }
-  int64_t global_batch() const { return layout_.global_batch(); }
+  int64_t step() const;
+  int64_t global_batch() const;
   float PeakLr() const;
 
   // Checkpoint (docs/checkpoint.md): weights, optimizer moments, step, data position, seed.
   absl::Status Save(const std::string& dir) const;
-  // Loads a checkpoint written by Save for the same model and global batch; training then
-  // continues bit-identically to an uninterrupted run.
+  // Loads a checkpoint written by Save (or by the Engine under any plan) for the same model and
+  // global batch; training then continues bit-identically to an uninterrupted run.
   absl::Status Resume(const std::string& dir);
 
-  // Peak and current bytes of this stage's allocator (weights, grads, state, activations).
+  // Current and peak bytes of the stage's allocator (weights, grads, state, activations); the
+  // peak restarts at every step.
   int64_t peak_memory_bytes() const;
   int64_t current_memory_bytes() const;
   std::vector<Parameter*> Parameters() const;
 
  private:
-  Trainer() = default;
-  LayerGraph graph_;  // the trainer's own copy
-  TrainOptions options_;
-  BatchLayout layout_;
-  std::unique_ptr<CpuAllocator> allocator_;
-  std::unique_ptr<Stage> stage_;
-  std::unique_ptr<Optimizer> optimizer_;
-  std::shared_ptr<const Dataset> data_;
-  std::unique_ptr<DataLoader> loader_;
-  LrSchedule schedule_;
-  LossScaler scaler_;  // fp16 only
-  int64_t step_ = 0;
+  explicit Trainer(std::unique_ptr<class Engine> engine);
+  std::unique_ptr<class Engine> engine_;
 };
 
-// Mean loss of the model in checkpoint `dir` over `batches` batches of `data` ("synthetic" or a
-// path) drawn from a held-out stream (seed-independent of training: sample indices from 2^40).
+// Mean loss of the model in checkpoint `dir` over `batches` batches of `data` drawn from a
+// held-out stream (sample indices from 2^40, far from any training step). `graph` must be the
+// model the checkpoint was written for (its fingerprint); its weights come from `dir`.
 struct EvalResult {
   double loss = 0;
   double perplexity = 0;
@@ -97,6 +95,14 @@ struct EvalResult {
   std::string model;
   int64_t step = 0;
 };
+absl::StatusOr<EvalResult> EvaluateCheckpoint(const LayerGraph& graph, const std::string& dir,
+                                              const Dataset& data, int64_t batches);
+// The graph of a checkpoint whose model is a preset (its manifest's model.preset, recorded only
+// when the trained graph was exactly that preset's, checked by fingerprint). InvalidArgument
+// naming the model for a custom one, whose LayerGraph only its author can build.
+absl::StatusOr<LayerGraph> CheckpointPresetModel(const std::string& dir);
+// EvaluateCheckpoint of a preset checkpoint on OpenDataset(`data`) with the checkpoint's seed:
+// what `pipewright eval` runs.
 absl::StatusOr<EvalResult> EvaluateCheckpoint(const std::string& dir, const std::string& data,
                                               int64_t batches);
 

@@ -1,6 +1,7 @@
 // The MPI communicator backend: one rank per process, CPU buffers (docs/mpi_backend.md).
 //
-// Runtime-internal for now (the declarations move to include/pipewright/comm.h later). This
+// Runtime-internal: programs reach it through Launch (include/pipewright/launch.h), which
+// initialises MPI and makes the world under a launcher (runtime/launch.cc). This
 // header does not include <mpi.h>: it compiles in every build; without MPI the functions below
 // come from runtime/comm/no_mpi.cc and fail with FailedPrecondition "built without MPI".
 //

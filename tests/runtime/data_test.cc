@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/time/clock.h"
 #include "tests/test_util.h"
 
 namespace pipewright {
@@ -21,9 +22,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::vector<int32_t> SampleOf(const Dataset& d, int64_t index, int64_t seq_len) {
+std::vector<int32_t> SampleOf(const TokenDataset& d, int64_t index, int64_t seq_len) {
   std::vector<int32_t> out(seq_len + 1, -7);
-  d.Sample(index, seq_len, out.data());
+  d.Tokens(index, seq_len, out.data());
   return out;
 }
 
@@ -33,7 +34,7 @@ std::vector<int32_t> Row(const Tensor& t, int64_t b) {
 }
 
 TEST(SyntheticTest, DeterministicPerSeedAndIndex) {
-  auto a = SyntheticDataset(5), b = SyntheticDataset(5), c = SyntheticDataset(6);
+  auto a = SyntheticDataset(32, 5), b = SyntheticDataset(32, 5), c = SyntheticDataset(32, 6);
   EXPECT_FALSE(a->Describe().empty());
   int differ_seed = 0, differ_index = 0;
   for (int64_t i = 0; i < 20; ++i) {
@@ -46,7 +47,7 @@ TEST(SyntheticTest, DeterministicPerSeedAndIndex) {
   EXPECT_GE(differ_index, 15);
   // Order of calls does not matter.
   auto late = SampleOf(*a, 1000, 24);
-  auto d = SyntheticDataset(5);
+  auto d = SyntheticDataset(32, 5);
   EXPECT_EQ(SampleOf(*d, 1000, 24), late);
   // A shorter window is a prefix of a longer one.
   auto s8 = SampleOf(*a, 3, 8), s24 = SampleOf(*a, 3, 24);
@@ -54,7 +55,7 @@ TEST(SyntheticTest, DeterministicPerSeedAndIndex) {
 }
 
 TEST(SyntheticTest, LettersAndPeriodic) {
-  auto d = SyntheticDataset(1);
+  auto d = SyntheticDataset(32, 1);
   std::vector<int> periods_seen(9, 0);
   for (int64_t i = 0; i < 200; ++i) {
     auto s = SampleOf(*d, i, 32);
@@ -77,8 +78,8 @@ TEST(SyntheticTest, LettersAndPeriodic) {
 }
 
 TEST(BatchTest, IndependentOfLayoutAndShifted) {
-  auto d = SyntheticDataset(11);
   const int64_t T = 16;
+  auto d = SyntheticDataset(T, 11);
   BatchLayout four{.micro_batches = 4, .micro_batch_size = 2, .seq_len = T, .replicas = 1};
   BatchLayout one{.micro_batches = 1, .micro_batch_size = 8, .seq_len = T, .replicas = 1};
   EXPECT_EQ(four.global_batch(), 8);
@@ -121,7 +122,7 @@ TEST(BatchTest, SampleIndexWithReplicas) {
   EXPECT_EQ(l.SampleIndex(0, 0, 1, 2), 5);
   EXPECT_EQ(l.SampleIndex(0, 1, 0, 0), 6);
   EXPECT_EQ(l.SampleIndex(2, 1, 1, 2), 24 + 11);
-  auto d = SyntheticDataset(2);
+  auto d = SyntheticDataset(4, 2);
   StepBatch r1 = MakeStepBatch(*d, l, 2, 1);
   auto s = SampleOf(*d, 24 + 6, 4);
   EXPECT_EQ(Row(r1.inputs[0], 0), std::vector<int32_t>(s.begin(), s.end() - 1));
@@ -200,7 +201,7 @@ TEST_F(TextDataTest, ShortAndMissingFiles) {
   EXPECT_EQ(via.status().code(), absl::StatusCode::kNotFound);
   auto synth = OpenDataset("synthetic", 4, 1);
   ASSERT_TRUE(synth.ok());
-  EXPECT_EQ(SampleOf(**synth, 2, 4), SampleOf(*SyntheticDataset(1), 2, 4));
+  EXPECT_EQ(SampleOf(**synth, 2, 4), SampleOf(*SyntheticDataset(32, 1), 2, 4));
 }
 
 void ExpectSameBatch(const StepBatch& a, const StepBatch& b) {
@@ -215,7 +216,7 @@ void ExpectSameBatch(const StepBatch& a, const StepBatch& b) {
 }
 
 TEST(DataLoaderTest, YieldsConsecutiveStepsLikeMakeStepBatch) {
-  std::shared_ptr<const Dataset> d = SyntheticDataset(9);
+  std::shared_ptr<const Dataset> d = SyntheticDataset(8, 9);
   BatchLayout l{.micro_batches = 2, .micro_batch_size = 3, .seq_len = 8, .replicas = 1};
   DataLoader loader(d, l, 0, /*first_step=*/5, /*prefetch=*/2);
   for (int64_t step = 5; step < 12; ++step) {
@@ -223,11 +224,57 @@ TEST(DataLoaderTest, YieldsConsecutiveStepsLikeMakeStepBatch) {
     EXPECT_EQ(b.step, step);
     ExpectSameBatch(b, MakeStepBatch(*d, l, step, 0));
   }
-  EXPECT_GE(absl::ToDoubleSeconds(loader.wait_time()), 0.0);
+}
+
+// A dataset that takes `delay` per sample: the loader cannot keep ahead of a consumer that
+// takes nothing, so Next waits, and wait_time says how long.
+class SlowDataset final : public Dataset {
+ public:
+  explicit SlowDataset(absl::Duration delay) : delay_(delay) {}
+  std::string Describe() const override { return "slow"; }
+  SampleSpec Spec() const override { return {{2}, DType::kF32, {1}, DType::kI32}; }
+  void Sample(int64_t index, void* input, void* target) const override {
+    absl::SleepFor(delay_);
+    static_cast<float*>(input)[0] = static_cast<float>(index);
+    static_cast<float*>(input)[1] = -static_cast<float>(index);
+    static_cast<int32_t*>(target)[0] = static_cast<int32_t>(index % 7);
+  }
+
+ private:
+  absl::Duration delay_;
+};
+
+TEST(DataLoaderTest, WaitTimeCountsTheTimeNextWaited) {
+  auto d = std::make_shared<SlowDataset>(absl::Milliseconds(10));
+  BatchLayout l{.micro_batches = 2, .micro_batch_size = 2, .seq_len = 1, .replicas = 1};
+  DataLoader loader(d, l, 0, 0, /*prefetch=*/1);
+  const absl::Time start = absl::Now();
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(loader.Next().step, i);
+  const double elapsed = absl::ToDoubleSeconds(absl::Now() - start);
+  const double waited = absl::ToDoubleSeconds(loader.wait_time());
+  // Each step needs 4 samples x 10 ms; the first could not have been ready before it was asked.
+  EXPECT_GE(waited, 0.035);
+  EXPECT_LE(waited, elapsed);
+}
+
+// Any sample shape and dtype: the loader stacks samples along a new leading dimension.
+TEST(BatchTest, CustomSampleSpec) {
+  SlowDataset d(absl::ZeroDuration());
+  BatchLayout l{.micro_batches = 2, .micro_batch_size = 3, .seq_len = 1, .replicas = 1};
+  StepBatch b = MakeStepBatch(d, l, 1, 0);
+  ASSERT_EQ(b.inputs.size(), 2u);
+  EXPECT_EQ(b.inputs[1].shape(), (std::vector<int64_t>{3, 2}));
+  EXPECT_EQ(b.inputs[1].dtype(), DType::kF32);
+  EXPECT_EQ(b.targets[1].shape(), (std::vector<int64_t>{3, 1}));
+  EXPECT_EQ(b.targets[1].dtype(), DType::kI32);
+  // Micro-batch 1, sequence 2 of step 1 is global sample 6 + 3 + 2 = 11.
+  EXPECT_EQ(b.inputs[1].data<float>()[2 * 2], 11.0f);
+  EXPECT_EQ(b.inputs[1].data<float>()[2 * 2 + 1], -11.0f);
+  EXPECT_EQ(b.targets[1].data<int32_t>()[2], 11 % 7);
 }
 
 TEST(DataLoaderTest, DestructsWithBatchesQueued) {
-  std::shared_ptr<const Dataset> d = SyntheticDataset(9);
+  std::shared_ptr<const Dataset> d = SyntheticDataset(8, 9);
   BatchLayout l{.micro_batches = 2, .micro_batch_size = 2, .seq_len = 8, .replicas = 1};
   for (int prefetch : {1, 4}) {
     auto loader = std::make_unique<DataLoader>(d, l, 0, 0, prefetch);

@@ -8,6 +8,7 @@
 
 #include "pipewright/device.h"
 #include "pipewright/engine.h"
+#include "tests/runtime/engine_util.h"
 #include "tests/test_util.h"
 
 namespace pipewright {
@@ -18,10 +19,12 @@ namespace {
     if (CudaDeviceCount() < (n)) GTEST_SKIP() << "needs " << (n) << " GPU(s)"; \
   } while (0)
 
-EngineOptions Options(Device device, int pp, int dp, Precision precision) {
-  EngineOptions o;
-  o.train.preset = "gpt-tiny";
-  o.train.micro_batches = 4;
+using testing_util::EngineSetup;
+using testing_util::MakeEngine;
+
+EngineSetup Options(Device device, int pp, int dp, Precision precision) {
+  EngineSetup o;
+  o.micro_batches = 4;
   o.train.steps = 3;
   o.train.seed = 7;
   o.train.lr = 1e-2f;
@@ -41,10 +44,10 @@ struct RunResult {
   int64_t peak_bytes = 0;
 };
 
-RunResult RunEngine(const EngineOptions& o) {
+RunResult RunEngine(const EngineSetup& o) {
   auto g = PresetModel("gpt-tiny", 2);
   EXPECT_TRUE(g.ok());
-  auto e = Engine::Create(*g, o);
+  auto e = MakeEngine(*g, o);
   EXPECT_TRUE(e.ok()) << e.status();
   RunResult r;
   if (!e.ok()) return r;
@@ -104,17 +107,17 @@ TEST(EngineCuda, Bf16MatchesTheCpuBf16) {
 // promise (any depth = the single stage, bit for bit) holds on the GPU too.
 TEST(EngineCuda, WholePipelineOnOneGpuIsBitIdenticalToOneStage) {
   PW_NEED_GPUS(1);
-  EngineOptions one = Options(Device::Cuda(0), 1, 1, Precision::kFp32);
+  EngineSetup one = Options(Device::Cuda(0), 1, 1, Precision::kFp32);
   one.cuda_devices = {0};
-  EngineOptions four = Options(Device::Cuda(0), 4, 1, Precision::kFp32);
+  EngineSetup four = Options(Device::Cuda(0), 4, 1, Precision::kFp32);
   four.cuda_devices = {0};
   RunResult a = RunEngine(one);
   RunResult b = RunEngine(four);
   EXPECT_EQ(a.losses, b.losses);
   EXPECT_EQ(a.weights, b.weights);
-  EngineOptions dp = Options(Device::Cuda(0), 2, 2, Precision::kFp32);
+  EngineSetup dp = Options(Device::Cuda(0), 2, 2, Precision::kFp32);
   dp.cuda_devices = {0};
-  dp.train.micro_batches = 2;
+  dp.micro_batches = 2;
   RunResult c = RunEngine(dp);
   ASSERT_EQ(c.losses.size(), a.losses.size());
   for (size_t i = 0; i < a.losses.size(); ++i) EXPECT_NEAR(c.losses[i], a.losses[i], 1e-5);
@@ -123,13 +126,13 @@ TEST(EngineCuda, WholePipelineOnOneGpuIsBitIdenticalToOneStage) {
 TEST(EngineCuda, NcclAcrossGpusMatchesOneGpu) {
   PW_NEED_GPUS(2);
   RunResult a = RunEngine(Options(Device::Cuda(0), 1, 1, Precision::kFp32));
-  EngineOptions o = Options(Device::Cuda(0), 2, 1, Precision::kFp32);
-  o.comm = "nccl";
+  EngineSetup o = Options(Device::Cuda(0), 2, 1, Precision::kFp32);
+  o.comm = CommBackend::kNccl;
   RunResult b = RunEngine(o);
   EXPECT_EQ(a.losses, b.losses);  // P2P moves bits; no reduction is involved with dp = 1
-  EngineOptions d = Options(Device::Cuda(0), 1, 2, Precision::kFp32);
-  d.comm = "nccl";
-  d.train.micro_batches = 2;
+  EngineSetup d = Options(Device::Cuda(0), 1, 2, Precision::kFp32);
+  d.comm = CommBackend::kNccl;
+  d.micro_batches = 2;
   RunResult c = RunEngine(d);
   ASSERT_EQ(c.losses.size(), a.losses.size());
   for (size_t i = 0; i < a.losses.size(); ++i) EXPECT_NEAR(c.losses[i], a.losses[i], 1e-5);
@@ -142,15 +145,15 @@ TEST_F(EngineCudaCheckpoint, GpuCheckpointResumesOnTheCpu) {
   PW_NEED_GPUS(1);
   auto g = PresetModel("gpt-tiny", 2);
   ASSERT_TRUE(g.ok());
-  EngineOptions o = Options(Device::Cuda(0), 2, 1, Precision::kFp32);
+  EngineSetup o = Options(Device::Cuda(0), 2, 1, Precision::kFp32);
   o.cuda_devices = {0};
-  auto e = Engine::Create(*g, o);
+  auto e = MakeEngine(*g, o);
   ASSERT_TRUE(e.ok()) << e.status();
   ASSERT_TRUE((*e)->Step().ok());
   ASSERT_TRUE((*e)->Save(Path("ck")).ok());
   auto next_gpu = (*e)->Step();
   ASSERT_TRUE(next_gpu.ok());
-  auto c = Engine::Create(*g, Options(Device::Cpu(), 1, 1, Precision::kFp32));
+  auto c = MakeEngine(*g, Options(Device::Cpu(), 1, 1, Precision::kFp32));
   ASSERT_TRUE(c.ok());
   ASSERT_TRUE((*c)->Resume(Path("ck")).ok());
   auto next_cpu = (*c)->Step();

@@ -16,6 +16,7 @@
 #include "pipewright/engine.h"
 #include "pipewright/layer.h"
 #include "pipewright/train.h"
+#include "tests/runtime/engine_util.h"
 #include "tests/test_util.h"
 
 namespace pipewright {
@@ -29,10 +30,10 @@ LayerGraph Tiny() {
   return *std::move(g);
 }
 
+constexpr int64_t kMicroBatches = 4;  // of the single-stage runs
+
 TrainOptions Train(Precision p, int64_t steps = 4) {
   TrainOptions o;
-  o.preset = "gpt-tiny";
-  o.micro_batches = 4;
   o.steps = steps;
   o.seed = 7;
   o.lr = 1e-2f;
@@ -213,7 +214,7 @@ INSTANTIATE_TEST_SUITE_P(HalfTypes, LinearMixedTest, testing::Values(DType::kBF1
 // ---- whole training runs ----
 
 std::vector<StepResult> RunTrainer(const TrainOptions& o, WeightMap* weights = nullptr) {
-  auto t = Trainer::Create(Tiny(), o);
+  auto t = Trainer::Create(Tiny(), kMicroBatches, o);
   EXPECT_TRUE(t.ok()) << t.status();
   std::vector<StepResult> out;
   if (!t.ok()) return out;
@@ -246,9 +247,14 @@ TEST(MixedPrecisionTraining, Bf16AndFp16TrackFp32Closely) {
   }
 }
 
-EngineOptions Layout(const TrainOptions& t, int pp, int dp, ScheduleKind kind) {
-  EngineOptions o;
+using testing_util::EngineSetup;
+using testing_util::MakeEngine;
+
+// The single-stage runs' global batch over pp x dp ranks.
+EngineSetup Layout(const TrainOptions& t, int pp, int dp, ScheduleKind kind) {
+  EngineSetup o;
   o.train = t;
+  o.micro_batches = kMicroBatches / dp;
   o.pp = pp;
   o.dp = dp;
   o.schedule = kind;
@@ -256,8 +262,8 @@ EngineOptions Layout(const TrainOptions& t, int pp, int dp, ScheduleKind kind) {
   return o;
 }
 
-std::vector<StepResult> RunEngine(const EngineOptions& o, WeightMap* weights = nullptr) {
-  auto e = Engine::Create(Tiny(), o);
+std::vector<StepResult> RunEngine(const EngineSetup& o, WeightMap* weights = nullptr) {
+  auto e = MakeEngine(Tiny(), o);
   EXPECT_TRUE(e.ok()) << e.status();
   std::vector<StepResult> out;
   if (!e.ok()) return out;
@@ -327,7 +333,6 @@ TEST(LossScaling, OverflowSkipsTheStepBacksOffThenTrainsAndGrows) {
 // too, and every rank keeps the same scale, so pp x dp matches the single-stage run.
 TEST(LossScaling, EveryRankSkipsTogetherAndMatchesSingleStage) {
   TrainOptions t = Overflowing(6);
-  t.micro_batches = 2;
   WeightMap ref_w, w;
   std::vector<StepResult> ref = RunTrainer(Overflowing(6), &ref_w);
   std::vector<StepResult> run = RunEngine(Layout(t, 2, 2, ScheduleKind::k1F1B), &w);
@@ -347,12 +352,12 @@ TEST_F(LossScaleCheckpointTest, ResumeRestoresTheScaleAndContinuesBitIdentically
   std::vector<StepResult> whole = RunEngine(Layout(t, 2, 1, ScheduleKind::k1F1B));
   ASSERT_EQ(whole.size(), 7u);
 
-  auto a = Engine::Create(Tiny(), Layout(t, 2, 1, ScheduleKind::k1F1B));
+  auto a = MakeEngine(Tiny(), Layout(t, 2, 1, ScheduleKind::k1F1B));
   ASSERT_TRUE(a.ok()) << a.status();
   for (int i = 0; i < 4; ++i) ASSERT_TRUE((*a)->Step().ok());
   ASSERT_TRUE((*a)->Save(Path("ck")).ok());
   // Resumed into another layout (the single-stage Trainer): the scale comes from the manifest.
-  auto b = Trainer::Create(Tiny(), t);
+  auto b = Trainer::Create(Tiny(), kMicroBatches, t);
   ASSERT_TRUE(b.ok()) << b.status();
   ASSERT_TRUE((*b)->Resume(Path("ck")).ok());
   for (int i = 4; i < 7; ++i) {
@@ -367,10 +372,10 @@ TEST_F(LossScaleCheckpointTest, ResumeRestoresTheScaleAndContinuesBitIdentically
 TEST(LossScaling, BadOptionsAreRejectedAtCreate) {
   TrainOptions t = Train(Precision::kFp16);
   t.loss_scale.growth_interval = 0;
-  auto e = Engine::Create(Tiny(), Layout(t, 2, 1, ScheduleKind::k1F1B));
+  auto e = MakeEngine(Tiny(), Layout(t, 2, 1, ScheduleKind::k1F1B));
   ASSERT_FALSE(e.ok());
   EXPECT_NE(e.status().message().find("--loss-scale-window"), std::string::npos);
-  EXPECT_FALSE(Trainer::Create(Tiny(), t).ok());
+  EXPECT_FALSE(Trainer::Create(Tiny(), kMicroBatches, t).ok());
 }
 
 }  // namespace

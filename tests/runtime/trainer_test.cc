@@ -18,14 +18,17 @@ namespace fs = std::filesystem;
 
 class TrainerTest : public testing_util::ScratchDirTest {};
 
-TrainOptions Options(int64_t micro_batches, int64_t steps) {
-  TrainOptions o;
-  o.preset = "gpt-tiny";
-  o.micro_batches = micro_batches;
-  o.steps = steps;
-  o.seed = 1;
-  o.data = "synthetic";
-  return o;
+struct TrainerSetup {
+  int64_t micro_batches = 1;
+  TrainOptions train;
+};
+
+TrainerSetup Options(int64_t micro_batches, int64_t steps) {
+  TrainerSetup s;
+  s.micro_batches = micro_batches;
+  s.train.steps = steps;
+  s.train.seed = 1;
+  return s;
 }
 
 LayerGraph Tiny(int64_t mbs) {
@@ -34,8 +37,8 @@ LayerGraph Tiny(int64_t mbs) {
   return *std::move(g);
 }
 
-std::unique_ptr<Trainer> MakeTrainer(const LayerGraph& g, const TrainOptions& o) {
-  auto t = Trainer::Create(g, o);
+std::unique_ptr<Trainer> MakeTrainer(const LayerGraph& g, const TrainerSetup& s) {
+  auto t = Trainer::Create(g, s.micro_batches, s.train);
   EXPECT_TRUE(t.ok()) << t.status();
   return t.ok() ? *std::move(t) : nullptr;
 }
@@ -96,8 +99,8 @@ TEST_F(TrainerTest, SameSeedIsBitIdentical) {
   EXPECT_EQ(la, lb);
   EXPECT_EQ(Weights(*a), Weights(*b));
 
-  TrainOptions other = Options(2, 4);
-  other.seed = 2;
+  TrainerSetup other = Options(2, 4);
+  other.train.seed = 2;
   auto c = MakeTrainer(g, other);
   ASSERT_TRUE(c);
   EXPECT_NE(RunSteps(*c, 1)[0], la[0]);
@@ -184,8 +187,8 @@ TEST_F(TrainerTest, ResumeMismatchErrorsAndLeavesWeights) {
   EXPECT_EQ(Weights(*wider), wb);
 
   // A different optimizer.
-  TrainOptions sgd = Options(2, 6);
-  sgd.optimizer.kind = OptimizerKind::kSgd;
+  TrainerSetup sgd = Options(2, 6);
+  sgd.train.optimizer.kind = OptimizerKind::kSgd;
   auto sgd_t = MakeTrainer(g, sgd);
   ASSERT_TRUE(sgd_t);
   auto sb = Weights(*sgd_t);
@@ -218,18 +221,19 @@ TEST_F(TrainerTest, MemoryAccounting) {
 
 TEST_F(TrainerTest, CreateRejectsBadOptions) {
   LayerGraph g = Tiny(4);
-  TrainOptions o = Options(0, 6);
-  EXPECT_FALSE(Trainer::Create(g, o).ok());
-  o = Options(2, 6);
+  EXPECT_FALSE(Trainer::Create(g, 0, Options(0, 6).train).ok());
+  TrainOptions o = Options(2, 6).train;
   o.lr = 0;
-  EXPECT_FALSE(Trainer::Create(g, o).ok());
-  o = Options(2, 6);
-  o.data = Path("missing.txt");
-  EXPECT_FALSE(Trainer::Create(g, o).ok());
-  o = Options(2, 6);
+  EXPECT_FALSE(Trainer::Create(g, 2, o).ok());
+  // Data whose samples do not have the model's sequence length.
+  auto wrong =
+      Trainer::Create(g, 2, Options(2, 6).train, SyntheticDataset(g.shape().seq_len * 2, 1));
+  ASSERT_FALSE(wrong.ok());
+  EXPECT_NE(wrong.status().message().find("sequence"), std::string::npos) << wrong.status();
+  o = Options(2, 6).train;
   o.lr_scaling = LrScaling::kLinear;
   o.base_batch = 4;
-  auto t = Trainer::Create(g, o);
+  auto t = Trainer::Create(g, 2, o);
   ASSERT_TRUE(t.ok());
   EXPECT_FLOAT_EQ((*t)->PeakLr(), o.lr * 2);  // global batch 8 over base 4
 }

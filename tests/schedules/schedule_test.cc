@@ -429,3 +429,79 @@ TEST(ParseScheduleTest, ErrorsNameLineAndToken) {
 
 }  // namespace
 }  // namespace pipewright
+
+namespace pipewright {
+namespace {
+
+// A transport without tags (NCCL) matches messages in posting order: the engine checks that a
+// schedule allows it before running it there. 1F1B, GPipe and ZB-H1 do; the check must also be
+// able to fail.
+TEST(FifoOrder, OneFOneBPassesAndASwappedReceiveFails) {
+  for (ScheduleKind k : {ScheduleKind::k1F1B, ScheduleKind::kGpipe, ScheduleKind::kZbH1}) {
+    auto s = GenerateSchedule({k, 4, 8, 1});
+    ASSERT_TRUE(s.ok());
+    ASSERT_TRUE(LowerComm(*s).ok());
+    EXPECT_TRUE(CheckFifoOrder(*s).ok()) << ScheduleKindName(k) << ": " << CheckFifoOrder(*s);
+  }
+  auto s = GenerateSchedule({ScheduleKind::kGpipe, 2, 4, 1});
+  ASSERT_TRUE(s.ok());
+  ASSERT_TRUE(LowerComm(*s).ok());
+  // Rank 1 receives micro-batches 0 and 1 in swapped order.
+  std::vector<Action>& acts = s->programs[1].actions;
+  std::vector<size_t> recvs;
+  for (size_t i = 0; i < acts.size(); ++i) {
+    if (acts[i].kind == ActionKind::kRecvF) recvs.push_back(i);
+  }
+  ASSERT_GE(recvs.size(), 2u);
+  std::swap(acts[recvs[0]].micro_batch, acts[recvs[1]].micro_batch);
+  absl::Status st = CheckFifoOrder(*s);
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("pipeline rank 0 to 1"), std::string::npos) << st;
+}
+
+// Message tags are distinct for every (micro-batch, stage, direction) of a step.
+TEST(FifoOrder, MessageTagsAreDistinct) {
+  std::vector<int64_t> tags;
+  for (int mb = 0; mb < 5; ++mb) {
+    for (int s = 0; s < 6; ++s) {
+      for (bool fwd : {true, false}) tags.push_back(MessageTag(6, mb, s, fwd));
+    }
+  }
+  std::sort(tags.begin(), tags.end());
+  EXPECT_EQ(std::adjacent_find(tags.begin(), tags.end()), tags.end());
+}
+
+// A hand-written program reads its ranks, stages and micro-batches from the text.
+TEST(ParseProgram, InfersTheShapeAndMatchesTheGenerator) {
+  auto gen = GenerateSchedule({ScheduleKind::k1F1B, 2, 4, 1});
+  ASSERT_TRUE(gen.ok());
+  auto parsed = ParseProgram(ToText(*gen));
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->spec.kind, ScheduleKind::kCustom);
+  EXPECT_EQ(parsed->spec.ranks, 2);
+  EXPECT_EQ(parsed->spec.micro_batches, 4);
+  EXPECT_EQ(parsed->num_stages, 2);
+  EXPECT_FALSE(parsed->lowered);
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(parsed->programs[r].actions, gen->programs[r].actions);
+  // Interleaved placement: four stages on two ranks.
+  auto two = ParseProgram("rank 0: F0@s0 F0@s2 B0@s2 B0@s0\nrank 1: F0@s1 F0@s3 B0@s3 B0@s1\n");
+  ASSERT_TRUE(two.ok()) << two.status();
+  EXPECT_EQ(two->spec.chunks, 2);
+  EXPECT_EQ(two->num_stages, 4);
+}
+
+TEST(ParseProgram, NamesWhatIsWrong) {
+  EXPECT_NE(ParseProgram("# nothing\n").status().message().find("no 'rank R"), std::string::npos);
+  EXPECT_NE(ParseProgram("rank 1: F0@s1 B0@s1\n").status().message().find("rank lines"),
+            std::string::npos);
+  EXPECT_NE(ParseProgram("rank 0: F0@s0 B0@s0\nrank 1: F0@s2 B0@s2\n")
+                .status()
+                .message()
+                .find("multiple of the ranks"),
+            std::string::npos);
+  absl::Status bad = ParseProgram("rank 0: F0@s0 X1@s0\n").status();
+  EXPECT_NE(bad.message().find("line 1"), std::string::npos) << bad;
+}
+
+}  // namespace
+}  // namespace pipewright

@@ -1,0 +1,385 @@
+// The Engine: set-up of every rank this process runs, the step, checkpoints (engine.h). The
+// ranks' work is in rank_step.cc / rank_p2p.cc, the reports in reports.cc.
+#include "pipewright/engine.h"
+
+#include <cmath>
+#include <exception>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "pipewright/checkpoint.h"
+#include "runtime/engine/engine_impl.h"
+#include "runtime/train_state.h"
+
+namespace pipewright {
+
+using internal::Clock;
+using internal::RankExecutor;
+using internal::StageRt;
+
+internal::RankExecutor* Engine::Impl::Find(int global) const {
+  for (const auto& r : ranks) {
+    if (r->global == global) return r.get();
+  }
+  return nullptr;
+}
+
+namespace {
+
+absl::Status CheckTrainOptions(const TrainOptions& o) {
+  if (o.steps < 0) return absl::InvalidArgumentError("--steps must be >= 0");
+  if (!(o.lr > 0) || !std::isfinite(o.lr)) {
+    return absl::InvalidArgumentError("--lr must be a positive number");
+  }
+  if (o.precision == Precision::kFp16) PW_RETURN_IF_ERROR(LossScaler::Validate(o.loss_scale));
+  if (o.bucket_bytes < 1) return absl::InvalidArgumentError("the bucket size must be positive");
+  return absl::OkStatus();
+}
+
+// Samples are sequences of the length the model was staged for (its MicroBatchShape).
+absl::Status CheckData(const Dataset& data, const LayerGraph& graph) {
+  const SampleSpec spec = data.Spec();
+  if (spec.input_shape.empty() || spec.input_shape[0] != graph.shape().seq_len) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the data (", data.Describe(), ") gives samples of shape [",
+                     absl::StrJoin(spec.input_shape, ", "), "], but ", graph.name(),
+                     " was staged for sequences of ", graph.shape().seq_len,
+                     " (the first sample dimension must be the sequence length)"));
+  }
+  return absl::OkStatus();
+}
+
+// Activation shape at every layer boundary of one micro-batch, from the data's input shape and
+// the layers' shape functions (nothing allocated).
+std::vector<std::vector<int64_t>> BoundaryShapes(const LayerGraph& graph, const SampleSpec& spec) {
+  const int L = graph.num_layers();
+  std::vector<std::vector<int64_t>> at(L + 1);
+  at[0] = {graph.shape().batch};
+  at[0].insert(at[0].end(), spec.input_shape.begin(), spec.input_shape.end());
+  for (int i = 0; i < L; ++i) at[i + 1] = graph.node(i).spec->OutputShape(at[i]);
+  return at;
+}
+
+// The rank's device: on CUDA its GPU, a stream and a stream-ordered allocator.
+absl::Status PlaceOnDevice(RankExecutor& ex, int cuda_device) {
+  if (cuda_device < 0) return absl::OkStatus();
+  ex.cuda_device = cuda_device;
+  PW_RETURN_IF_ERROR(ex.BindDevice());
+  PW_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create(Device::Cuda(cuda_device)));
+  ex.stream = std::make_unique<CudaStream>(std::move(stream));
+  PW_ASSIGN_OR_RETURN(ex.alloc, CreateCudaAllocator(cuda_device, ex.stream->get()));
+  return absl::OkStatus();
+}
+
+// Instantiates virtual stage `s` on `ex`: only its layers, initialised on the host from the seed
+// and their global names, then moved to the rank's device.
+absl::StatusOr<StageRt> BuildStage(RankExecutor& ex, const Engine::Impl& m, int s,
+                                   const std::vector<std::vector<int64_t>>& shape_at,
+                                   DType input_dtype) {
+  const RunSpec& run = m.run;
+  StageRt st;
+  st.index = s;
+  st.begin = run.boundaries[s];
+  st.end = run.boundaries[s + 1];
+  st.first = s == 0;
+  st.last = s == run.num_stages() - 1;
+  st.recompute = run.recompute[s] == Recompute::kFull;
+  PW_ASSIGN_OR_RETURN(st.stage, m.graph.Instantiate(st.begin, st.end, m.options.seed,
+                                                    ex.on_cuda() ? ex.host.get() : ex.alloc.get()));
+  if (ex.on_cuda()) {
+    for (Parameter* p : st.stage->Parameters()) {
+      Tensor v = Tensor::Empty(p->value.shape(), DType::kF32, ex.alloc.get());
+      PW_RETURN_IF_ERROR(ops::Copy(ops::Exec{ex.alloc.get()}, p->value, v));
+      p->value = std::move(v);
+      p->grad = Tensor::Zeros(p->value.shape(), DType::kF32, ex.alloc.get());
+    }
+    PW_RETURN_IF_ERROR(ex.Sync());
+  }
+  st.in_shape = shape_at[st.begin];
+  st.in_dtype = st.first ? input_dtype : DType::kF32;
+  st.out_shape = shape_at[st.end];
+  const Program& prog = ex.program();
+  for (size_t i = 0; i < prog.actions.size(); ++i) {
+    const Action& a = prog.actions[i];
+    if (a.virtual_stage == s && (a.kind == ActionKind::kB || a.kind == ActionKind::kW)) {
+      st.last_backward = static_cast<int>(i);
+    }
+  }
+  return st;
+}
+
+// One rank of this process: its device, its stages, optimizer and loss scaler (the gradient
+// synchronization comes once the data-parallel groups exist: ConnectReplicas).
+absl::StatusOr<std::unique_ptr<RankExecutor>> BuildRank(
+    Engine::Impl& m, RankEndpoint endpoint, const std::vector<std::vector<int64_t>>& shape_at) {
+  auto ex = std::make_unique<RankExecutor>();
+  ex->slot = static_cast<int>(m.ranks.size());
+  ex->ctx = &m.ctx;
+  ex->data = m.data;
+  ex->global = endpoint.global_rank;
+  ex->pipe = m.ctx.topo.PipelineRank(ex->global);
+  ex->replica = m.ctx.topo.Replica(ex->global);
+  ex->world = std::move(endpoint.comm);
+  PW_RETURN_IF_ERROR(PlaceOnDevice(*ex, endpoint.cuda_device));
+  const int S = m.run.num_stages();
+  ex->local.assign(S, -1);
+  for (int s = 0; s < S; ++s) {
+    if (m.run.schedule.stage_rank[s] != ex->pipe) continue;
+    PW_ASSIGN_OR_RETURN(StageRt st, BuildStage(*ex, m, s, shape_at, m.data->Spec().input_dtype));
+    ex->local[s] = static_cast<int>(ex->stages.size());
+    ex->stages.push_back(std::move(st));
+  }
+  for (StageRt& st : ex->stages) {
+    for (Parameter* p : st.stage->Parameters()) ex->params.push_back(p);
+  }
+  const TrainOptions& to = m.options;
+  if (ex->on_cuda() && to.optimizer.kind != OptimizerKind::kAdamW) {
+    return absl::InvalidArgumentError("--device cuda supports --optimizer adamw only");
+  }
+  ex->optimizer = Optimizer::Create(to.optimizer, ex->params, ex->alloc.get());
+  if (to.precision == Precision::kFp16) ex->scaler = LossScaler(to.loss_scale);
+  ex->static_bytes = ex->alloc->current_bytes();
+  ex->total.global_rank = ex->global;
+  ex->total.pipeline_rank = ex->pipe;
+  ex->total.replica = ex->replica;
+  return ex;
+}
+
+// Splits every rank's data-parallel group off the world (collective, one thread per rank) and
+// gives each rank its gradient synchronization over it.
+absl::Status ConnectReplicas(Engine::Impl& m) {
+  const absl::Duration timeout = m.ctx.timeout;
+  const int dp = m.run.data_parallel;
+  const int64_t bucket_bytes = m.options.bucket_bytes;
+  return m.OnEveryRank([timeout, dp, bucket_bytes](RankExecutor& r) -> absl::Status {
+    if (dp > 1) {
+      PW_ASSIGN_OR_RETURN(r.dp_comm, r.world->Split(r.pipe, r.replica, timeout));
+    }
+    std::vector<internal::GradSyncStage> stages;
+    for (StageRt& st : r.stages) {
+      internal::GradSyncStage gs{st.index, {}};
+      for (int i = 0; i < st.stage->size(); ++i) {
+        gs.layers.push_back(st.stage->layer(i).Parameters());
+      }
+      stages.push_back(std::move(gs));
+    }
+    r.grad_sync =
+        internal::CreateBucketedAllReduce(r.SyncContext(), std::move(stages), bucket_bytes);
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const LayerGraph& graph, RunSpec run,
+                                                       const TrainOptions& options,
+                                                       std::shared_ptr<const Dataset> data,
+                                                       World world) {
+  PW_RETURN_IF_ERROR(CheckTrainOptions(options));
+  PW_RETURN_IF_ERROR(CheckRunSpec(run, graph.num_layers()));
+  if (data == nullptr) return absl::InvalidArgumentError("Engine::Create: no dataset");
+  PW_RETURN_IF_ERROR(CheckData(*data, graph));
+  auto impl = std::make_unique<Impl>();
+  Impl& m = *impl;
+  m.graph = graph;
+  m.run = std::move(run);
+  m.options = options;
+  m.data = std::move(data);
+  m.world = std::make_unique<World>(std::move(world));
+  m.ctx.graph = &m.graph;
+  m.ctx.run = &m.run;
+  m.ctx.options = &m.options;
+  m.ctx.topo = Topology{m.run.pipeline_parallel(), m.run.data_parallel};
+  m.ctx.layout = {m.run.micro_batches(), graph.shape().batch, graph.shape().seq_len,
+                  m.run.data_parallel};
+  m.ctx.timeout = m.world->options().timeout;
+  m.lr.peak = ScaleLearningRate(options.lr, m.ctx.layout.global_batch(), options.base_batch,
+                                options.lr_scaling);
+  m.lr.warmup_steps = options.warmup_steps;
+  m.lr.total_steps = std::max<int64_t>(1, options.steps);
+  m.lr.min_ratio = options.min_lr_ratio;
+
+  PW_ASSIGN_OR_RETURN(std::vector<RankEndpoint> endpoints, m.world->Connect(m.ctx.topo));
+  if (!endpoints.empty() && !endpoints[0].comm->capabilities().tagged_p2p) {
+    PW_RETURN_IF_ERROR(CheckFifoOrder(m.run.schedule));
+  }
+  if (m.world->multi_process()) {
+    // Processes start their clocks together (to within a barrier), so their trace events line
+    // up in one timeline.
+    std::unique_ptr<Work> b = endpoints[0].comm->Barrier();
+    PW_RETURN_IF_ERROR(b->Wait(m.ctx.timeout));
+  }
+  m.ctx.epoch = Clock::now();
+  const auto shape_at = BoundaryShapes(graph, m.data->Spec());
+  for (RankEndpoint& e : endpoints) {
+    PW_ASSIGN_OR_RETURN(std::unique_ptr<RankExecutor> ex, BuildRank(m, std::move(e), shape_at));
+    m.ranks.push_back(std::move(ex));
+  }
+  PW_RETURN_IF_ERROR(ConnectReplicas(m));
+  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+}
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Engine::~Engine() {
+  // Communicators first: a backend may still hold buffers from any rank's allocator (a
+  // receive posted before an abort), and every allocator must outlive them.
+  for (auto& r : impl_->ranks) r->dp_comm.reset();
+  for (auto& r : impl_->ranks) r->world.reset();
+  for (auto& r : impl_->ranks) {
+    if (!r->on_cuda()) continue;
+    // Device memory is freed on the rank's stream, from this thread: make its GPU current,
+    // drop every device tensor, drain the stream, then release the stream's cuBLAS context.
+    (void)r->BindDevice();
+    r->grad_sync.reset();
+    r->stages.clear();
+    r->optimizer.reset();
+    r->params.clear();
+    (void)r->Sync();
+    ops::ReleaseStream(r->alloc->stream());
+  }
+}
+
+absl::StatusOr<StepReport> Engine::Step() {
+  Impl& m = *impl_;
+  if (!m.failed.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the engine stopped after an earlier failure: ", m.failed.message()));
+  }
+  const float lr = m.lr.At(m.step);
+  const int64_t step = m.step;
+  std::vector<internal::StepOutcome> outcomes(m.ranks.size());
+  const Clock::time_point t0 = Clock::now();
+  absl::Status s =
+      m.OnEveryRank([&](RankExecutor& r) { return r.RunStep(step, lr, &outcomes[r.slot]); });
+  if (!s.ok()) {
+    m.failed = s;
+    return s;
+  }
+  StepReport rep;
+  rep.result.step = step;
+  rep.result.loss = outcomes[0].loss;
+  rep.result.grad_norm = outcomes[0].grad_norm;
+  rep.result.loss_scale = outcomes[0].loss_scale;
+  rep.result.skipped = outcomes[0].skipped;
+  rep.result.lr = lr;
+  rep.result.step_time_s = internal::Seconds(t0, Clock::now());
+  rep.result.samples_per_s =
+      rep.result.step_time_s > 0 ? m.ctx.layout.global_batch() / rep.result.step_time_s : 0;
+  for (auto& r : m.ranks) {
+    RankTimes t = r->step_times;
+    t.global_rank = r->global;
+    t.pipeline_rank = r->pipe;
+    t.replica = r->replica;
+    for (const StageRt& st : r->stages) t.stages.push_back(st.index);
+    rep.result.data_wait_s = std::max(rep.result.data_wait_s, t.data_wait);
+    rep.ranks.push_back(std::move(t));
+  }
+  m.wall += rep.result.step_time_s;
+  ++m.steps_run;
+  ++m.step;
+  return rep;
+}
+
+int64_t Engine::step() const { return impl_->step; }
+int64_t Engine::global_batch() const { return impl_->ctx.layout.global_batch(); }
+float Engine::PeakLr() const { return impl_->lr.peak; }
+const RunSpec& Engine::run() const { return impl_->run; }
+const Topology& Engine::topology() const { return impl_->ctx.topo; }
+bool Engine::multi_process() const { return impl_->world->multi_process(); }
+bool Engine::is_root() const { return impl_->world->is_root(); }
+
+std::vector<Parameter*> Engine::RankParameters(int global_rank) const {
+  RankExecutor* r = impl_->Find(global_rank);
+  return r != nullptr ? r->params : std::vector<Parameter*>{};
+}
+
+int64_t Engine::RankMemoryBytes(int global_rank) const {
+  RankExecutor* r = impl_->Find(global_rank);
+  return r != nullptr ? r->alloc->current_bytes() : 0;
+}
+
+int64_t Engine::RankPeakMemoryBytes(int global_rank) const {
+  RankExecutor* r = impl_->Find(global_rank);
+  return r != nullptr ? r->alloc->peak_bytes() : 0;
+}
+
+NamedTensors Engine::Weights() const {
+  const Impl& m = *impl_;
+  NamedTensors out;
+  for (int s = 0; s < m.run.num_stages(); ++s) {
+    // Multi-process: only the stages this process holds (when it is in replica 0).
+    RankExecutor* rp = m.Find(m.ctx.topo.GlobalRank(m.run.schedule.stage_rank[s], 0));
+    if (rp == nullptr) continue;
+    RankExecutor& r = *rp;
+    PW_CHECK(r.BindDevice().ok());
+    for (Parameter* q : r.Local(s)->stage->Parameters()) {
+      // A device that fails a copy of its own weights has failed; internal invariant.
+      absl::StatusOr<Tensor> h = r.ToHost(q->value);
+      PW_CHECK(h.ok());
+      out.emplace_back(q->name, q->value.device().is_cpu() ? h->Clone() : *std::move(h));
+    }
+  }
+  return out;
+}
+
+absl::Status Engine::Save(const std::string& dir) const {
+  const Impl& m = *impl_;
+  if (m.world->multi_process()) {
+    return absl::UnimplementedError(
+        "--save in a multi-process run is not supported yet: the weights live in different "
+        "processes (run the same plan in one process to checkpoint it)");
+  }
+  internal::ManifestInfo info;
+  info.graph = &m.graph;
+  info.options = &m.options;
+  info.data_source = m.data->Describe();
+  info.layout = m.ctx.layout;
+  info.pp = m.ctx.topo.pp;
+  info.dp = m.ctx.topo.dp;
+  info.chunks = m.run.schedule.spec.chunks;
+  info.schedule = m.run.ScheduleName();
+  info.step = m.step;
+  info.optimizer_step = m.ranks[0]->optimizer->step_count();
+  info.lr = m.lr;
+  info.scaler = &m.ranks[0]->scaler;
+  // Replica 0 holds every stage: weights in model order, and every rank's optimizer state.
+  NamedTensors model = Weights(), opt;
+  for (const auto& r : m.ranks) {
+    if (r->replica != 0) continue;
+    PW_RETURN_IF_ERROR(r->BindDevice());
+    for (auto& [name, t] : r->optimizer->State()) {
+      PW_ASSIGN_OR_RETURN(Tensor h, r->ToHost(t));
+      opt.emplace_back(name, std::move(h));
+    }
+  }
+  return WriteCheckpoint(dir, internal::BuildManifest(info), model, opt);
+}
+
+absl::Status Engine::Resume(const std::string& dir) {
+  Impl& m = *impl_;
+  PW_ASSIGN_OR_RETURN(Checkpoint ck, ReadCheckpoint(dir));
+  PW_ASSIGN_OR_RETURN(internal::ResumePoint at,
+                      internal::CheckManifest(dir, ck.manifest_json, m.graph, m.ctx.layout,
+                                              m.options.optimizer.kind));
+  // Validate every tensor of every rank before touching any weight or optimizer state.
+  for (auto& r : m.ranks) PW_RETURN_IF_ERROR(internal::CheckParameters(dir, ck.model, r->params));
+  for (auto& r : m.ranks) {
+    PW_RETURN_IF_ERROR(r->BindDevice());
+    PW_RETURN_IF_ERROR(r->optimizer->LoadState(ck.optimizer, at.optimizer_step));
+  }
+  for (auto& r : m.ranks) {
+    PW_RETURN_IF_ERROR(r->BindDevice());
+    for (Parameter* p : r->params) {
+      PW_RETURN_IF_ERROR(ops::Copy(ops::Exec{r->alloc.get()}, ck.model.at(p->name), p->value));
+    }
+    PW_RETURN_IF_ERROR(r->Sync());
+    internal::RestoreLossScaler(at, &r->scaler);
+    r->loader.reset();  // restarts at the checkpoint's data position
+  }
+  m.step = at.step;
+  return absl::OkStatus();
+}
+
+}  // namespace pipewright

@@ -1,0 +1,191 @@
+// RankExecutor: the rank's device, clocks, waits and world-wide reductions (rank_executor.h).
+#include "runtime/engine/rank_executor.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace pipewright::internal {
+
+bool RankExecutor::needs_data() const {
+  for (const StageRt& s : stages) {
+    if (s.first || s.last) return true;
+  }
+  return false;
+}
+
+std::string RankExecutor::Who() const {
+  return absl::StrFormat("rank %d (pipeline rank %d, replica %d)", global, pipe, replica);
+}
+
+int RankExecutor::PeerOf(int stage) const {
+  return ctx->topo.GlobalRank(ctx->run->schedule.stage_rank[stage], replica);
+}
+
+StageRt* RankExecutor::Local(int stage) {
+  if (stage < 0 || stage >= static_cast<int>(local.size()) || local[stage] < 0) return nullptr;
+  return &stages[local[stage]];
+}
+
+absl::Status RankExecutor::BindDevice() const {
+  return on_cuda() ? SetCudaDevice(cuda_device) : absl::OkStatus();
+}
+
+absl::Status RankExecutor::Sync() const {
+  return on_cuda() ? SynchronizeStream(alloc->stream()) : absl::OkStatus();
+}
+
+absl::StatusOr<Tensor> RankExecutor::ToHost(const Tensor& t) const {
+  if (t.device().is_cpu()) return t;
+  Tensor h = Tensor::Empty(t.shape(), t.dtype(), DefaultCpuAllocator());
+  PW_RETURN_IF_ERROR(ops::Copy(ops::Exec{alloc.get()}, t, h));
+  return h;
+}
+
+absl::Status RankExecutor::WaitOrAbort(Work& w, const std::string& what) {
+  absl::Status s = w.Wait(ctx->timeout);
+  if (s.ok()) return s;
+  absl::Status first = world->abort_status();
+  if (!first.ok()) return first;  // another rank failed first: report that
+  return absl::Status(s.code(), absl::StrCat(Who(), " ", what, ": ", s.message()));
+}
+
+template <typename Op>
+absl::Status RankExecutor::HostCollective(const Tensor& in, Tensor& out, const std::string& what,
+                                          Op op) {
+  if (world->capabilities().host_memory) {
+    std::unique_ptr<Work> w = op(in, out);
+    return WaitOrAbort(*w, what);
+  }
+  // A device-only backend (NCCL): stage through the rank's GPU (one buffer when in place).
+  const ops::Exec e{alloc.get()};
+  Tensor din = Tensor::Empty(in.shape(), in.dtype(), alloc.get());
+  Tensor dout = &in == &out ? din : Tensor::Empty(out.shape(), out.dtype(), alloc.get());
+  PW_RETURN_IF_ERROR(ops::Copy(e, in, din));
+  std::unique_ptr<Work> w = op(din, dout);
+  PW_RETURN_IF_ERROR(WaitOrAbort(*w, what));
+  return ops::Copy(e, dout, out);
+}
+
+absl::Status RankExecutor::AllReduceHost(Tensor& v, const std::string& what) {
+  return HostCollective(v, v, what,
+                        [this](const Tensor&, Tensor& out) { return world->AllReduce(out); });
+}
+
+absl::StatusOr<std::vector<std::string>> RankExecutor::AllGatherBytes(const std::string& mine,
+                                                                      const std::string& what) {
+  const int n = world->size();
+  auto gather = [this](const Tensor& in, Tensor& out) { return world->AllGather(in, out); };
+  Tensor len = Tensor::Empty({1}, DType::kI32, host.get());
+  len.data<int32_t>()[0] = static_cast<int32_t>(mine.size());
+  Tensor lens = Tensor::Empty({n}, DType::kI32, host.get());
+  PW_RETURN_IF_ERROR(HostCollective(len, lens, what, gather));
+  int64_t longest = 0;
+  for (int i = 0; i < n; ++i) longest = std::max<int64_t>(longest, lens.data<int32_t>()[i]);
+  const int64_t words = std::max<int64_t>(1, (longest + 3) / 4);  // bytes packed in i32 words
+  Tensor bytes = Tensor::Zeros({words}, DType::kI32, host.get());
+  std::memcpy(bytes.raw(), mine.data(), mine.size());
+  Tensor all = Tensor::Empty({n * words}, DType::kI32, host.get());
+  PW_RETURN_IF_ERROR(HostCollective(bytes, all, what, gather));
+  std::vector<std::string> out(n);
+  for (int i = 0; i < n; ++i) {
+    const char* p = static_cast<const char*>(all.raw()) + i * words * 4;
+    out[i].assign(p, p + lens.data<int32_t>()[i]);
+  }
+  return out;
+}
+
+GradSyncContext RankExecutor::SyncContext() {
+  GradSyncContext c;
+  c.dp = dp_comm.get();
+  c.alloc = alloc.get();
+  c.wait = [this](Work& w, const std::string& what) { return WaitOrAbort(w, what); };
+  c.sync_device = [this] { return Sync(); };
+  return c;
+}
+
+void RankExecutor::Record(EventKind kind, const Action& a, Clock::time_point start, int peer,
+                          int64_t tag) {
+  RankEvent e;
+  e.kind = kind;
+  e.action = a;
+  e.peer = peer;
+  e.tag = tag;
+  e.step = step_;
+  e.start = Seconds(ctx->epoch, start);
+  e.end = Seconds(ctx->epoch, Clock::now());
+  events.push_back(e);
+  const double d = e.end - e.start;
+  switch (kind) {
+    case EventKind::kCompute:
+      step_times.compute += d;
+      break;
+    case EventKind::kRecompute:
+      step_times.recompute += d;
+      break;
+    case EventKind::kSend:
+    case EventKind::kRecvWait:
+      step_times.p2p_wait += d;
+      break;
+    case EventKind::kAllReduce:
+      step_times.all_reduce += d;
+      break;
+    case EventKind::kOptimizer:
+      step_times.optimizer += d;
+      break;
+    case EventKind::kDataWait:
+      step_times.data_wait += d;
+      break;
+  }
+}
+
+void RankExecutor::EndStep(Clock::time_point t0, int64_t start_bytes) {
+  for (StageRt& st : stages) {  // release the step's buffers
+    st.saved.clear();
+    st.input.clear();
+    st.output.clear();
+    st.grad_out.clear();
+    st.grad_in.clear();
+  }
+  batch_ = StepBatch{};
+  dev_inputs_.clear();
+  dev_targets_.clear();
+  RankTimes& t = step_times;
+  t.wall = Seconds(t0, Clock::now());
+  t.peak_memory_bytes = alloc->peak_bytes();
+  t.peak_activation_bytes = alloc->peak_bytes() - start_bytes;
+  t.static_memory_bytes = static_bytes;
+  const double used =
+      t.compute + t.recompute + t.p2p_wait + t.all_reduce + t.optimizer + t.data_wait;
+  t.idle = std::max(0.0, t.wall - used);
+  total.compute += t.compute;
+  total.recompute += t.recompute;
+  total.p2p_wait += t.p2p_wait;
+  total.all_reduce += t.all_reduce;
+  total.optimizer += t.optimizer;
+  total.data_wait += t.data_wait;
+  total.idle += t.idle;
+  total.wall += t.wall;
+  total.peak_memory_bytes = std::max(total.peak_memory_bytes, t.peak_memory_bytes);
+  total.peak_activation_bytes = std::max(total.peak_activation_bytes, t.peak_activation_bytes);
+}
+
+RankTimes RankExecutor::Totals() const {
+  RankTimes t = total;
+  t.global_rank = global;
+  t.pipeline_rank = pipe;
+  t.replica = replica;
+  t.static_memory_bytes = static_bytes;
+  for (const StageRt& st : stages) {
+    t.stages.push_back(st.index);
+    auto mean = [](double v, int64_t k) { return k > 0 ? v / k : 0.0; };
+    t.stage_f.push_back(mean(st.f_s, st.f_n));
+    t.stage_b.push_back(mean(st.b_s + st.rc_s, st.b_n));
+    t.stage_w.push_back(mean(st.w_s, st.w_n));
+  }
+  return t;
+}
+
+}  // namespace pipewright::internal

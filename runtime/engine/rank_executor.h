@@ -1,0 +1,178 @@
+// One rank of the engine (internal): the interpreter of the rank's program. It owns the rank's
+// allocator, stages, optimizer, gradient synchronization, data loader and communicators, and
+// records what every interval of its step was spent on.
+//
+// Note [Who touches a rank]. A rank is driven by one thread at a time: the engine runs each
+// step (and set-up work such as Split) on one thread per rank and joins them, so nothing here is
+// locked. The communicators are the only way ranks reach each other.
+#ifndef PIPEWRIGHT_RUNTIME_ENGINE_RANK_EXECUTOR_H_
+#define PIPEWRIGHT_RUNTIME_ENGINE_RANK_EXECUTOR_H_
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "pipewright/comm.h"
+#include "pipewright/data.h"
+#include "pipewright/engine.h"
+#include "pipewright/ops.h"
+#include "pipewright/optimizer.h"
+#include "runtime/grad_sync/grad_sync.h"
+
+namespace pipewright::internal {
+
+using Clock = std::chrono::steady_clock;
+
+inline double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+// One virtual stage on a rank, and its per-micro-batch state during a step.
+struct StageRt {
+  int index = 0;  // virtual stage
+  int begin = 0, end = 0;
+  bool first = false, last = false;
+  bool recompute = false;  // keep only the stage input; recompute the forward before backward
+  std::unique_ptr<Stage> stage;
+  std::vector<int64_t> in_shape, out_shape;
+  DType in_dtype = DType::kF32;
+  int last_backward = -1;  // program index of the action finishing the weight grads
+  // Per micro-batch state of the step.
+  std::vector<std::vector<Saved>> saved;
+  std::vector<Tensor> input, output, grad_out, grad_in;
+  // Measured seconds and counts, summed over steps.
+  double f_s = 0, b_s = 0, w_s = 0, rc_s = 0;
+  int64_t f_n = 0, b_n = 0, w_n = 0;
+};
+
+// What the step agreement decided, identical on every rank.
+struct StepOutcome {
+  double loss = 0, grad_norm = 0;
+  float loss_scale = 1.0f;
+  bool skipped = false;
+};
+
+// Read-only state shared by every rank of one engine.
+struct RunContext {
+  const LayerGraph* graph = nullptr;
+  const RunSpec* run = nullptr;
+  const TrainOptions* options = nullptr;
+  Topology topo;
+  BatchLayout layout;  // per replica
+  absl::Duration timeout;
+  Clock::time_point epoch;  // time zero of every recorded event
+};
+
+class RankExecutor {
+ public:
+  int global = 0, pipe = 0, replica = 0;
+  int slot = 0;  // index among this process's ranks
+  const RunContext* ctx = nullptr;
+  std::shared_ptr<const Dataset> data;
+
+  // Device memory and its stream (CUDA) — declared before everything allocated from them.
+  int cuda_device = -1;  // >= 0 on CUDA
+  std::unique_ptr<CudaStream> stream;
+  std::unique_ptr<Allocator> alloc = std::make_unique<CpuAllocator>();
+  // Host memory for the rank's host-side values on CUDA (batches, scalars, staging).
+  std::unique_ptr<CpuAllocator> host = std::make_unique<CpuAllocator>();
+  std::unique_ptr<Communicator> world, dp_comm;
+  std::vector<StageRt> stages;
+  std::vector<int> local;  // virtual stage -> index in stages, or -1
+  std::vector<Parameter*> params;
+  std::unique_ptr<Optimizer> optimizer;
+  std::unique_ptr<GradSync> grad_sync;
+  std::unique_ptr<DataLoader> loader;
+  // fp16 dynamic loss scaling; every rank keeps an identical copy, updated from the agreed
+  // outcome of each step.
+  LossScaler scaler;
+  int64_t static_bytes = 0;
+
+  std::vector<RankEvent> events;
+  RankTimes step_times, total;
+
+  const Program& program() const { return ctx->run->schedule.programs[pipe]; }
+  bool needs_data() const;
+  std::string Who() const;
+  // Global rank of the rank running virtual stage `stage` in this replica.
+  int PeerOf(int stage) const;
+  StageRt* Local(int stage);
+  bool on_cuda() const { return cuda_device >= 0; }
+  // Makes this rank's GPU current on the calling thread (CUDA state is per thread).
+  absl::Status BindDevice() const;
+  // Waits until the rank's queued device work is done (no-op on the CPU), so that host clocks
+  // time it and other threads may read what it wrote.
+  absl::Status Sync() const;
+  // A host copy of a tensor of this rank (a shared reference when it is already on the host).
+  absl::StatusOr<Tensor> ToHost(const Tensor& t) const;
+  // Waits for `w` with the run's timeout; returns the world's first error when another rank
+  // aborted, else an error naming this rank and `what`.
+  absl::Status WaitOrAbort(Work& w, const std::string& what);
+  // In-place sum of a host tensor over the world (staged through the device when the backend
+  // takes device memory only).
+  absl::Status AllReduceHost(Tensor& v, const std::string& what);
+  // Every world rank's `mine`, in rank order (two AllGathers: lengths, then the bytes padded to
+  // the longest), staged through the device like AllReduceHost.
+  absl::StatusOr<std::vector<std::string>> AllGatherBytes(const std::string& mine,
+                                                          const std::string& what);
+  // The gradient synchronization's view of this rank (rank_executor.cc).
+  GradSyncContext SyncContext();
+
+  // One step of the rank's program (rank_step.cc).
+  absl::Status RunStep(int64_t step, float lr, StepOutcome* out);
+  // The rank's totals over the steps so far, with per-stage mean times.
+  RankTimes Totals() const;
+
+ private:
+  absl::Status RunAction(const Action& a, int index, int64_t step, float lr, StepOutcome* out);
+  absl::Status Forward(StageRt& st, int mb);
+  absl::Status Backward(StageRt& st, const Action& a, int index);
+  absl::Status WeightBackward(StageRt& st, const Action& a, int index);
+  absl::Status Agree(int64_t step, float lr, StepOutcome* out);
+  void BeginStep(int64_t step);
+  void EndStep(Clock::time_point t0, int64_t start_bytes);
+  void Record(EventKind kind, const Action& a, Clock::time_point start, int peer = -1,
+              int64_t tag = -1);
+  // The first stage's inputs and the last stage's targets of micro-batch `mb`, on the rank's
+  // device (copied from the loader's host batch once per step on CUDA).
+  absl::StatusOr<Tensor> Inputs(int mb);
+  absl::StatusOr<const Tensor*> Targets(int mb);
+  // The layers' context for micro-batch `mb` of `st`: the rank's allocator, the targets on the
+  // last stage, the run's matrix-product dtype.
+  absl::StatusOr<LayerContext> ContextFor(const StageRt& st, int mb);
+
+  // Point-to-point (rank_p2p.cc).
+  struct PendingRecv {
+    Action action;
+    StageRt* stage = nullptr;
+    int peer = -1;
+    int64_t tag = -1;
+    Tensor buf;
+    std::unique_ptr<Work> work;
+    Clock::time_point start;
+  };
+  absl::StatusOr<std::pair<StageRt*, int>> P2PEnds(const Action& a);
+  absl::Status IssueSend(const Action& a);
+  absl::Status PostRecv(const Action& a, PendingRecv* r);
+  absl::Status FinishRecv(PendingRecv& r);
+  // Runs the consecutive sends and receives [begin, end) of the program as one group.
+  absl::Status RunP2PGroup(size_t begin, size_t end);
+  absl::Status WaitSends();
+  // Runs a collective `op(in, out)` on host tensors through the world (device-staged when the
+  // backend takes device memory only); `in` and `out` may be the same tensor (in place).
+  template <typename Op>
+  absl::Status HostCollective(const Tensor& in, Tensor& out, const std::string& what, Op op);
+
+  StepBatch batch_;
+  std::vector<Tensor> dev_inputs_, dev_targets_;  // CUDA copies of batch_, per micro-batch
+  std::vector<double> losses_;                    // [micro-batch], last-stage ranks only
+  std::vector<std::unique_ptr<Work>> sends_;
+  int64_t step_ = 0;
+};
+
+}  // namespace pipewright::internal
+
+#endif  // PIPEWRIGHT_RUNTIME_ENGINE_RANK_EXECUTOR_H_

@@ -1,0 +1,353 @@
+// RankExecutor: one step of the rank's program — the action interpreter, forward, backward and
+// the step agreement (rank_executor.h).
+#include <cmath>
+#include <exception>
+
+#include "absl/strings/str_cat.h"
+#include "runtime/engine/rank_executor.h"
+
+namespace pipewright::internal {
+namespace {
+
+// `s` with "<who> <action>: " in front of its message.
+absl::Status Named(const absl::Status& s, const std::string& who, const Action& a) {
+  if (s.ok()) return s;
+  return absl::Status(s.code(), absl::StrCat(who, " ", a.ToString(), ": ", s.message()));
+}
+
+// `s` with "layer <global index> (<name>) <pass>: " in front of its message.
+absl::Status InLayer(const absl::Status& s, const StageRt& st, int i, const char* pass) {
+  if (s.ok()) return s;
+  return absl::Status(s.code(), absl::StrCat("layer ", st.begin + i, " (", st.stage->name(i), ") ",
+                                             pass, ": ", s.message()));
+}
+
+}  // namespace
+
+void RankExecutor::BeginStep(int64_t step) {
+  step_ = step;
+  step_times = RankTimes{};
+  const int M = ctx->run->micro_batches();
+  ZeroGrads(params);
+  for (StageRt& st : stages) {
+    st.saved.assign(M, {});
+    st.input.assign(M, Tensor());
+    st.output.assign(M, Tensor());
+    st.grad_out.assign(M, Tensor());
+    st.grad_in.assign(M, Tensor());
+  }
+  grad_sync->BeginStep();
+  losses_.assign(M, 0.0);
+  dev_inputs_.assign(M, Tensor());
+  dev_targets_.assign(M, Tensor());
+  sends_.clear();
+}
+
+absl::Status RankExecutor::RunStep(int64_t step, float lr, StepOutcome* out) {
+  const Clock::time_point t0 = Clock::now();
+  alloc->ResetPeak();
+  const int64_t start_bytes = alloc->current_bytes();
+  BeginStep(step);
+  if (needs_data()) {
+    if (loader == nullptr) {
+      loader = std::make_unique<DataLoader>(data, ctx->layout, replica, step);
+    }
+    Clock::time_point t = Clock::now();
+    batch_ = loader->Next();
+    Record(EventKind::kDataWait, Action{ActionKind::kF, -1, -1}, t);
+    if (batch_.step != step) {
+      return absl::InternalError(
+          absl::StrCat(Who(), ": data loader is at step ", batch_.step, ", expected ", step));
+    }
+  }
+  const Program& prog = program();
+  const TrainOptions& o = *ctx->options;
+  const bool group_p2p = world->capabilities().grouped_p2p;
+  for (size_t i = 0; i < prog.actions.size(); ++i) {
+    const Action& a = prog.actions[i];
+    absl::Status s;
+    if (global == o.inject_failure_rank && step == o.inject_failure_step &&
+        (a.kind == ActionKind::kB || a.kind == ActionKind::kI)) {
+      world->Abort(
+          absl::InternalError(absl::StrCat(Who(), " ", a.ToString(), ": injected failure")));
+      return world->abort_status();
+    }
+    try {
+      if (group_p2p && IsComm(a.kind)) {
+        size_t end = i + 1;
+        while (end < prog.actions.size() && IsComm(prog.actions[end].kind)) ++end;
+        s = RunP2PGroup(i, end);
+        i = end - 1;
+      } else {
+        s = RunAction(a, static_cast<int>(i), step, lr, out);
+      }
+    } catch (const std::exception& e) {
+      s = absl::InternalError(absl::StrCat(Who(), " ", a.ToString(), ": exception: ", e.what()));
+    } catch (...) {
+      s = absl::InternalError(absl::StrCat(Who(), " ", a.ToString(), ": unknown exception"));
+    }
+    if (!s.ok()) {
+      world->Abort(s);
+      return world->abort_status();
+    }
+  }
+  EndStep(t0, start_bytes);
+  return absl::OkStatus();
+}
+
+absl::Status RankExecutor::RunAction(const Action& a, int index, int64_t step, float lr,
+                                     StepOutcome* out) {
+  if (a.kind == ActionKind::kOptimizerStep) return Agree(step, lr, out);
+  if (IsComm(a.kind)) {
+    if (a.kind == ActionKind::kSendF || a.kind == ActionKind::kSendB) return IssueSend(a);
+    PendingRecv r;
+    PW_RETURN_IF_ERROR(PostRecv(a, &r));
+    return FinishRecv(r);
+  }
+  StageRt* st = Local(a.virtual_stage);
+  if (st == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(Who(), " ", a.ToString(), ": stage ",
+                                                   a.virtual_stage, " is not on this rank"));
+  }
+  if (a.kind == ActionKind::kReduceGrads) return grad_sync->StageReady(local[a.virtual_stage]);
+  if (a.micro_batch < 0 || a.micro_batch >= ctx->run->micro_batches()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(Who(), " ", a.ToString(), ": micro-batch out of range"));
+  }
+  switch (a.kind) {
+    case ActionKind::kF: {
+      Clock::time_point t = Clock::now();
+      absl::Status s = Forward(*st, a.micro_batch);
+      Record(EventKind::kCompute, a, t);
+      st->f_s += events.back().end - events.back().start;
+      ++st->f_n;
+      return Named(s, Who(), a);
+    }
+    case ActionKind::kB:
+    case ActionKind::kI:
+      return Named(Backward(*st, a, index), Who(), a);
+    case ActionKind::kW:
+      return Named(WeightBackward(*st, a, index), Who(), a);
+    default:
+      return absl::InternalError(absl::StrCat(Who(), " ", a.ToString(), ": unknown action"));
+  }
+}
+
+absl::StatusOr<Tensor> RankExecutor::Inputs(int mb) {
+  if (!on_cuda()) return batch_.inputs[mb];
+  if (!dev_inputs_[mb].defined()) {
+    const Tensor& h = batch_.inputs[mb];
+    Tensor d = Tensor::Empty(h.shape(), h.dtype(), alloc.get());
+    PW_RETURN_IF_ERROR(ops::Copy(ops::Exec{alloc.get()}, h, d));
+    dev_inputs_[mb] = std::move(d);
+  }
+  return dev_inputs_[mb];
+}
+
+absl::StatusOr<const Tensor*> RankExecutor::Targets(int mb) {
+  if (!on_cuda()) return &batch_.targets[mb];
+  if (!dev_targets_[mb].defined()) {
+    const Tensor& h = batch_.targets[mb];
+    Tensor d = Tensor::Empty(h.shape(), h.dtype(), alloc.get());
+    PW_RETURN_IF_ERROR(ops::Copy(ops::Exec{alloc.get()}, h, d));
+    dev_targets_[mb] = std::move(d);
+  }
+  return &dev_targets_[mb];
+}
+
+absl::StatusOr<LayerContext> RankExecutor::ContextFor(const StageRt& st, int mb) {
+  const Tensor* targets = nullptr;
+  if (st.last) {
+    PW_ASSIGN_OR_RETURN(targets, Targets(mb));
+  }
+  return LayerContext{alloc.get(), targets, ComputeDType(ctx->options->precision)};
+}
+
+absl::Status RankExecutor::Forward(StageRt& st, int mb) {
+  Tensor x;
+  if (st.first) {
+    PW_ASSIGN_OR_RETURN(x, Inputs(mb));
+  } else {
+    x = st.input[mb];
+  }
+  if (!x.defined()) {
+    return absl::FailedPreconditionError("no input activation (its RECV_F has not run)");
+  }
+  PW_ASSIGN_OR_RETURN(const LayerContext lc, ContextFor(st, mb));
+  Tensor y;
+  if (st.recompute) {
+    // Keep only the stage input; every layer's saved state is dropped as soon as it is made.
+    Tensor h = x;
+    for (int i = 0; i < st.stage->size(); ++i) {
+      Saved tmp;
+      absl::StatusOr<Tensor> r = st.stage->layer(i).Forward(h, lc, &tmp);
+      PW_RETURN_IF_ERROR(InLayer(r.status(), st, i, "forward"));
+      h = *std::move(r);
+    }
+    y = std::move(h);
+    st.input[mb] = x;
+  } else {
+    PW_ASSIGN_OR_RETURN(y, st.stage->Forward(x, lc, &st.saved[mb]));
+    st.input[mb] = Tensor();
+  }
+  PW_RETURN_IF_ERROR(Sync());
+  if (st.last) {
+    const float l = y.data<float>()[0];
+    // With loss scaling a non-finite loss skips the step everywhere (see Agree); otherwise it
+    // is an error.
+    if (!std::isfinite(l) && !scaler.enabled()) {
+      return absl::InternalError(absl::StrCat("non-finite loss ", l, " at step ", step_,
+                                              "; weights not updated on any rank"));
+    }
+    losses_[mb] = l;
+    return absl::OkStatus();
+  }
+  if (StageRt* next = Local(st.index + 1)) {
+    next->input[mb] = std::move(y);  // the next stage is on this rank: no message
+  } else {
+    st.output[mb] = std::move(y);
+  }
+  return absl::OkStatus();
+}
+
+// B (input and weight gradients, layer by layer) or I (input gradients only).
+absl::Status RankExecutor::Backward(StageRt& st, const Action& a, int index) {
+  const int mb = a.micro_batch;
+  PW_ASSIGN_OR_RETURN(const LayerContext lc, ContextFor(st, mb));
+  const bool final_w = index == st.last_backward;
+  std::vector<Saved>& saved = st.saved[mb];
+  if (st.recompute) {
+    Tensor x;
+    if (st.first) {
+      PW_ASSIGN_OR_RETURN(x, Inputs(mb));
+    } else {
+      x = st.input[mb];
+    }
+    if (!x.defined()) return absl::FailedPreconditionError("no stage input to recompute from");
+    Clock::time_point t = Clock::now();
+    absl::StatusOr<Tensor> y = st.stage->Forward(x, lc, &saved);
+    if (y.ok()) PW_RETURN_IF_ERROR(Sync());
+    Record(EventKind::kRecompute, a, t);
+    st.rc_s += events.back().end - events.back().start;
+    PW_RETURN_IF_ERROR(y.status());
+    st.input[mb] = Tensor();
+  }
+  if (saved.size() != static_cast<size_t>(st.stage->size())) {
+    return absl::FailedPreconditionError("backward before this micro-batch's forward");
+  }
+  Tensor dy;
+  if (st.last) {
+    const BatchLayout& l = ctx->layout;
+    dy = Tensor::Empty({1}, DType::kF32, host.get());  // a host scalar on every device
+    dy.data<float>()[0] = scaler.scale() / static_cast<float>(l.micro_batches * l.replicas);
+  } else {
+    dy = st.grad_out[mb];
+    if (!dy.defined()) {
+      return absl::FailedPreconditionError("no output gradient (its RECV_B has not run)");
+    }
+  }
+  Clock::time_point t = Clock::now();
+  Tensor g = dy;
+  for (int i = st.stage->size(); i-- > 0;) {
+    Layer& layer = st.stage->layer(i);
+    absl::StatusOr<Tensor> r = layer.BackwardInput(g, lc, &saved[i]);
+    PW_RETURN_IF_ERROR(InLayer(r.status(), st, i, "backward"));
+    g = *std::move(r);
+    if (a.kind == ActionKind::kB) {  // weight gradient right away, layer by layer
+      PW_RETURN_IF_ERROR(InLayer(layer.BackwardWeight(lc, &saved[i]), st, i, "weight backward"));
+      if (final_w) PW_RETURN_IF_ERROR(grad_sync->LayerReady(local[st.index], i));
+    }
+  }
+  PW_RETURN_IF_ERROR(Sync());
+  Record(EventKind::kCompute, a, t);
+  st.b_s += events.back().end - events.back().start;
+  ++st.b_n;
+  if (a.kind == ActionKind::kB) saved.clear();
+  st.grad_out[mb] = Tensor();
+  if (!st.first) {
+    if (StageRt* prev = Local(st.index - 1)) {
+      prev->grad_out[mb] = std::move(g);
+    } else {
+      st.grad_in[mb] = std::move(g);
+    }
+  }
+  return absl::OkStatus();
+}
+
+// W: the weight-gradient half, after the same micro-batch's I.
+absl::Status RankExecutor::WeightBackward(StageRt& st, const Action& a, int index) {
+  const int mb = a.micro_batch;
+  PW_ASSIGN_OR_RETURN(const LayerContext lc, ContextFor(st, mb));
+  std::vector<Saved>& saved = st.saved[mb];
+  if (saved.size() != static_cast<size_t>(st.stage->size())) {
+    return absl::FailedPreconditionError("W before this micro-batch's I");
+  }
+  const bool final_w = index == st.last_backward;
+  Clock::time_point t = Clock::now();
+  for (int i = st.stage->size(); i-- > 0;) {
+    PW_RETURN_IF_ERROR(
+        InLayer(st.stage->layer(i).BackwardWeight(lc, &saved[i]), st, i, "weight backward"));
+    if (final_w) PW_RETURN_IF_ERROR(grad_sync->LayerReady(local[st.index], i));
+  }
+  saved.clear();
+  PW_RETURN_IF_ERROR(Sync());
+  Record(EventKind::kCompute, a, t);
+  st.w_s += events.back().end - events.back().start;
+  ++st.w_n;
+  return absl::OkStatus();
+}
+
+// Note [Step agreement]. Every replica's micro-batch losses and every layer's squared gradient
+// norm go into one vector, each entry written by exactly one rank (zeros elsewhere, so the sum
+// is exact), summed over the world in a fixed order. Every rank then sees the same sums and
+// takes the same decision — clip by the same factor, step or skip — and keeps the same
+// loss-scaler state. The per-layer grouping of the norm is the one a single stage uses, so the
+// norm is bit-identical at any pipeline depth.
+absl::Status RankExecutor::Agree(int64_t step, float lr, StepOutcome* out) {
+  const Action a{ActionKind::kOptimizerStep, 0, 0};
+  Clock::time_point t = Clock::now();
+  PW_RETURN_IF_ERROR(WaitSends());
+  PW_RETURN_IF_ERROR(grad_sync->Finish());
+  const int64_t M = ctx->layout.micro_batches, R = ctx->layout.replicas;
+  const int64_t L = ctx->graph->num_layers();
+  Tensor v = Tensor::Zeros({R * M + L}, DType::kF64, host.get());
+  double* d = v.data<double>();
+  for (StageRt& st : stages) {
+    if (st.last) {
+      for (int64_t j = 0; j < M; ++j) d[replica * M + j] = losses_[j];
+    }
+    if (replica == 0) {
+      for (int i = 0; i < st.stage->size(); ++i) {
+        PW_ASSIGN_OR_RETURN(d[R * M + st.begin + i],
+                            GradSquaredNorm(st.stage->layer(i).Parameters(), alloc.get()));
+      }
+    }
+  }
+  PW_RETURN_IF_ERROR(AllReduceHost(v, "step agreement all-reduce"));
+  Record(EventKind::kAllReduce, a, t);
+  double loss = 0, norm2 = 0;
+  for (int64_t i = 0; i < R * M; ++i) loss += d[i];
+  for (int64_t i = 0; i < L; ++i) norm2 += d[R * M + i];
+  const float scale = scaler.scale();
+  out->loss = loss / static_cast<double>(R * M);
+  out->grad_norm = std::sqrt(norm2) / scale;
+  out->loss_scale = scale;
+  const bool finite = std::isfinite(out->loss) && std::isfinite(out->grad_norm);
+  if (!scaler.Update(finite)) {
+    out->skipped = true;  // fp16 overflow: nothing applied anywhere, the scale backed off
+    return absl::OkStatus();
+  }
+  if (!finite) {
+    return absl::InternalError(
+        absl::StrCat("step ", step, ": non-finite gradient norm; weights not updated on any rank"));
+  }
+  Clock::time_point o = Clock::now();
+  PW_RETURN_IF_ERROR(
+      ScaleGrads(params, ClipScale(out->grad_norm, ctx->options->clip_norm) / scale, alloc.get()));
+  PW_RETURN_IF_ERROR(optimizer->Step(lr));
+  PW_RETURN_IF_ERROR(Sync());
+  Record(EventKind::kOptimizer, a, o);
+  return absl::OkStatus();
+}
+
+}  // namespace pipewright::internal

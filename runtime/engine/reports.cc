@@ -1,0 +1,199 @@
+// What the engine reports: event names, the world's rank times and events gathered from every
+// process, and the run summary with the simulator's prediction (engine.h).
+#include <algorithm>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "pipewright/simulator.h"
+#include "runtime/engine/engine_impl.h"
+
+namespace pipewright {
+namespace {
+
+using json = nlohmann::json;
+
+json TimesToJson(const RankTimes& t) {
+  return {{"global_rank", t.global_rank},
+          {"pipeline_rank", t.pipeline_rank},
+          {"replica", t.replica},
+          {"compute", t.compute},
+          {"recompute", t.recompute},
+          {"p2p_wait", t.p2p_wait},
+          {"all_reduce", t.all_reduce},
+          {"optimizer", t.optimizer},
+          {"data_wait", t.data_wait},
+          {"idle", t.idle},
+          {"wall", t.wall},
+          {"peak_memory_bytes", t.peak_memory_bytes},
+          {"peak_activation_bytes", t.peak_activation_bytes},
+          {"static_memory_bytes", t.static_memory_bytes},
+          {"stages", t.stages},
+          {"stage_f", t.stage_f},
+          {"stage_b", t.stage_b},
+          {"stage_w", t.stage_w}};
+}
+
+RankTimes TimesFromJson(const json& j) {
+  RankTimes t;
+  t.global_rank = j.at("global_rank").get<int>();
+  t.pipeline_rank = j.at("pipeline_rank").get<int>();
+  t.replica = j.at("replica").get<int>();
+  t.compute = j.at("compute").get<double>();
+  t.recompute = j.at("recompute").get<double>();
+  t.p2p_wait = j.at("p2p_wait").get<double>();
+  t.all_reduce = j.at("all_reduce").get<double>();
+  t.optimizer = j.at("optimizer").get<double>();
+  t.data_wait = j.at("data_wait").get<double>();
+  t.idle = j.at("idle").get<double>();
+  t.wall = j.at("wall").get<double>();
+  t.peak_memory_bytes = j.at("peak_memory_bytes").get<int64_t>();
+  t.peak_activation_bytes = j.at("peak_activation_bytes").get<int64_t>();
+  t.static_memory_bytes = j.at("static_memory_bytes").get<int64_t>();
+  t.stages = j.at("stages").get<std::vector<int>>();
+  t.stage_f = j.at("stage_f").get<std::vector<double>>();
+  t.stage_b = j.at("stage_b").get<std::vector<double>>();
+  t.stage_w = j.at("stage_w").get<std::vector<double>>();
+  return t;
+}
+
+// An event as [kind, action kind, stage, micro-batch, peer, tag, step, start, end].
+json EventToJson(const RankEvent& e) {
+  return json::array({static_cast<int>(e.kind), static_cast<int>(e.action.kind),
+                      e.action.virtual_stage, e.action.micro_batch, e.peer, e.tag, e.step, e.start,
+                      e.end});
+}
+
+RankEvent EventFromJson(const json& j) {
+  RankEvent e;
+  e.kind = static_cast<EventKind>(j.at(0).get<int>());
+  e.action =
+      Action{static_cast<ActionKind>(j.at(1).get<int>()), j.at(2).get<int>(), j.at(3).get<int>()};
+  e.peer = j.at(4).get<int>();
+  e.tag = j.at(5).get<int64_t>();
+  e.step = j.at(6).get<int64_t>();
+  e.start = j.at(7).get<double>();
+  e.end = j.at(8).get<double>();
+  return e;
+}
+
+}  // namespace
+
+const char* EventKindName(EventKind k) {
+  switch (k) {
+    case EventKind::kCompute:
+      return "compute";
+    case EventKind::kRecompute:
+      return "recompute";
+    case EventKind::kSend:
+      return "send";
+    case EventKind::kRecvWait:
+      return "recv wait";
+    case EventKind::kAllReduce:
+      return "all-reduce";
+    case EventKind::kOptimizer:
+      return "optimizer";
+    case EventKind::kDataWait:
+      return "data wait";
+  }
+  return "?";
+}
+
+absl::Status Engine::GatherReports() {
+  Impl& m = *impl_;
+  if (!m.world->multi_process()) return absl::OkStatus();
+  internal::RankExecutor& r = *m.ranks[0];
+  PW_RETURN_IF_ERROR(r.BindDevice());
+  json mine = {{"times", TimesToJson(r.Totals())}, {"events", json::array()}};
+  for (const RankEvent& e : r.events) mine["events"].push_back(EventToJson(e));
+  PW_ASSIGN_OR_RETURN(std::vector<std::string> all,
+                      r.AllGatherBytes(mine.dump(), "gathering rank reports"));
+  m.gathered_times.clear();
+  m.gathered_events.clear();
+  for (size_t g = 0; g < all.size(); ++g) {
+    json j = json::parse(all[g], nullptr, /*allow_exceptions=*/false);
+    try {
+      if (j.is_discarded()) throw std::runtime_error("not JSON");
+      m.gathered_times.push_back(TimesFromJson(j.at("times")));
+      std::vector<RankEvent> events;
+      for (const json& e : j.at("events")) events.push_back(EventFromJson(e));
+      m.gathered_events.push_back(std::move(events));
+    } catch (const std::exception& e) {
+      return absl::InternalError(absl::StrCat("rank ", g, " sent a malformed report: ", e.what()));
+    }
+  }
+  m.gathered = true;
+  return absl::OkStatus();
+}
+
+std::vector<std::vector<RankEvent>> Engine::Events() const {
+  if (impl_->gathered) return impl_->gathered_events;
+  std::vector<std::vector<RankEvent>> out;
+  for (const auto& r : impl_->ranks) out.push_back(r->events);
+  return out;
+}
+
+RunSummary Engine::Summary() const {
+  const Impl& m = *impl_;
+  RunSummary s;
+  s.steps = m.steps_run;
+  s.wall_s = m.wall;
+  s.measured_step_s = m.steps_run > 0 ? m.wall / m.steps_run : 0;
+  const int S = m.run.num_stages();
+  std::vector<double> f(S, 0), b(S, 0), w(S, 0);
+  std::vector<int> n(S, 0);
+  double busy = 0, walls = 0, optimizer = 0;
+  std::vector<RankTimes> all = m.gathered_times;
+  if (!m.gathered) {
+    for (const auto& r : m.ranks) all.push_back(r->Totals());
+  }
+  for (RankTimes& t : all) {
+    for (size_t i = 0; i < t.stages.size(); ++i) {
+      f[t.stages[i]] += t.stage_f[i];
+      b[t.stages[i]] += t.stage_b[i];
+      w[t.stages[i]] += t.stage_w[i];
+      ++n[t.stages[i]];
+    }
+    busy += t.compute + t.recompute + t.optimizer;
+    walls += t.wall;
+    optimizer = std::max(optimizer, m.steps_run > 0 ? t.optimizer / m.steps_run : 0.0);
+    s.ranks.push_back(std::move(t));
+  }
+  s.measured_bubble = walls > 0 ? std::max(0.0, 1.0 - busy / walls) : 0;
+  // Bottleneck: the rank with the most compute; name the second cause when waiting dominates.
+  double most = -1, mean_compute = 0;
+  for (const RankTimes& t : s.ranks) {
+    const double c = t.compute + t.recompute;
+    mean_compute += c / s.ranks.size();
+    if (c > most) {
+      most = c;
+      s.bottleneck_rank = t.global_rank;
+    }
+  }
+  if (m.steps_run == 0) return s;
+  const RankTimes* bt = &s.ranks[0];
+  for (const RankTimes& t : s.ranks) {
+    if (t.global_rank == s.bottleneck_rank) bt = &t;
+  }
+  s.bottleneck_reason = absl::StrFormat(
+      "rank %d computes %.1f ms per step (mean over ranks %.1f ms); it waits %.1f ms on P2P, "
+      "%.1f ms on all-reduce, %.1f ms on data",
+      bt->global_rank, 1e3 * most / m.steps_run, 1e3 * mean_compute / m.steps_run,
+      1e3 * bt->p2p_wait / m.steps_run, 1e3 * bt->all_reduce / m.steps_run,
+      1e3 * bt->data_wait / m.steps_run);
+  SimCosts costs;
+  for (int st = 0; st < S; ++st) {
+    costs.stage_f.push_back(n[st] ? f[st] / n[st] : 0);
+    costs.stage_b.push_back(n[st] ? b[st] / n[st] : 0);
+    costs.stage_w.push_back(n[st] ? w[st] / n[st] : 0);
+  }
+  costs.optimizer_time = optimizer;
+  absl::StatusOr<SimResult> sim = Simulate(m.run.schedule, costs);
+  if (sim.ok()) {
+    s.predicted_step_s = sim->makespan;
+    s.predicted_bubble = sim->bubble_fraction;
+  }
+  return s;
+}
+
+}  // namespace pipewright

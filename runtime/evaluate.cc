@@ -1,0 +1,101 @@
+// Evaluation of a checkpoint on held-out data (train.h).
+#include <cmath>
+#include <fstream>
+#include <iterator>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "pipewright/checkpoint.h"
+#include "pipewright/train.h"
+
+namespace pipewright {
+namespace {
+
+using json = nlohmann::json;
+
+// The manifest alone (the tensors are not read).
+absl::StatusOr<json> ReadManifest(const std::string& dir) {
+  std::ifstream in(dir + "/manifest.json");
+  if (!in) return absl::NotFoundError(absl::StrCat(dir, "/manifest.json cannot be opened"));
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  json m = json::parse(text, nullptr, false);
+  if (m.is_discarded() || !m.is_object() || !m.contains("model") || !m["model"].is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(dir, "/manifest.json: model missing"));
+  }
+  return m;
+}
+
+}  // namespace
+
+absl::StatusOr<LayerGraph> CheckpointPresetModel(const std::string& dir) {
+  PW_ASSIGN_OR_RETURN(json m, ReadManifest(dir));
+  const json& model = m["model"];
+  const std::string name = model.value("name", "");
+  if (!model.contains("preset") || !model["preset"].is_string()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        dir, " holds the custom model '", name,
+        "' (not a preset): build its LayerGraph and call EvaluateCheckpoint(graph, dir, data, "
+        "batches) from C++"));
+  }
+  PW_ASSIGN_OR_RETURN(LayerGraph graph, PresetModel(model["preset"].get<std::string>(),
+                                                    model.value("micro_batch_size", int64_t{0})));
+  if (model.value("fingerprint", "") != graph.Fingerprint()) {
+    return absl::InvalidArgumentError(absl::StrCat(dir,
+                                                   "/manifest.json: fingerprint does not "
+                                                   "match preset '",
+                                                   model["preset"].get<std::string>(), "'"));
+  }
+  return graph;
+}
+
+absl::StatusOr<EvalResult> EvaluateCheckpoint(const LayerGraph& graph, const std::string& dir,
+                                              const Dataset& data, int64_t batches) {
+  if (batches < 1) return absl::InvalidArgumentError("--batches must be >= 1");
+  PW_ASSIGN_OR_RETURN(Checkpoint ck, ReadCheckpoint(dir));
+  json m = json::parse(ck.manifest_json, nullptr, false);
+  if (m.is_discarded() || !m.contains("model") || !m["model"].is_object() ||
+      m["model"].value("fingerprint", "") != graph.Fingerprint()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        dir, "/manifest.json: model.fingerprint does not match this model (", graph.name(), ")"));
+  }
+  PW_ASSIGN_OR_RETURN(auto stage, graph.Instantiate(0, graph.num_layers(), 0));
+  for (Parameter* p : stage->Parameters()) {
+    auto it = ck.model.find(p->name);
+    if (it == ck.model.end() || it->second.shape() != p->value.shape() ||
+        it->second.dtype() != DType::kF32) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(dir, "/model.safetensors: tensor '", p->name, "' missing or misshapen"));
+    }
+    std::copy_n(it->second.data<float>(), it->second.numel(), p->value.data<float>());
+  }
+  BatchLayout layout{1, graph.shape().batch, graph.shape().seq_len, 1};
+  constexpr int64_t kHeldOutStep = int64_t{1} << 40;  // far from any training step
+  double sum = 0;
+  for (int64_t i = 0; i < batches; ++i) {
+    StepBatch b = MakeStepBatch(data, layout, kHeldOutStep / layout.global_batch() + i, 0);
+    LayerContext ctx{nullptr, &b.targets[0]};
+    std::vector<Saved> saved;
+    PW_ASSIGN_OR_RETURN(Tensor loss, stage->Forward(b.inputs[0], ctx, &saved));
+    sum += loss.data<float>()[0];
+  }
+  EvalResult r;
+  r.loss = sum / batches;
+  r.perplexity = std::exp(r.loss);
+  r.tokens = batches * layout.global_batch() * layout.seq_len;
+  r.model = graph.name();
+  r.step = m.value("step", int64_t{0});
+  return r;
+}
+
+absl::StatusOr<EvalResult> EvaluateCheckpoint(const std::string& dir, const std::string& data,
+                                              int64_t batches) {
+  if (batches < 1) return absl::InvalidArgumentError("--batches must be >= 1");
+  PW_ASSIGN_OR_RETURN(LayerGraph graph, CheckpointPresetModel(dir));
+  PW_ASSIGN_OR_RETURN(json m, ReadManifest(dir));
+  const uint64_t seed = m.contains("rng") ? m["rng"].value("seed", uint64_t{0}) : 0;
+  PW_ASSIGN_OR_RETURN(std::unique_ptr<TokenDataset> ds,
+                      OpenDataset(data, graph.shape().seq_len, seed));
+  return EvaluateCheckpoint(graph, dir, *ds, batches);
+}
+
+}  // namespace pipewright

@@ -1,0 +1,218 @@
+// `pipewright train`'s header and summary (train_report.h).
+#include "tools/train_report.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace pipewright::tools {
+namespace {
+
+using json = nlohmann::json;
+
+json RankJson(const RankTimes& t) {
+  return {{"rank", t.global_rank},
+          {"pipeline_rank", t.pipeline_rank},
+          {"replica", t.replica},
+          {"stages", t.stages},
+          {"compute_s", t.compute},
+          {"recompute_s", t.recompute},
+          {"p2p_wait_s", t.p2p_wait},
+          {"all_reduce_s", t.all_reduce},
+          {"optimizer_s", t.optimizer},
+          {"data_wait_s", t.data_wait},
+          {"idle_s", t.idle},
+          {"wall_s", t.wall},
+          {"stage_forward_s", t.stage_f},
+          {"stage_backward_s", t.stage_b},
+          {"stage_weight_s", t.stage_w},
+          {"peak_memory_bytes", t.peak_memory_bytes},
+          {"peak_activation_bytes", t.peak_activation_bytes},
+          {"static_memory_bytes", t.static_memory_bytes}};
+}
+
+void PrintRankTable(const RunSummary& s) {
+  const double n = std::max<int64_t>(1, s.steps);
+  std::printf(
+      "  rank  pp dp  stages      compute  recompute   p2p wait  all-reduce  optimizer  data wait"
+      "       idle   peak MiB  act MiB\n");
+  for (const RankTimes& t : s.ranks) {
+    std::string stages;
+    for (int st : t.stages) stages += absl::StrCat(stages.empty() ? "" : ",", st);
+    std::printf(
+        "  %4d  %2d %2d  %-8s %8.1fms %8.1fms %8.1fms %9.1fms %8.1fms %8.1fms %8.1fms"
+        " %10.2f %8.2f%s\n",
+        t.global_rank, t.pipeline_rank, t.replica, stages.c_str(), 1e3 * t.compute / n,
+        1e3 * t.recompute / n, 1e3 * t.p2p_wait / n, 1e3 * t.all_reduce / n, 1e3 * t.optimizer / n,
+        1e3 * t.data_wait / n, 1e3 * t.idle / n, t.peak_memory_bytes / 1048576.0,
+        t.peak_activation_bytes / 1048576.0,
+        t.global_rank == s.bottleneck_rank ? "  <- bottleneck" : "");
+  }
+  std::printf(
+      "  (per step)  bubble measured %.1f%%, simulator %.1f%%; step %.1f ms, simulator "
+      "%.1f ms\n  bottleneck: %s\n",
+      100 * s.measured_bubble, 100 * s.predicted_bubble, 1e3 * s.measured_step_s,
+      1e3 * s.predicted_step_s, s.bottleneck_reason.c_str());
+}
+
+// The plan's per-stage predictions next to what the run measured (replica 0's ranks).
+json PlanComparison(const Plan& plan, const RunSummary& s) {
+  json rows = json::array();
+  for (const PlanStage& st : plan.stages) {
+    json row = {{"stage", st.index},
+                {"rank", st.rank},
+                {"layers", {st.begin, st.end}},
+                {"recompute", RecomputeName(st.recompute)},
+                {"predicted_forward_s", st.forward_s},
+                {"predicted_backward_s", st.backward_s},
+                {"predicted_memory_bytes", st.memory.total}};
+    for (const RankTimes& t : s.ranks) {
+      if (t.replica != 0 || t.pipeline_rank != st.rank) continue;
+      for (size_t i = 0; i < t.stages.size(); ++i) {
+        if (t.stages[i] != st.index) continue;
+        row["measured_forward_s"] = t.stage_f[i];
+        row["measured_backward_s"] = t.stage_b[i] + t.stage_w[i];
+      }
+      row["measured_rank_peak_memory_bytes"] = t.peak_memory_bytes;
+    }
+    int64_t rank_total = 0;
+    for (const PlanStage& o : plan.stages) rank_total += o.rank == st.rank ? o.memory.total : 0;
+    row["predicted_rank_memory_bytes"] = rank_total;
+    rows.push_back(row);
+  }
+  return rows;
+}
+
+void PrintPlanComparison(const json& rows, double predicted_step, double measured_step) {
+  std::printf(
+      "  plan vs run (per micro-batch; memory per rank)\n"
+      "  stage rank  layers     recompute   forward ms pred/meas   backward ms pred/meas"
+      "   memory MiB pred/meas\n");
+  for (const json& r : rows) {
+    auto ms = [&](const char* k) { return r.contains(k) ? 1e3 * r[k].get<double>() : 0.0; };
+    auto mib = [&](const char* k) { return r.contains(k) ? r[k].get<double>() / 1048576.0 : 0.0; };
+    std::printf("  %5d %4d  [%3d, %3d)  %-9s %10.2f / %-9.2f %10.2f / %-9.2f %9.2f / %-8.2f\n",
+                r["stage"].get<int>(), r["rank"].get<int>(), r["layers"][0].get<int>(),
+                r["layers"][1].get<int>(), r["recompute"].get<std::string>().c_str(),
+                ms("predicted_forward_s"), ms("measured_forward_s"), ms("predicted_backward_s"),
+                ms("measured_backward_s"), mib("predicted_rank_memory_bytes"),
+                mib("measured_rank_peak_memory_bytes"));
+  }
+  std::printf("  step: plan predicted %.1f ms, measured %.1f ms\n", 1e3 * predicted_step,
+              1e3 * measured_step);
+}
+
+std::string StageSplit(const std::vector<int>& bounds) {
+  std::string split;
+  for (size_t i = 0; i + 1 < bounds.size(); ++i) {
+    split += absl::StrFormat("%s[%d,%d)", i ? " " : "", bounds[i], bounds[i + 1]);
+  }
+  return split;
+}
+
+}  // namespace
+
+void PrintHeader(const LayerGraph& graph, const Engine& t, const std::string& data) {
+  const RunSpec& run = t.run();
+  std::printf("pipewright train: %s (%lld layers, %.2fM parameters), data %s\n",
+              graph.name().c_str(), static_cast<long long>(graph.num_layers()),
+              graph.TotalCost().params / 1e6, data.c_str());
+  std::printf(
+      "  pp=%d dp=%d %s chunks=%d recompute=%s; stages %s\n  %lld micro-batches x %lld "
+      "sequences x %lld tokens per replica, global batch %lld, peak lr %.3g\n",
+      run.pipeline_parallel(), run.data_parallel, run.ScheduleName().c_str(),
+      run.schedule.spec.chunks, run.RecomputeSummary().c_str(), StageSplit(run.boundaries).c_str(),
+      static_cast<long long>(run.micro_batches()), static_cast<long long>(graph.shape().batch),
+      static_cast<long long>(graph.shape().seq_len), static_cast<long long>(t.global_batch()),
+      t.PeakLr());
+}
+
+void PrintSummary(const ReportInput& in, bool as_json) {
+  const LayerGraph& graph = *in.graph;
+  const Engine& t = *in.engine;
+  const RunRecord& rec = *in.record;
+  const RunSpec& run = t.run();
+  const RunSummary rs = t.Summary();
+  const Cost cost = graph.TotalCost();
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  const int64_t steps_run = t.step() - rec.first_step;
+  const double flops_per_step =
+      (cost.forward_flops + cost.backward_flops) * run.micro_batches() * run.data_parallel;
+  const double per_s = rec.total_time > 0 ? steps_run / rec.total_time : 0.0;
+  int64_t peak = 0;
+  json ranks = json::array();
+  for (const RankTimes& rt : rs.ranks) {
+    peak = std::max(peak, rt.peak_memory_bytes);
+    ranks.push_back(RankJson(rt));
+  }
+  json summary = {{"model", graph.name()},
+                  {"parameters", cost.params},
+                  {"pipeline_parallel", run.pipeline_parallel()},
+                  {"data_parallel", run.data_parallel},
+                  {"schedule", run.ScheduleName()},
+                  {"chunks", run.schedule.spec.chunks},
+                  {"recompute", run.RecomputeSummary()},
+                  {"precision", PrecisionName(in.precision)},
+                  {"skipped_steps", rec.skipped_steps},
+                  {"stage_boundaries", run.boundaries},
+                  {"steps", steps_run},
+                  {"final_step", t.step()},
+                  {"global_batch", t.global_batch()},
+                  {"first_loss", rec.losses.empty() ? 0.0 : rec.losses.front()},
+                  {"final_loss", rec.losses.empty() ? 0.0 : rec.losses.back()},
+                  {"mean_step_time_s", steps_run ? rec.total_time / steps_run : 0.0},
+                  {"samples_per_s", per_s * t.global_batch()},
+                  {"tokens_per_s", per_s * t.global_batch() * graph.shape().seq_len},
+                  {"model_gflops_per_s", per_s * flops_per_step / 1e9},
+                  {"data_wait_s", rec.data_wait},
+                  {"wall_time_s", rec.wall_s},
+                  {"peak_memory_bytes", peak},
+                  {"measured_bubble", rs.measured_bubble},
+                  {"predicted_bubble", rs.predicted_bubble},
+                  {"predicted_step_s", rs.predicted_step_s},
+                  {"bottleneck_rank", rs.bottleneck_rank},
+                  {"bottleneck", rs.bottleneck_reason},
+                  {"cpu_cores", cores},
+                  {"ranks", ranks},
+                  {"trace", in.trace},
+                  {"checkpoint", in.checkpoint}};
+  if (in.precision == Precision::kFp16) summary["loss_scale"] = rec.last_loss_scale;
+  json plan_rows;
+  if (in.plan != nullptr && steps_run > 0) {
+    plan_rows = PlanComparison(*in.plan, rs);
+    summary["plan"] = {{"file", in.plan_file},
+                       {"predicted_step_s", in.plan->predicted.step_time_s},
+                       {"measured_step_s", rs.measured_step_s},
+                       {"stages", plan_rows}};
+  }
+  if (as_json) {
+    std::printf("%s\n", json{{"summary", summary}}.dump().c_str());
+    return;
+  }
+  std::printf(
+      "summary: %lld steps in %.2f s, loss %.4f -> %.4f, %.1f samples/s, %.2f GFLOP/s, "
+      "peak memory %.1f MiB, data wait %.3f s%s\n",
+      static_cast<long long>(steps_run), rec.wall_s, summary["first_loss"].get<double>(),
+      summary["final_loss"].get<double>(), summary["samples_per_s"].get<double>(),
+      summary["model_gflops_per_s"].get<double>(), peak / 1048576.0, rec.data_wait,
+      in.checkpoint.empty() ? "" : absl::StrCat(", saved to ", in.checkpoint).c_str());
+  if (steps_run > 0) PrintRankTable(rs);
+  if (!plan_rows.is_null()) {
+    PrintPlanComparison(plan_rows, in.plan->predicted.step_time_s, rs.measured_step_s);
+  }
+  const int world = run.pipeline_parallel() * run.data_parallel;
+  if (cores > 0 && world > cores) {
+    std::printf(
+        "  note: %d ranks share %d CPU cores, so measured compute includes contention; "
+        "the simulator assumes one device per rank\n",
+        world, cores);
+  }
+  if (!in.trace.empty()) std::printf("  trace: %s\n", in.trace.c_str());
+  if (!in.svg.empty()) std::printf("  timeline: %s\n", in.svg.c_str());
+}
+
+}  // namespace pipewright::tools

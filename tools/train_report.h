@@ -1,0 +1,45 @@
+// What `pipewright train` prints: the header, and the summary with per-rank times and the plan's
+// predictions beside the measurements (text or JSON).
+#ifndef PIPEWRIGHT_TOOLS_TRAIN_REPORT_H_
+#define PIPEWRIGHT_TOOLS_TRAIN_REPORT_H_
+
+#include <string>
+#include <vector>
+
+#include "pipewright/engine.h"
+#include "pipewright/plan.h"
+
+namespace pipewright::tools {
+
+// What the steps of one run gave.
+struct RunRecord {
+  std::vector<double> losses;
+  double total_time = 0, data_wait = 0, wall_s = 0;
+  int64_t skipped_steps = 0, first_step = 0;
+  float last_loss_scale = 0;
+  absl::Status failure;
+  void Add(const StepResult& r) {
+    losses.push_back(r.loss);
+    skipped_steps += r.skipped ? 1 : 0;
+    last_loss_scale = r.loss_scale;
+    total_time += r.step_time_s;
+    data_wait += r.data_wait_s;
+  }
+};
+
+void PrintHeader(const LayerGraph& graph, const Engine& engine, const std::string& data);
+
+struct ReportInput {
+  const LayerGraph* graph = nullptr;
+  const Engine* engine = nullptr;
+  const Plan* plan = nullptr;  // when the run came from a plan
+  const RunRecord* record = nullptr;
+  Precision precision = Precision::kFp32;
+  std::string plan_file, trace, svg, checkpoint;
+};
+// The final summary: `{"summary": ...}` with --json, else a paragraph and the rank table.
+void PrintSummary(const ReportInput& in, bool as_json);
+
+}  // namespace pipewright::tools
+
+#endif  // PIPEWRIGHT_TOOLS_TRAIN_REPORT_H_
