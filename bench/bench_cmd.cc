@@ -7,6 +7,7 @@
 #include "bench/kernel_suite.h"
 #include "bench/partitioner_suite.h"
 #include "bench/pipeline_suite.h"
+#include "pipewright/cpu.h"
 #include "tools/commands.h"
 
 #if PIPEWRIGHT_WITH_CUDA
@@ -228,13 +229,17 @@ void RegisterBench(CLI::App& app, int* exit_code) {
     }
     nlohmann::json j = {{"suite", "kernels"},
                         {"threads", 1},
+                        {"isa", CpuKernelIsa()},
+                        {"blas_core", BlasCoreName()},
                         {"rows", rows},
                         {"sgemm_gflops_per_s", r->sgemm_gflops_per_s},
                         {"step_gflops_per_s", r->step_gflops_per_s},
-                        {"fraction_of_sgemm", r->fraction_of_sgemm}};
+                        {"step_fraction_of_sgemm", r->fraction_of_sgemm}};
     if (f->json) {
       std::printf("%s\n", j.dump(2).c_str());
     } else {
+      std::printf("CPU kernels: %s; OpenBLAS kernels: %s\n", CpuKernelIsa().c_str(),
+                  BlasCoreName().c_str());
       for (const auto& row : r->rows) {
         std::printf("%-55s %10.4f s %8.2f GFLOP/s\n", row.name.c_str(), row.seconds,
                     row.gflops_per_s);

@@ -6,7 +6,7 @@
 #include "absl/time/clock.h"
 #include "bench/bench_util.h"
 #include "kernels/cpu/cpu_kernels.h"
-#include "pipewright/device.h"
+#include "pipewright/cpu.h"
 #include "pipewright/train.h"
 
 namespace pipewright::bench {

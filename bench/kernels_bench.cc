@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_kernels.h"
-#include "pipewright/device.h"
+#include "pipewright/cpu.h"
 
 namespace {
 using namespace pipewright::cpu;

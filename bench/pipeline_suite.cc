@@ -4,7 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "bench/bench_util.h"
-#include "pipewright/device.h"
+#include "pipewright/cpu.h"
 #include "pipewright/engine.h"
 #include "pipewright/simulator.h"
 

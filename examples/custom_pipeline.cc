@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "pipewright/cpu.h"
 #include "pipewright/engine.h"
 #include "pipewright/init.h"
 #include "pipewright/launch.h"

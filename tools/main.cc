@@ -1,6 +1,7 @@
 // The pipewright command-line program. Usage errors exit 2, runtime failures 1.
 #include <cstdio>
 
+#include "pipewright/cpu.h"
 #include "tools/commands.h"
 
 namespace pipewright::tools {
@@ -23,6 +24,9 @@ int ReportError(const absl::Status& status) {
 }  // namespace pipewright::tools
 
 int main(int argc, char** argv) {
+  // OpenBLAS's kernels for this CPU when its own detection fell short (Note in
+  // kernels/cpu/cpu_features.cc); returns unless it re-executes this program.
+  pipewright::ReexecForBlasCore(argv);
   CLI::App app{"pipewright: pipeline-parallel model-sharding runtime"};
   app.require_subcommand(1);
   int exit_code = 0;

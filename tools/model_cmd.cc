@@ -11,7 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "pipewright/device.h"
+#include "pipewright/cpu.h"
 #include "pipewright/model.h"
 #include "pipewright/plan.h"
 #include "tools/commands.h"

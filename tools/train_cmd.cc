@@ -12,7 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "pipewright/device.h"
+#include "pipewright/cpu.h"
 #include "pipewright/engine.h"
 #include "pipewright/launch.h"
 #include "pipewright/plan.h"

@@ -33,10 +33,6 @@ struct Device {
 // Number of usable CUDA devices; 0 when built without CUDA or when no driver/GPU is present.
 int CudaDeviceCount();
 
-// Threads the CPU kernels' matrix products use (OpenBLAS), process-wide. Ranks that run as
-// threads of one process share it, so the engine's callers set 1 unless one rank runs alone.
-void SetCpuKernelThreads(int threads);
-
 // ---- The CUDA device layer (docs/cuda.md) ----
 //
 // Every function below returns a Status: FailedPrecondition "pipewright was built without CUDA"

@@ -4,11 +4,6 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_kernels.h"
-#include "pipewright/device.h"
-
-namespace pipewright {
-void SetCpuKernelThreads(int threads) { openblas_set_num_threads(threads < 1 ? 1 : threads); }
-}  // namespace pipewright
 
 namespace pipewright::cpu {
 
