@@ -3,9 +3,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <unordered_map>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 
 namespace pipewright {
 namespace {
@@ -79,23 +82,54 @@ absl::StatusOr<DType> ParseDType(absl::string_view name) {
   return absl::InvalidArgumentError(absl::StrCat("unknown dtype '", name, "'"));
 }
 
+struct CpuAllocator::Cache {
+  absl::Mutex mu;
+  std::unordered_map<size_t, std::vector<void*>> free ABSL_GUARDED_BY(mu);  // by rounded size
+  int64_t cached ABSL_GUARDED_BY(mu) = 0;
+  int64_t system_allocations ABSL_GUARDED_BY(mu) = 0;
+
+  // A cached block of `rounded` bytes, or nullptr.
+  void* Take(size_t rounded) {
+    absl::MutexLock lock(&mu);
+    auto it = free.find(rounded);
+    if (it == free.end() || it->second.empty()) {
+      ++system_allocations;
+      return nullptr;
+    }
+    void* p = it->second.back();
+    it->second.pop_back();
+    cached -= static_cast<int64_t>(rounded);
+    return p;
+  }
+};
+
+CpuAllocator::CpuAllocator() : cache_(std::make_unique<Cache>()) {}
+CpuAllocator::~CpuAllocator() { Trim(); }
+
+namespace {
+// Bytes rounded up to the 64-byte alignment; 0 when that overflows.
+size_t RoundedSize(size_t bytes) { return bytes > SIZE_MAX - 63 ? 0 : (bytes + 63) / 64 * 64; }
+}  // namespace
+
 void* CpuAllocator::Allocate(size_t bytes) {
-  if (bytes == 0) return nullptr;
-  size_t rounded = (bytes + 63) / 64 * 64;
-  void* p = std::aligned_alloc(64, rounded);
-  PW_CHECK(p != nullptr);
-  RecordAlloc(bytes);
-  return p;
+  absl::StatusOr<void*> p = TryAllocate(bytes);
+  PW_CHECK(p.ok());
+  return *p;
 }
 
 absl::StatusOr<void*> CpuAllocator::TryAllocate(size_t bytes) {
   if (bytes == 0) return nullptr;
-  size_t rounded = (bytes + 63) / 64 * 64;
-  if (rounded < bytes) {
+  const size_t rounded = RoundedSize(bytes);
+  if (rounded == 0) {
     return absl::ResourceExhaustedError(
         absl::StrCat("host allocation of ", bytes, " bytes overflows"));
   }
-  void* p = std::aligned_alloc(64, rounded);
+  void* p = cache_->Take(rounded);
+  if (p == nullptr) p = std::aligned_alloc(64, rounded);
+  if (p == nullptr) {
+    Trim();  // the cache may hold enough of other sizes
+    p = std::aligned_alloc(64, rounded);
+  }
   if (p == nullptr) {
     return absl::ResourceExhaustedError(absl::StrCat("out of host memory allocating ", bytes,
                                                      " bytes (", current_bytes(),
@@ -107,8 +141,32 @@ absl::StatusOr<void*> CpuAllocator::TryAllocate(size_t bytes) {
 
 void CpuAllocator::Free(void* ptr, size_t bytes) noexcept {
   if (ptr == nullptr) return;
-  std::free(ptr);
+  const size_t rounded = RoundedSize(bytes);
+  {
+    absl::MutexLock lock(&cache_->mu);
+    cache_->free[rounded].push_back(ptr);
+    cache_->cached += static_cast<int64_t>(rounded);
+  }
   RecordFree(bytes);
+}
+
+int64_t CpuAllocator::cached_bytes() const {
+  absl::MutexLock lock(&cache_->mu);
+  return cache_->cached;
+}
+
+int64_t CpuAllocator::system_allocations() const {
+  absl::MutexLock lock(&cache_->mu);
+  return cache_->system_allocations;
+}
+
+void CpuAllocator::Trim() {
+  absl::MutexLock lock(&cache_->mu);
+  for (auto& [size, blocks] : cache_->free) {
+    for (void* p : blocks) std::free(p);
+  }
+  cache_->free.clear();
+  cache_->cached = 0;
 }
 
 CpuAllocator* DefaultCpuAllocator() {

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "pipewright/data.h"
 #include "pipewright/layer.h"
 
 namespace pipewright {
@@ -329,6 +330,41 @@ TEST(LayerGraphTest, ResidualProjectionsScaledByDepth) {
       EXPECT_NEAR(stdev(p->value), 0.02, 0.002);
     }
   }
+}
+
+}  // namespace
+}  // namespace pipewright
+
+namespace pipewright {
+namespace {
+
+// A stage's training micro-batches allocate the same sizes every time, so after the first one
+// the caching allocator serves every allocation: no system allocation (and no page fault on
+// fresh memory) in steady state.
+TEST(StageMemoryTest, SteadyStateMakesNoSystemAllocations) {
+  auto g = PresetModel("gpt-tiny", 2);
+  ASSERT_TRUE(g.ok()) << g.status();
+  CpuAllocator alloc;
+  auto stage = g->Instantiate(0, g->num_layers(), 7, &alloc);
+  ASSERT_TRUE(stage.ok()) << stage.status();
+  auto data = SyntheticDataset(g->shape().seq_len, 7);
+  BatchLayout layout{1, g->shape().batch, g->shape().seq_len, 1};
+  Tensor dloss = Tensor::FromVector({1}, {1.0f});
+  auto micro_batch = [&](int64_t step) {
+    StepBatch b = MakeStepBatch(*data, layout, step, 0);
+    LayerContext ctx{&alloc, &b.targets[0]};
+    std::vector<Saved> saved;
+    ASSERT_TRUE((*stage)->Forward(b.inputs[0], ctx, &saved).ok());
+    ASSERT_TRUE((*stage)->BackwardInput(dloss, ctx, &saved).ok());
+    ASSERT_TRUE((*stage)->BackwardWeight(ctx, &saved).ok());
+  };
+  micro_batch(0);
+  micro_batch(1);
+  const int64_t warm = alloc.system_allocations();
+  const int64_t in_use = alloc.current_bytes();
+  for (int64_t step = 2; step < 6; ++step) micro_batch(step);
+  EXPECT_EQ(alloc.system_allocations(), warm);
+  EXPECT_EQ(alloc.current_bytes(), in_use);  // everything a micro-batch made was freed
 }
 
 }  // namespace

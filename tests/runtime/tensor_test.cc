@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <thread>
 #include <unordered_set>
 #include <vector>
 
@@ -175,6 +176,59 @@ TEST(AllocatorTest, ZeroByteAllocationsAreNull) {
   EXPECT_EQ(t.numel(), 0);
   EXPECT_EQ(alloc.current_bytes(), 0);
   EXPECT_TRUE(t.ToVector().empty());
+}
+
+// Freed blocks are kept per size and handed back: a repeated pattern of allocations (a
+// training step) reaches the system allocator only the first time; the accounting of bytes in
+// use is unchanged by the cache.
+TEST(AllocatorTest, CachesFreedBlocksBySize) {
+  CpuAllocator alloc;
+  void* first = nullptr;
+  {
+    Tensor a = Tensor::Empty({1000}, DType::kF32, &alloc);
+    first = a.raw();
+  }
+  EXPECT_EQ(alloc.current_bytes(), 0);
+  EXPECT_EQ(alloc.cached_bytes(), 4032);  // 4000 rounded up to 64 bytes
+  EXPECT_EQ(alloc.system_allocations(), 1);
+  Tensor again = Tensor::Empty({1000}, DType::kF32, &alloc);
+  EXPECT_EQ(again.raw(), first);  // the same block
+  EXPECT_EQ(alloc.cached_bytes(), 0);
+  EXPECT_EQ(alloc.current_bytes(), 4000);
+  EXPECT_EQ(alloc.system_allocations(), 1);
+  Tensor other = Tensor::Empty({10}, DType::kF32, &alloc);  // another size: a new block
+  EXPECT_EQ(alloc.system_allocations(), 2);
+  for (int step = 0; step < 5; ++step) {
+    std::vector<Tensor> live;
+    for (int64_t n : {7, 300, 300, 4096, 7})
+      live.push_back(Tensor::Empty({n}, DType::kF32, &alloc));
+  }
+  EXPECT_EQ(alloc.system_allocations(), 2 + 5);  // 7, 300, 300, 4096, 7 once each
+  EXPECT_EQ(alloc.peak_bytes(), 4000 + 40 + 4 * (7 + 300 + 300 + 4096 + 7));
+  again = Tensor();
+  other = Tensor();
+  EXPECT_GT(alloc.cached_bytes(), 0);
+  alloc.Trim();
+  EXPECT_EQ(alloc.cached_bytes(), 0);
+  EXPECT_EQ(alloc.current_bytes(), 0);
+}
+
+// Blocks freed on other threads return to the cache safely (ranks free each other's messages).
+TEST(AllocatorTest, FreeFromOtherThreads) {
+  CpuAllocator alloc;
+  std::vector<Tensor> made;
+  for (int i = 0; i < 64; ++i) made.push_back(Tensor::Empty({256}, DType::kF32, &alloc));
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = t; i < 64; i += 4) made[i] = Tensor();
+      for (int i = 0; i < 16; ++i) Tensor::Empty({256}, DType::kF32, &alloc);
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  EXPECT_EQ(alloc.current_bytes(), 0);
+  EXPECT_EQ(alloc.cached_bytes(), 64 * 1024);
+  EXPECT_EQ(alloc.system_allocations(), 64);
 }
 
 TEST(DeviceTest, Parse) {
