@@ -43,6 +43,7 @@ absl::StatusOr<KernelSuiteResult> RunKernelSuite(int repetitions) {
   TrainOptions o;
   o.steps = repetitions + 1;
   o.warmup_steps = 0;
+  o.threads_per_rank = 1;  // the step against single-thread sgemm: one thread on both sides
   PW_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(graph, 1, o));
   absl::Status status;
   BenchRow step;

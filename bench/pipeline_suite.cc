@@ -39,6 +39,7 @@ absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const LayerGraph& graph,
   TrainOptions o;
   o.steps = steps;
   o.warmup_steps = 0;
+  o.threads_per_rank = 1;  // pipeline scaling at one core per rank, whatever the core count
   PW_ASSIGN_OR_RETURN(World world, World::InProcess({}));
   return Engine::Create(graph, std::move(run), o, SyntheticDataset(graph.shape().seq_len, o.seed),
                         std::move(world));

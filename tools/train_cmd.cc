@@ -36,7 +36,7 @@ const std::vector<std::string>& TrainablePresets() {
 
 struct TrainFlags {
   std::string preset = "gpt-tiny";
-  int pp = 1, dp = 1, chunks = 1;
+  int pp = 1, dp = 1, chunks = 1, threads_per_rank = 0;
   std::string schedule = "1f1b", recompute = "none", plan, program, trace, svg;
   double timeout_s = 60, bucket_mb = 1;
   int64_t micro_batches = 4, micro_batch_size = 0, steps = 60, warmup = 5, base_batch = 32;
@@ -111,6 +111,7 @@ absl::StatusOr<TrainOptions> OptionsFromFlags(const TrainFlags& f) {
   PW_ASSIGN_OR_RETURN(o.lr_scaling, ParseLrScaling(f.lr_scaling));
   PW_ASSIGN_OR_RETURN(o.optimizer.kind, ParseOptimizerKind(f.optimizer));
   o.bucket_bytes = static_cast<int64_t>(f.bucket_mb * 1048576.0);
+  o.threads_per_rank = f.threads_per_rank;
   if (!f.inject_failure.empty()) {
     std::vector<std::string> parts = absl::StrSplit(f.inject_failure, ':');
     if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &o.inject_failure_rank) ||
@@ -251,7 +252,9 @@ absl::Status WriteOutputs(const Engine& t, const TrainFlags& f, const RunRecord&
 
 absl::Status RunTrain(const TrainFlags& f) {
   PW_RETURN_IF_ERROR(CheckFlags(f));
-  SetCpuKernelThreads(1);  // ranks are threads of this process or one per process
+  // OpenBLAS stays single-threaded (its threads are process-wide): each rank splits its own
+  // products over its own threads (--threads-per-rank).
+  SetCpuKernelThreads(1);
   PW_ASSIGN_OR_RETURN(LoadedModel model, LoadModel(f));
   PW_ASSIGN_OR_RETURN(RunSpec run, RunFromFlags(f, model));
   PW_ASSIGN_OR_RETURN(TrainOptions options, OptionsFromFlags(f));
@@ -340,6 +343,9 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
   cmd->add_option("--timeout", f->timeout_s,
                   "Seconds a receive or collective may wait before the run fails");
   cmd->add_option("--bucket-mb", f->bucket_mb, "Gradient all-reduce bucket size (MiB)");
+  cmd->add_option("--threads-per-rank", f->threads_per_rank,
+                  "Threads each CPU rank runs its kernels on (0: automatic, the usable cores "
+                  "divided among the ranks)");
   cmd->add_option("--save", f->save, "Write a checkpoint directory at the end");
   cmd->add_option("--resume", f->resume, "Continue from a checkpoint directory");
   cmd->add_flag("--json", f->json, "One JSON object per step and a final summary");

@@ -18,6 +18,7 @@ json RankJson(const RankTimes& t) {
   return {{"rank", t.global_rank},
           {"pipeline_rank", t.pipeline_rank},
           {"replica", t.replica},
+          {"threads", t.threads},
           {"stages", t.stages},
           {"compute_s", t.compute},
           {"recompute_s", t.recompute},
@@ -177,6 +178,7 @@ void PrintSummary(const ReportInput& in, bool as_json) {
                   {"bottleneck_rank", rs.bottleneck_rank},
                   {"bottleneck", rs.bottleneck_reason},
                   {"cpu_cores", cores},
+                  {"threads_per_rank", t.threads_per_rank()},
                   {"ranks", ranks},
                   {"trace", in.trace},
                   {"checkpoint", in.checkpoint}};
@@ -195,21 +197,23 @@ void PrintSummary(const ReportInput& in, bool as_json) {
   }
   std::printf(
       "summary: %lld steps in %.2f s, loss %.4f -> %.4f, %.1f samples/s, %.2f GFLOP/s, "
-      "peak memory %.1f MiB, data wait %.3f s%s\n",
+      "%d thread%s per rank, peak memory %.1f MiB, data wait %.3f s%s\n",
       static_cast<long long>(steps_run), rec.wall_s, summary["first_loss"].get<double>(),
       summary["final_loss"].get<double>(), summary["samples_per_s"].get<double>(),
-      summary["model_gflops_per_s"].get<double>(), peak / 1048576.0, rec.data_wait,
+      summary["model_gflops_per_s"].get<double>(), t.threads_per_rank(),
+      t.threads_per_rank() == 1 ? "" : "s", peak / 1048576.0, rec.data_wait,
       in.checkpoint.empty() ? "" : absl::StrCat(", saved to ", in.checkpoint).c_str());
   if (steps_run > 0) PrintRankTable(rs);
   if (!plan_rows.is_null()) {
     PrintPlanComparison(plan_rows, in.plan->predicted.step_time_s, rs.measured_step_s);
   }
   const int world = run.pipeline_parallel() * run.data_parallel;
-  if (cores > 0 && world > cores) {
+  const int threads = world * t.threads_per_rank();
+  if (cores > 0 && threads > cores) {
     std::printf(
-        "  note: %d ranks share %d CPU cores, so measured compute includes contention; "
-        "the simulator assumes one device per rank\n",
-        world, cores);
+        "  note: %d ranks (%d threads) share %d CPU cores, so measured compute includes "
+        "contention; the simulator assumes one device per rank\n",
+        world, threads, cores);
   }
   if (!in.trace.empty()) std::printf("  trace: %s\n", in.trace.c_str());
   if (!in.svg.empty()) std::printf("  timeline: %s\n", in.svg.c_str());

@@ -36,8 +36,9 @@ std::string PreferredBlasCore();
 // PIPEWRIGHT_BLAS_CORE=keep disables it.
 void ReexecForBlasCore(char** argv);
 
-// Threads the CPU kernels' matrix products use (OpenBLAS), process-wide. Ranks that run as
-// threads of one process share it, so the engine's callers set 1 unless one rank runs alone.
+// Threads OpenBLAS uses inside one matrix product, process-wide. The engine sets 1 for a CPU run
+// (Engine::Create): each rank splits its products over its own threads instead
+// (TrainOptions::threads_per_rank), which keeps results independent of the thread count.
 void SetCpuKernelThreads(int threads);
 
 }  // namespace pipewright

@@ -20,7 +20,9 @@
 // replicas, overlapping the rest of the backward), then one agreement all-reduce over the world
 // (losses, per-layer squared norms) so that global-norm clipping and the optimizer step happen
 // on every rank or on none. With the same global batch the losses and weights are bit-identical
-// to pp = 1 for every schedule and recompute setting (docs/runtime.md).
+// to pp = 1 for every schedule and recompute setting, and for any number of threads per rank
+// (TrainOptions::threads_per_rank: each CPU rank's kernels run on a thread pool of its own;
+// docs/runtime.md).
 #ifndef PIPEWRIGHT_ENGINE_H_
 #define PIPEWRIGHT_ENGINE_H_
 
@@ -63,6 +65,7 @@ struct RankEvent {
 // Time of one rank over the steps taken so far, by category (seconds).
 struct RankTimes {
   int global_rank = 0, pipeline_rank = 0, replica = 0;
+  int threads = 1;  // threads its CPU kernels ran on (TrainOptions::threads_per_rank)
   double compute = 0, recompute = 0, p2p_wait = 0, all_reduce = 0, optimizer = 0, data_wait = 0,
          idle = 0, wall = 0;
   int64_t peak_memory_bytes = 0;                  // allocator peak over any step
@@ -109,6 +112,9 @@ class Engine {
   absl::StatusOr<StepReport> Step();
   int64_t step() const;
   int64_t global_batch() const;
+  // Threads each rank of this process runs its CPU kernels on (TrainOptions::threads_per_rank,
+  // automatic resolved).
+  int threads_per_rank() const;
   float PeakLr() const;
   const RunSpec& run() const;
   const Schedule& schedule() const { return run().schedule; }

@@ -99,6 +99,17 @@ absl::Status Scale(const Exec& e, Tensor& x, float s);
 absl::StatusOr<Tensor> GeluForward(const Exec& e, const Tensor& x);
 // A new tensor of dy's shape: dx = dy * GELU'(x) (x and dy have the same element count).
 absl::StatusOr<Tensor> GeluBackward(const Exec& e, const Tensor& x, const Tensor& dy);
+// Bias + GELU in one pass (a Linear layer's output, e.g. the MLP's first projection): for x
+// [rows, cols] and bias [cols], x += bias in place (x becomes the pre-activation that
+// BiasGeluBackward needs) and a new tensor GELU(x) is returned. The same values as BiasAdd then
+// GeluForward (on the CPU the same bits).
+absl::StatusOr<Tensor> BiasGeluForward(const Exec& e, Tensor& x, const Tensor& bias, int64_t rows,
+                                       int64_t cols);
+// Its backward: a new tensor dpre = dy * GELU'(pre) for pre and dy [rows, cols], and
+// dbias[c] += sum over r of dpre[r, c] (accumulates), in one pass on the CPU. The same values as
+// GeluBackward then BiasBackward (on the CPU the same bits).
+absl::StatusOr<Tensor> BiasGeluBackward(const Exec& e, const Tensor& pre, const Tensor& dy,
+                                        Tensor& dbias, int64_t rows, int64_t cols);
 
 // ---- LayerNorm over the last dimension ----
 
@@ -132,18 +143,18 @@ absl::Status CrossEntropyBackward(const Exec& e, const Tensor& logits, const Ten
 
 // ---- causal multi-head self-attention ----
 
-// The shape of AttentionForward's `aux` on device `d`: what the backward needs besides qkv and
-// out. On the CPU the probabilities [B, H, T, T]; on CUDA (fused, flash-style) the row
-// log-sum-exp [B, H, T].
-std::vector<int64_t> AttentionAuxShape(Device d, int64_t B, int64_t T, int64_t H);
+// The shape of AttentionForward's `lse` on every device: [B, H, T], the log-sum-exp of each
+// query row's scaled scores, from which the backward recomputes the probabilities tile by tile
+// (both devices run a fused, flash-style kernel: no T x T matrix is stored).
+std::vector<int64_t> AttentionLseShape(int64_t B, int64_t T, int64_t H);
 // out [B, T, C] = softmax(q k^T / sqrt(C / H), causal) v per head, for qkv [B, T, 3C] laid out
-// as (q | k | v) with head h at columns [h C/H, (h+1) C/H) of each; writes `aux`
-// (AttentionAuxShape) for the backward.
-absl::Status AttentionForward(const Exec& e, const Tensor& qkv, Tensor& out, Tensor& aux, int64_t B,
+// as (q | k | v) with head h at columns [h C/H, (h+1) C/H) of each; writes `lse`
+// (AttentionLseShape) for the backward.
+absl::Status AttentionForward(const Exec& e, const Tensor& qkv, Tensor& out, Tensor& lse, int64_t B,
                               int64_t T, int64_t C, int64_t H);
-// A new tensor dqkv [B, T, 3C] from dout and the forward's qkv, out and aux.
+// A new tensor dqkv [B, T, 3C] from dout and the forward's qkv, out and lse.
 absl::StatusOr<Tensor> AttentionBackward(const Exec& e, const Tensor& dout, const Tensor& qkv,
-                                         const Tensor& out, const Tensor& aux, int64_t B, int64_t T,
+                                         const Tensor& out, const Tensor& lse, int64_t B, int64_t T,
                                          int64_t C, int64_t H);
 
 // ---- token + learned position embedding ----

@@ -28,6 +28,12 @@ struct TrainOptions {
   Precision precision = Precision::kFp32;   // mixed precision: precision.h
   LossScaleOptions loss_scale;              // fp16 only
   int64_t bucket_bytes = int64_t{1} << 20;  // gradient all-reduce bucket size
+  // Threads each CPU rank runs its kernels on (its own thread included): matrix products and
+  // the row-parallel kernels split their work over them. 0 = automatic: the CPU cores this
+  // process may use, divided among the ranks it runs (and, under a launcher, among the
+  // processes on the node), at least 1; ranks on a GPU use 1. Results do not depend on it
+  // (docs/runtime.md, "Threads per rank").
+  int threads_per_rank = 0;
   // Fault injection for tests of failure handling: global rank `inject_failure_rank` fails
   // with Internal "injected failure" at its first backward action of step
   // `inject_failure_step` (-1: never).

@@ -1,11 +1,60 @@
 // GEMM via OpenBLAS cblas_sgemm (row-major). GemmHalf widens its 16-bit inputs to f32 first.
 #include <cblas.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "kernels/cpu/cpu_kernels.h"
+#include "kernels/cpu/parallel.h"
 
 namespace pipewright::cpu {
+
+namespace {
+
+// Note [GEMM split]. A product big enough to share is cut into blocks of rows of C (of columns
+// when C is wider than tall), each one single-threaded cblas_sgemm call, and the blocks run on
+// the rank's threads (ParallelFor). The cut depends on the shape only, never on the thread
+// count: OpenBLAS's result for an element depends on where its row or column falls in the
+// call's internal blocking (measured with OpenBLAS 0.3.21: splitting a product at an arbitrary
+// row changes low bits of most results with its Haswell and Prescott kernels, and with the
+// Cooperlake ones when a part drops to its small-matrix path), so a cut that followed the
+// thread count would make results depend on it. With a fixed cut, one thread runs the same
+// calls in turn and computes the same bits as any number of threads.
+//
+// The blocks are about kPartDim wide: each block re-packs the operand it shares with the others
+// (B for row blocks, A for column blocks), which costs little at 512 and more below
+// (gpt-small, one thread: blocks of ~512 as fast as whole products, 256 about 2% slower, 128
+// about 10%). Their count is a power of two, so 2, 4, 8 threads share them evenly, and each
+// block keeps at least kMinPartMacs multiply-adds. A product too narrow for two such blocks but
+// big enough to matter (gpt-small's 256 x 256 x 1024 weight gradients: 3% of its products'
+// work) still gets two blocks of at least kMinPairDim: left whole, it would run on one thread
+// whatever the pool. A rank gets no more parallelism from a product than its count of blocks
+// (two for gpt-small's 1024 x 768 x 256).
+constexpr int kPartDim = 512;
+constexpr int kMinPairDim = 128;
+constexpr int64_t kMinPartMacs = int64_t{1} << 22;  // ~8 MFLOP: ~50 us at 150 GFLOP/s
+constexpr int64_t kMinPairMacs = int64_t{1} << 25;  // the narrow products worth two blocks
+constexpr int kSplitAlign = 16;                     // block edges: multiples of 16 rows/columns
+
+// Blocks of an m x n x k product, from its shape only.
+int GemmParts(int m, int n, int k) {
+  const int dim = std::max(m, n);
+  const int64_t macs = int64_t{m} * n * k;
+  const int64_t by_dim = (dim + kPartDim / 2) / kPartDim;  // dim / kPartDim, rounded
+  const int64_t most = std::min({macs / kMinPartMacs, by_dim, int64_t{dim / kSplitAlign}});
+  int parts = 1;
+  while (parts * int64_t{2} <= most) parts *= 2;
+  if (parts == 1 && dim >= 2 * kMinPairDim && macs >= kMinPairMacs) parts = 2;
+  return parts;
+}
+
+void BlasGemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda,
+              const float* b, int ldb, float beta, float* c, int ldc) {
+  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+              trans_b ? CblasTrans : CblasNoTrans, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+}  // namespace
 
 void Gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda,
           const float* b, int ldb, float beta, float* c, int ldc) {
@@ -22,8 +71,32 @@ void Gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const fl
     }
     return;
   }
-  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
-              trans_b ? CblasTrans : CblasNoTrans, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  const int parts = GemmParts(m, n, k);
+  if (parts <= 1) {
+    BlasGemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+  const bool by_rows = m >= n;
+  const int dim = by_rows ? m : n;
+  // Block p is [edge(p), edge(p + 1)) (Note [GEMM split]).
+  auto edge = [&](int64_t p) {
+    return p == parts ? dim : static_cast<int>(dim * p / parts / kSplitAlign * kSplitAlign);
+  };
+  ParallelFor(parts, 1, [&](int64_t first, int64_t last) {
+    for (int64_t p = first; p < last; ++p) {
+      const int lo = edge(p), len = edge(p + 1) - lo;
+      if (by_rows) {
+        // Rows lo.. of op(A): row lo of A, or column lo of a transposed A.
+        const float* a_part = trans_a ? a + lo : a + static_cast<size_t>(lo) * lda;
+        BlasGemm(trans_a, trans_b, len, n, k, alpha, a_part, lda, b, ldb, beta,
+                 c + static_cast<size_t>(lo) * ldc, ldc);
+      } else {
+        // Columns lo.. of op(B): column lo of B, or row lo of a transposed B.
+        const float* b_part = trans_b ? b + static_cast<size_t>(lo) * ldb : b + lo;
+        BlasGemm(trans_a, trans_b, m, len, k, alpha, a, lda, b_part, ldb, beta, c + lo, ldc);
+      }
+    }
+  });
 }
 
 namespace {
@@ -45,9 +118,24 @@ void Widen(bool is_bf16, const uint16_t* src, int rows, int cols, int ld, std::v
 }  // namespace
 
 void GemmHalf(bool is_bf16, bool trans_a, bool trans_b, int m, int n, int k, float alpha,
-              const uint16_t* a, int lda, const uint16_t* b, int ldb, float beta, float* c,
-              int ldc) {
+              const uint16_t* a, int lda, const uint16_t* b, int ldb, float beta, float* c, int ldc,
+              Isa isa) {
   if (m <= 0 || n <= 0) return;
+  if (isa == Isa::kAvx512) {
+    // Its bits do not depend on the part of C a call computes (Note [16-bit GEMM]), so the
+    // rank's threads take any cut: blocks along the longer side of C, each worth ~kMinPartMacs.
+    const HalfGemmKernel kernel = is_bf16 ? Bf16GemmKernel() : HalfGemmKernel::kFma;
+    const bool by_rows = m >= n;
+    const int64_t across = int64_t{by_rows ? n : m} * std::max(k, 1);
+    const int64_t grain = std::max<int64_t>(
+        kSplitAlign, (kMinPartMacs / across + kSplitAlign - 1) / kSplitAlign * kSplitAlign);
+    ParallelFor(by_rows ? m : n, grain, [&](int64_t lo, int64_t hi) {
+      const int l = static_cast<int>(lo), h = static_cast<int>(hi);
+      GemmHalfBlock(is_bf16, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc,
+                    by_rows ? l : 0, by_rows ? h : m, by_rows ? 0 : l, by_rows ? n : h, kernel);
+    });
+    return;
+  }
   if (k <= 0) {
     Gemm(trans_a, trans_b, m, n, k, alpha, nullptr, 1, nullptr, 1, beta, c, ldc);
     return;

@@ -2,13 +2,18 @@
 // ranks' work is in rank_step.cc / rank_p2p.cc, the reports in reports.cc.
 #include "pipewright/engine.h"
 
+#include <sched.h>
+
 #include <cmath>
+#include <cstdlib>
 #include <exception>
 #include <thread>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "pipewright/checkpoint.h"
+#include "pipewright/cpu.h"
 #include "runtime/engine/engine_impl.h"
 #include "runtime/train_state.h"
 
@@ -27,6 +32,9 @@ internal::RankExecutor* Engine::Impl::Find(int global) const {
 
 namespace {
 
+// ThreadPool's limit (kernels/cpu/parallel.h).
+constexpr int kMaxThreadsPerRank = 255;
+
 absl::Status CheckTrainOptions(const TrainOptions& o) {
   if (o.steps < 0) return absl::InvalidArgumentError("--steps must be >= 0");
   if (!(o.lr > 0) || !std::isfinite(o.lr)) {
@@ -34,7 +42,41 @@ absl::Status CheckTrainOptions(const TrainOptions& o) {
   }
   if (o.precision == Precision::kFp16) PW_RETURN_IF_ERROR(LossScaler::Validate(o.loss_scale));
   if (o.bucket_bytes < 1) return absl::InvalidArgumentError("the bucket size must be positive");
+  if (o.threads_per_rank < 0 || o.threads_per_rank > kMaxThreadsPerRank) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--threads-per-rank must be in [0, ", kMaxThreadsPerRank, "] (0: automatic)"));
+  }
   return absl::OkStatus();
+}
+
+// CPU cores this process may run on: its affinity (taskset, a cgroup's cpuset, a launcher's
+// binding), else every core of the machine.
+int UsableCores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+  return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+}
+
+// Processes of a launcher's world on this node, as the launcher's environment says (Open MPI,
+// MPICH's Hydra, Slurm); all of the world's processes when it says nothing.
+int ProcessesOnNode(const World& world) {
+  for (const char* var :
+       {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"}) {
+    const char* v = std::getenv(var);
+    int n = 0;
+    if (v != nullptr && absl::SimpleAtoi(v, &n) && n > 0) return n;
+  }
+  return world.process_count();
+}
+
+// TrainOptions::threads_per_rank, 0 resolved: the usable cores shared by the ranks of this
+// process (and of the other processes on the node), at least 1; 1 for ranks on GPUs.
+int ThreadsPerRank(const TrainOptions& o, const World& world, int ranks_here) {
+  if (o.threads_per_rank > 0) return o.threads_per_rank;
+  if (world.options().device.is_cuda()) return 1;
+  const int sharers =
+      std::max(1, ranks_here) * (world.multi_process() ? ProcessesOnNode(world) : 1);
+  return std::max(1, UsableCores() / sharers);
 }
 
 // Samples are sequences of the length the model was staged for (its MicroBatchShape).
@@ -121,6 +163,7 @@ absl::StatusOr<std::unique_ptr<RankExecutor>> BuildRank(
   ex->pipe = m.ctx.topo.PipelineRank(ex->global);
   ex->replica = m.ctx.topo.Replica(ex->global);
   ex->world = std::move(endpoint.comm);
+  ex->pool = std::make_unique<cpu::ThreadPool>(m.threads_per_rank);
   PW_RETURN_IF_ERROR(PlaceOnDevice(*ex, endpoint.cuda_device));
   const int S = m.run.num_stages();
   ex->local.assign(S, -1);
@@ -143,6 +186,7 @@ absl::StatusOr<std::unique_ptr<RankExecutor>> BuildRank(
   ex->total.global_rank = ex->global;
   ex->total.pipeline_rank = ex->pipe;
   ex->total.replica = ex->replica;
+  ex->total.threads = ex->pool->size();
   return ex;
 }
 
@@ -212,10 +256,17 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const LayerGraph& graph, 
   }
   m.ctx.epoch = Clock::now();
   const auto shape_at = BoundaryShapes(graph, m.data->Spec());
+  m.threads_per_rank =
+      ThreadsPerRank(m.options, *m.world, static_cast<int>(std::max<size_t>(1, endpoints.size())));
+  // The ranks split their products over their own threads; OpenBLAS's own (process-wide) would
+  // multiply with them, and would change the products' bits with their count.
+  if (!m.world->options().device.is_cuda()) SetCpuKernelThreads(1);
   for (RankEndpoint& e : endpoints) {
     PW_ASSIGN_OR_RETURN(std::unique_ptr<RankExecutor> ex, BuildRank(m, std::move(e), shape_at));
     m.ranks.push_back(std::move(ex));
   }
+  // What the pools got (fewer threads only when the system refused to start more).
+  if (!m.ranks.empty()) m.threads_per_rank = m.ranks.front()->pool->size();
   PW_RETURN_IF_ERROR(ConnectReplicas(m));
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }
@@ -272,6 +323,7 @@ absl::StatusOr<StepReport> Engine::Step() {
     t.global_rank = r->global;
     t.pipeline_rank = r->pipe;
     t.replica = r->replica;
+    t.threads = r->total.threads;
     for (const StageRt& st : r->stages) t.stages.push_back(st.index);
     rep.result.data_wait_s = std::max(rep.result.data_wait_s, t.data_wait);
     rep.ranks.push_back(std::move(t));
@@ -284,6 +336,7 @@ absl::StatusOr<StepReport> Engine::Step() {
 
 int64_t Engine::step() const { return impl_->step; }
 int64_t Engine::global_batch() const { return impl_->ctx.layout.global_batch(); }
+int Engine::threads_per_rank() const { return impl_->threads_per_rank; }
 float Engine::PeakLr() const { return impl_->lr.peak; }
 const RunSpec& Engine::run() const { return impl_->run; }
 const Topology& Engine::topology() const { return impl_->ctx.topo; }

@@ -25,6 +25,7 @@ struct Engine::Impl {
   // which must outlive the ranks' own.
   std::unique_ptr<World> world;
   std::vector<std::unique_ptr<internal::RankExecutor>> ranks;
+  int threads_per_rank = 1;  // resolved TrainOptions::threads_per_rank (engine.cc)
   int64_t step = 0;
   absl::Status failed;
   double wall = 0;
@@ -36,14 +37,15 @@ struct Engine::Impl {
 
   internal::RankExecutor* Find(int global) const;
 
-  // Runs fn(rank) on one thread per rank and returns the first error (the world's abort
-  // status when a rank aborted).
+  // Runs fn(rank) on one thread per rank, with the rank's kernel threads current there, and
+  // returns the first error (the world's abort status when a rank aborted).
   template <typename Fn>
   absl::Status OnEveryRank(Fn fn) {
     std::vector<absl::Status> status(ranks.size());
     std::vector<std::thread> threads;
     for (size_t i = 0; i < ranks.size(); ++i) {
       threads.emplace_back([&, i] {
+        cpu::ScopedCurrentPool pool(ranks[i]->pool.get());
         try {
           status[i] = ranks[i]->BindDevice();
           if (status[i].ok()) status[i] = fn(*ranks[i]);

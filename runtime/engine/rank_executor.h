@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kernels/cpu/parallel.h"
 #include "pipewright/comm.h"
 #include "pipewright/data.h"
 #include "pipewright/engine.h"
@@ -80,6 +81,9 @@ class RankExecutor {
   // Host memory for the rank's host-side values on CUDA (batches, scalars, staging).
   std::unique_ptr<CpuAllocator> host = std::make_unique<CpuAllocator>();
   std::unique_ptr<Communicator> world, dp_comm;
+  // The threads of the rank's CPU kernels (its own included): current on the thread that drives
+  // the rank (Engine::Impl::OnEveryRank), never shared with another rank.
+  std::unique_ptr<cpu::ThreadPool> pool;
   std::vector<StageRt> stages;
   std::vector<int> local;  // virtual stage -> index in stages, or -1
   std::vector<Parameter*> params;

@@ -17,6 +17,7 @@ json TimesToJson(const RankTimes& t) {
   return {{"global_rank", t.global_rank},
           {"pipeline_rank", t.pipeline_rank},
           {"replica", t.replica},
+          {"threads", t.threads},
           {"compute", t.compute},
           {"recompute", t.recompute},
           {"p2p_wait", t.p2p_wait},
@@ -39,6 +40,7 @@ RankTimes TimesFromJson(const json& j) {
   t.global_rank = j.at("global_rank").get<int>();
   t.pipeline_rank = j.at("pipeline_rank").get<int>();
   t.replica = j.at("replica").get<int>();
+  t.threads = j.at("threads").get<int>();
   t.compute = j.at("compute").get<double>();
   t.recompute = j.at("recompute").get<double>();
   t.p2p_wait = j.at("p2p_wait").get<double>();

@@ -112,8 +112,9 @@ std::vector<int64_t> WithLastDim(const std::vector<int64_t>& shape, int64_t last
 }
 
 // ---------------------------------------------------------------------------------------------
-LinearLayer::LinearLayer(const InitContext& init, int64_t in, int64_t out, bool bias, float std)
-    : in_(in), out_(out), has_bias_(bias) {
+LinearLayer::LinearLayer(const InitContext& init, int64_t in, int64_t out, bool bias, float std,
+                         Activation activation)
+    : in_(in), out_(out), has_bias_(bias), activation_(activation) {
   weight_ = MakeParameter(init, "weight", {out, in}, true);
   InitNormal(weight_, init, std);
   if (has_bias_) {
@@ -129,6 +130,12 @@ bool IsHalf(DType d) { return d == DType::kBF16 || d == DType::kF16; }
 // fp32: y = x W^T + b with x saved. Mixed precision (ctx.compute_dtype bf16/f16): x, W and dy
 // are rounded to 16 bits, the products accumulate in fp32 into fp32 outputs and gradients, and
 // the 16-bit x and dy are what is saved (half the bytes of the fp32 ones).
+//
+// With GELU the fp32 pre-activation x W^T + b is saved too, as the GELU layer saved it; the
+// backward turns dy into the pre-activation's gradient g first, and g is what the products use.
+// In fp32 the bias gradient of g comes out of the same pass (ops::BiasGeluBackward) into a
+// per-call partial sum that BackwardWeight adds, so BackwardInput still touches no gradient; in
+// 16 bits it sums the rounded g, as without GELU.
 absl::StatusOr<Tensor> LinearLayer::Forward(const Tensor& x, const LayerContext& ctx,
                                             Saved* saved) {
   PW_ASSIGN_OR_RETURN(int64_t rows, CheckRows(x, in_, "linear"));
@@ -146,18 +153,39 @@ absl::StatusOr<Tensor> LinearLayer::Forward(const Tensor& x, const LayerContext&
                                  0.0f, y, out_));
     saved->tensors = {x};
   }
+  if (activation_ == Activation::kGelu) {
+    saved->tensors.push_back(y);  // the pre-activation, completed in place by BiasGeluForward
+    if (has_bias_) return ops::BiasGeluForward(e, y, bias_.value, rows, out_);
+    return ops::GeluForward(e, y);
+  }
   if (has_bias_) PW_RETURN_IF_ERROR(ops::BiasAdd(e, y, bias_.value, rows, out_));
   return y;
 }
 
-absl::StatusOr<Tensor> LinearLayer::BackwardInput(const Tensor& dy, const LayerContext& ctx,
+absl::StatusOr<Tensor> LinearLayer::BackwardInput(const Tensor& dy_out, const LayerContext& ctx,
                                                   Saved* saved) {
-  PW_ASSIGN_OR_RETURN(int64_t rows, CheckRows(dy, out_, "linear backward"));
-  if (saved->tensors.size() != 1) return absl::FailedPreconditionError("linear: no forward saved");
+  PW_ASSIGN_OR_RETURN(int64_t rows, CheckRows(dy_out, out_, "linear backward"));
+  const size_t forward_saved = activation_ == Activation::kGelu ? 2 : 1;
+  if (saved->tensors.size() != forward_saved) {
+    return absl::FailedPreconditionError("linear: no forward saved");
+  }
   PW_RETURN_IF_ERROR(
-      CheckGradShape(dy, WithLastDim(saved->tensors[0].shape(), out_), "linear backward"));
+      CheckGradShape(dy_out, WithLastDim(saved->tensors[0].shape(), out_), "linear backward"));
   const ops::Exec e = ops::ExecOf(ctx);
   const DType cd = saved->tensors[0].dtype();  // the precision the forward ran in
+  // dy: the gradient at x W^T + b (through the GELU when there is one).
+  Tensor dy = dy_out;
+  Tensor dbias_partial;
+  if (activation_ == Activation::kGelu) {
+    const Tensor pre = std::move(saved->tensors[1]);
+    saved->tensors.pop_back();
+    if (has_bias_ && !IsHalf(cd)) {
+      dbias_partial = Tensor::Zeros({out_}, DType::kF32, AllocatorOf(ctx));
+      PW_ASSIGN_OR_RETURN(dy, ops::BiasGeluBackward(e, pre, dy_out, dbias_partial, rows, out_));
+    } else {
+      PW_ASSIGN_OR_RETURN(dy, ops::GeluBackward(e, pre, dy_out));
+    }
+  }
   Tensor dx = Tensor::Empty(WithLastDim(dy.shape(), in_), DType::kF32, AllocatorOf(ctx));
   if (IsHalf(cd)) {
     PW_ASSIGN_OR_RETURN(Tensor dyh, ops::Cast(e, dy, cd));
@@ -170,11 +198,14 @@ absl::StatusOr<Tensor> LinearLayer::BackwardInput(const Tensor& dy, const LayerC
                                  in_, 0.0f, dx, in_));
     saved->tensors.push_back(dy);
   }
+  // With GELU a third entry, defined when the bias gradient is already summed.
+  if (activation_ == Activation::kGelu) saved->tensors.push_back(std::move(dbias_partial));
   return dx;
 }
 
 absl::Status LinearLayer::BackwardWeight(const LayerContext& ctx, Saved* saved) {
-  if (saved->tensors.size() != 2) {
+  // {x, dy}, or with GELU {x, dy, dbias} (dbias undefined unless BackwardInput summed it).
+  if (saved->tensors.size() != (activation_ == Activation::kGelu ? 3u : 2u)) {
     return absl::FailedPreconditionError("linear: BackwardWeight before BackwardInput");
   }
   const ops::Exec e = ops::ExecOf(ctx);
@@ -183,7 +214,9 @@ absl::Status LinearLayer::BackwardWeight(const LayerContext& ctx, Saved* saved) 
   int64_t rows = x.numel() / in_;
   PW_RETURN_IF_ERROR(
       ops::Gemm(e, true, false, out_, in_, rows, 1.0f, dy, out_, x, in_, 1.0f, weight_.grad, in_));
-  if (has_bias_) {
+  if (saved->tensors.size() == 3 && saved->tensors[2].defined()) {
+    PW_RETURN_IF_ERROR(ops::AddInPlace(e, bias_.grad, saved->tensors[2]));
+  } else if (has_bias_) {
     if (IsHalf(dy.dtype())) {
       // The bias gradient sums the same 16-bit dy the weight gradient used, in fp32.
       PW_ASSIGN_OR_RETURN(Tensor dy32, ops::Cast(e, dy, DType::kF32));
@@ -398,9 +431,8 @@ void SleepSeconds(double seconds) {
   (void)slack_set;
 #endif
   using Clock = std::chrono::steady_clock;
-  const Clock::time_point deadline =
-      Clock::now() +
-      std::chrono::ceil<std::chrono::nanoseconds>(std::chrono::duration<double>(seconds));
+  const Clock::time_point deadline = Clock::now() + std::chrono::ceil<std::chrono::nanoseconds>(
+                                                        std::chrono::duration<double>(seconds));
   const Clock::time_point wake = deadline - kSpin;
   if (Clock::now() < wake) std::this_thread::sleep_until(wake);
   while (Clock::now() < deadline) std::this_thread::yield();

@@ -11,10 +11,15 @@ namespace pipewright::internal {
 
 std::vector<int64_t> WithLastDim(const std::vector<int64_t>& shape, int64_t last);
 
-// y = x W^T + b with W [out, in] row-major (PyTorch nn.Linear layout).
+// y = x W^T + b with W [out, in] row-major (PyTorch nn.Linear layout); with Activation::kGelu,
+// y = GELU(x W^T + b), the bias and the GELU applied in one fused pass (ops::BiasGeluForward) and
+// their backward likewise (the MLP's first projection). Parameters and their names are those of
+// the plain Linear either way.
 class LinearLayer final : public Layer {
  public:
-  LinearLayer(const InitContext& init, int64_t in, int64_t out, bool bias, float std);
+  enum class Activation { kNone, kGelu };
+  LinearLayer(const InitContext& init, int64_t in, int64_t out, bool bias, float std,
+              Activation activation = Activation::kNone);
   absl::string_view kind() const override { return "linear"; }
   absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
   absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
@@ -25,6 +30,7 @@ class LinearLayer final : public Layer {
  private:
   int64_t in_, out_;
   bool has_bias_;
+  Activation activation_;
   Parameter weight_, bias_;
 };
 

@@ -42,7 +42,9 @@ Cost AttentionCoreCost(const MicroBatchShape& s, int64_t dim, int64_t heads) {
   double b = s.batch, t = s.seq_len;
   c.forward_flops = 4.0 * b * t * t * dim + 5.0 * b * heads * t * t;
   c.backward_flops = 8.0 * b * t * t * dim + 8.0 * b * heads * t * t;
-  c.activation_bytes = (s.tokens() * 3 * dim + s.batch * heads * s.seq_len * s.seq_len) * kF32;
+  // Saved for the backward: qkv and the row log-sum-exp [B, H, T] (the kernels recompute the
+  // probabilities; the output it also keeps is the next Linear's saved input, counted there).
+  c.activation_bytes = (s.tokens() * 3 * dim + s.batch * heads * s.seq_len) * kF32;
   c.output_bytes = s.tokens() * dim * kF32;
   return c;
 }

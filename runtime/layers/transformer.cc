@@ -71,12 +71,12 @@ absl::StatusOr<Tensor> AttentionCoreLayer::Forward(const Tensor& x, const LayerC
   int64_t B = x.dim(0), T = x.dim(1);
   const ops::Exec e = ops::ExecOf(ctx);
   Tensor out = Tensor::Empty({B, T, dim_}, DType::kF32, AllocatorOf(ctx));
-  // CPU: the probabilities [B, H, T, T]; CUDA (fused): the row log-sum-exp [B, H, T].
-  Tensor aux = Tensor::Empty(ops::AttentionAuxShape(e.device(), B, T, heads_), DType::kF32,
-                             AllocatorOf(ctx));
-  PW_RETURN_IF_ERROR(ops::AttentionForward(e, x, out, aux, B, T, dim_, heads_));
-  // The fused CUDA backward also needs the output (rowsum(dout * out)); the CPU one does not.
-  saved->tensors = {x, aux, e.device().is_cuda() ? out : Tensor()};
+  Tensor lse = Tensor::Empty(ops::AttentionLseShape(B, T, heads_), DType::kF32, AllocatorOf(ctx));
+  PW_RETURN_IF_ERROR(ops::AttentionForward(e, x, out, lse, B, T, dim_, heads_));
+  // The backward needs rowsum(dout * out). `out` is the projection's input, which that layer
+  // keeps anyway in fp32 (with 16-bit compute it keeps a 16-bit copy: then this is C floats a
+  // token, against the H T probabilities a token the CPU saved before it was flash-style).
+  saved->tensors = {x, lse, out};
   return out;
 }
 
@@ -95,8 +95,9 @@ absl::StatusOr<Tensor> AttentionCoreLayer::BackwardInput(const Tensor& dy, const
 
 std::unique_ptr<Layer> MakeMlp(const InitContext& init, int64_t dim, int64_t hidden) {
   std::vector<std::unique_ptr<Layer>> c;
-  c.push_back(std::make_unique<LinearLayer>(ChildInit(init, "fc"), dim, hidden, true, 0.02f));
-  c.push_back(std::make_unique<GeluLayer>());
+  // fc + bias + GELU as one layer: the bias and GELU are fused (ops::BiasGeluForward).
+  c.push_back(std::make_unique<LinearLayer>(ChildInit(init, "fc"), dim, hidden, true, 0.02f,
+                                            LinearLayer::Activation::kGelu));
   c.push_back(
       std::make_unique<LinearLayer>(ChildInit(init, "proj"), hidden, dim, true, ResidualStd(init)));
   return std::make_unique<SequentialLayer>("mlp", std::move(c));

@@ -9,10 +9,13 @@
 // CheckDevice, which every op runs first, refuses an Exec that claims a CUDA device.
 #include "pipewright/ops.h"
 
+#include <algorithm>
 #include <atomic>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/cpu_kernels.h"
+#include "kernels/cpu/parallel.h"
 #include "runtime/ops/ops_cuda.h"
 
 namespace pipewright::ops {
@@ -31,6 +34,29 @@ bool IsHalf(DType d) { return d == DType::kBF16 || d == DType::kF16; }
 absl::Status Need(bool ok, const char* op, const std::string& what) {
   if (ok) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(op, ": ", what));
+}
+
+// Note [CPU ops on the rank's threads]. The CPU branch splits each kernel's independent outputs
+// over the calling rank's threads (kernels/cpu/parallel.h; the engine makes them current): rows
+// of the row kernels (LayerNorm, bias + GELU, cross-entropy), flat ranges of the elementwise
+// ones and the optimizers, (batch, head) pairs of attention, sequences of the embedding, and
+// blocks of C in cpu::Gemm itself. An element's bits do not depend on the range a kernel call
+// covers (Note [Same bits for every chunking] in kernels/cpu/vec.h), so results do not depend on
+// the thread count. What sums across rows stays on one thread, in its order: the bias and
+// LayerNorm weight gradients, the embedding's scatter-add, the gradient norm's sum of squares;
+// the cross-entropy total adds per-row losses in row order like the kernel. (The kernels take
+// no row stride, so a column reduction cannot be cut by columns from here.)
+constexpr int64_t kMinChunk = 16384;  // floats per part at least: ~10 us of work
+
+// fn(begin, count) over the parts of [0, n), each at least `grain` indices (ParallelFor).
+template <typename Fn>
+void OnThreads(int64_t n, int64_t grain, Fn fn) {
+  cpu::ParallelFor(n, grain, [&](int64_t begin, int64_t end) { fn(begin, end - begin); });
+}
+
+// Rows per part for rows of `cols` floats.
+int64_t RowGrain(int64_t cols) {
+  return std::max<int64_t>(1, kMinChunk / std::max<int64_t>(1, cols));
 }
 
 // Host to host is a memcpy on the calling thread; anything touching a GPU is ordered on the
@@ -106,16 +132,17 @@ absl::StatusOr<Tensor> Cast(const Exec& e, const Tensor& x, DType dtype) {
       return y;
     }
   }
-  const size_t n = x.numel();
-  if (dtype == DType::kBF16) {
-    cpu::FloatToBf16(x.data<float>(), y.data<uint16_t>(), n);
-  } else if (dtype == DType::kF16) {
-    cpu::FloatToHalf(x.data<float>(), y.data<uint16_t>(), n);
-  } else if (x.dtype() == DType::kBF16) {
-    cpu::Bf16ToFloat(x.data<uint16_t>(), y.data<float>(), n);
-  } else {
-    cpu::HalfToFloat(x.data<uint16_t>(), y.data<float>(), n);
-  }
+  OnThreads(x.numel(), kMinChunk, [&](int64_t i, int64_t n) {
+    if (dtype == DType::kBF16) {
+      cpu::FloatToBf16(x.data<float>() + i, y.data<uint16_t>() + i, n);
+    } else if (dtype == DType::kF16) {
+      cpu::FloatToHalf(x.data<float>() + i, y.data<uint16_t>() + i, n);
+    } else if (x.dtype() == DType::kBF16) {
+      cpu::Bf16ToFloat(x.data<uint16_t>() + i, y.data<float>() + i, n);
+    } else {
+      cpu::HalfToFloat(x.data<uint16_t>() + i, y.data<float>() + i, n);
+    }
+  });
   return y;
 }
 
@@ -124,7 +151,9 @@ absl::Status BiasAdd(const Exec& e, Tensor& y, const Tensor& bias, int64_t rows,
   if constexpr (kWithCuda) {
     if (e.device().is_cuda()) return cuda_impl::BiasAdd(e, y, bias, rows, cols);
   }
-  cpu::BiasAdd(y.data<float>(), bias.data<float>(), rows, cols);
+  OnThreads(rows, RowGrain(cols), [&](int64_t r, int64_t n) {
+    cpu::BiasAdd(y.data<float>() + r * cols, bias.data<float>(), n, cols);
+  });
   return absl::OkStatus();
 }
 
@@ -150,7 +179,9 @@ absl::StatusOr<Tensor> Add(const Exec& e, const Tensor& a, const Tensor& b) {
       return out;
     }
   }
-  cpu::Add(a.data<float>(), b.data<float>(), out.data<float>(), a.numel());
+  OnThreads(a.numel(), kMinChunk, [&](int64_t i, int64_t n) {
+    cpu::Add(a.data<float>() + i, b.data<float>() + i, out.data<float>() + i, n);
+  });
   return out;
 }
 
@@ -162,7 +193,9 @@ absl::Status AddInPlace(const Exec& e, Tensor& y, const Tensor& x) {
   if constexpr (kWithCuda) {
     if (e.device().is_cuda()) return cuda_impl::AddInPlace(e, y, x);
   }
-  cpu::AddInPlace(y.data<float>(), x.data<float>(), y.numel());
+  OnThreads(y.numel(), kMinChunk, [&](int64_t i, int64_t n) {
+    cpu::AddInPlace(y.data<float>() + i, x.data<float>() + i, n);
+  });
   return absl::OkStatus();
 }
 
@@ -171,7 +204,8 @@ absl::Status Scale(const Exec& e, Tensor& x, float s) {
   if constexpr (kWithCuda) {
     if (e.device().is_cuda()) return cuda_impl::Scale(e, x, s);
   }
-  cpu::Scale(x.data<float>(), x.numel(), s);
+  OnThreads(x.numel(), kMinChunk,
+            [&](int64_t i, int64_t n) { cpu::Scale(x.data<float>() + i, n, s); });
   return absl::OkStatus();
 }
 
@@ -184,7 +218,9 @@ absl::StatusOr<Tensor> GeluForward(const Exec& e, const Tensor& x) {
       return y;
     }
   }
-  cpu::GeluForward(x.data<float>(), y.data<float>(), x.numel());
+  OnThreads(x.numel(), kMinChunk, [&](int64_t i, int64_t n) {
+    cpu::GeluForward(x.data<float>() + i, y.data<float>() + i, n);
+  });
   return y;
 }
 
@@ -197,8 +233,52 @@ absl::StatusOr<Tensor> GeluBackward(const Exec& e, const Tensor& x, const Tensor
       return dx;
     }
   }
-  cpu::GeluBackward(x.data<float>(), dy.data<float>(), dx.data<float>(), dy.numel());
+  OnThreads(dy.numel(), kMinChunk, [&](int64_t i, int64_t n) {
+    cpu::GeluBackward(x.data<float>() + i, dy.data<float>() + i, dx.data<float>() + i, n);
+  });
   return dx;
+}
+
+absl::StatusOr<Tensor> BiasGeluForward(const Exec& e, Tensor& x, const Tensor& bias, int64_t rows,
+                                       int64_t cols) {
+  PW_RETURN_IF_ERROR(CheckDevice(e, "bias gelu", {&x, &bias}));
+  Tensor y = Tensor::Empty(x.shape(), DType::kF32, e.allocator());
+  if constexpr (kWithCuda) {
+    if (e.device().is_cuda()) {
+      PW_RETURN_IF_ERROR(cuda_impl::BiasGeluForward(e, x, bias, y, rows, cols));
+      return y;
+    }
+  }
+  OnThreads(rows, RowGrain(cols), [&](int64_t r, int64_t n) {
+    cpu::BiasGeluForward(x.data<float>() + r * cols, bias.data<float>(), x.data<float>() + r * cols,
+                         y.data<float>() + r * cols, n, cols);
+  });
+  return y;
+}
+
+absl::StatusOr<Tensor> BiasGeluBackward(const Exec& e, const Tensor& pre, const Tensor& dy,
+                                        Tensor& dbias, int64_t rows, int64_t cols) {
+  PW_RETURN_IF_ERROR(CheckDevice(e, "bias gelu backward", {&pre, &dy, &dbias}));
+  Tensor dpre = Tensor::Empty(dy.shape(), DType::kF32, e.allocator());
+  if constexpr (kWithCuda) {
+    if (e.device().is_cuda()) {
+      PW_RETURN_IF_ERROR(cuda_impl::GeluBackward(e, pre, dy, dpre));
+      PW_RETURN_IF_ERROR(cuda_impl::BiasBackward(e, dpre, dbias, rows, cols));
+      return dpre;
+    }
+  }
+  if (cpu::ParallelParts(rows * cols, kMinChunk, cpu::CurrentThreads()) <= 1) {
+    cpu::BiasGeluBackward(pre.data<float>(), dy.data<float>(), dpre.data<float>(),
+                          dbias.data<float>(), rows, cols);
+    return dpre;
+  }
+  // Several threads: the GELU part on all of them, the bias sum (over rows) on this one; the
+  // same bits as the fused kernel.
+  OnThreads(rows * cols, kMinChunk, [&](int64_t i, int64_t n) {
+    cpu::GeluBackward(pre.data<float>() + i, dy.data<float>() + i, dpre.data<float>() + i, n);
+  });
+  cpu::BiasBackward(dpre.data<float>(), dbias.data<float>(), rows, cols);
+  return dpre;
 }
 
 absl::Status LayerNormForward(const Exec& e, const Tensor& x, const Tensor& gamma,
@@ -210,8 +290,11 @@ absl::Status LayerNormForward(const Exec& e, const Tensor& x, const Tensor& gamm
       return cuda_impl::LayerNormForward(e, x, gamma, beta, y, mean, rstd, rows, cols, eps);
     }
   }
-  cpu::LayerNormForward(x.data<float>(), gamma.data<float>(), beta.data<float>(), y.data<float>(),
-                        mean.data<float>(), rstd.data<float>(), rows, cols, eps);
+  OnThreads(rows, RowGrain(cols), [&](int64_t r, int64_t n) {
+    cpu::LayerNormForward(x.data<float>() + r * cols, gamma.data<float>(), beta.data<float>(),
+                          y.data<float>() + r * cols, mean.data<float>() + r,
+                          rstd.data<float>() + r, n, cols, eps);
+  });
   return absl::OkStatus();
 }
 
@@ -224,8 +307,11 @@ absl::Status LayerNormBackwardInput(const Exec& e, const Tensor& x, const Tensor
       return cuda_impl::LayerNormBackwardInput(e, x, gamma, mean, rstd, dy, dx, rows, cols);
     }
   }
-  cpu::LayerNormBackwardInput(x.data<float>(), gamma.data<float>(), mean.data<float>(),
-                              rstd.data<float>(), dy.data<float>(), dx.data<float>(), rows, cols);
+  OnThreads(rows, RowGrain(cols), [&](int64_t r, int64_t n) {
+    cpu::LayerNormBackwardInput(x.data<float>() + r * cols, gamma.data<float>(),
+                                mean.data<float>() + r, rstd.data<float>() + r,
+                                dy.data<float>() + r * cols, dx.data<float>() + r * cols, n, cols);
+  });
   return absl::OkStatus();
 }
 
@@ -254,8 +340,29 @@ absl::StatusOr<double> CrossEntropyForward(const Exec& e, const Tensor& logits,
       return cuda_impl::CrossEntropyForward(e, logits, targets, rows, vocab, count);
     }
   }
-  return cpu::SoftmaxCrossEntropyForward(logits.data<float>(), targets.data<int32_t>(), rows, vocab,
-                                         count);
+  const float* lg = logits.data<float>();
+  const int32_t* tg = targets.data<int32_t>();
+  if (cpu::ParallelParts(rows * vocab, kMinChunk, cpu::CurrentThreads()) <= 1) {
+    return cpu::SoftmaxCrossEntropyForward(lg, tg, rows, vocab, count);
+  }
+  // Each row's loss on the threads, then their sum in row order: the kernel's total, to the bit
+  // (a one-row call returns 0.0 + that row's loss).
+  std::vector<double> loss(rows);
+  std::vector<int64_t> counted(rows);
+  OnThreads(rows, RowGrain(vocab), [&](int64_t r0, int64_t n) {
+    for (int64_t r = r0; r < r0 + n; ++r) {
+      loss[r] = cpu::SoftmaxCrossEntropyForward(lg + r * vocab, tg + r, 1, vocab, &counted[r]);
+    }
+  });
+  double total = 0.0;
+  int64_t rows_counted = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (counted[r] == 0) continue;
+    total += loss[r];
+    ++rows_counted;
+  }
+  if (count != nullptr) *count = rows_counted;
+  return total;
 }
 
 absl::Status CrossEntropyBackward(const Exec& e, const Tensor& logits, const Tensor& targets,
@@ -266,40 +373,51 @@ absl::Status CrossEntropyBackward(const Exec& e, const Tensor& logits, const Ten
       return cuda_impl::CrossEntropyBackward(e, logits, targets, rows, vocab, scale, dlogits);
     }
   }
-  cpu::SoftmaxCrossEntropyBackward(logits.data<float>(), targets.data<int32_t>(), rows, vocab,
-                                   scale, dlogits.data<float>());
+  OnThreads(rows, RowGrain(vocab), [&](int64_t r, int64_t n) {
+    cpu::SoftmaxCrossEntropyBackward(logits.data<float>() + r * vocab, targets.data<int32_t>() + r,
+                                     n, vocab, scale, dlogits.data<float>() + r * vocab);
+  });
   return absl::OkStatus();
 }
 
-std::vector<int64_t> AttentionAuxShape(Device d, int64_t B, int64_t T, int64_t H) {
-  if (d.is_cuda()) return {B, H, T};
-  return {B, H, T, T};
-}
+std::vector<int64_t> AttentionLseShape(int64_t B, int64_t T, int64_t H) { return {B, H, T}; }
 
-absl::Status AttentionForward(const Exec& e, const Tensor& qkv, Tensor& out, Tensor& aux, int64_t B,
+absl::Status AttentionForward(const Exec& e, const Tensor& qkv, Tensor& out, Tensor& lse, int64_t B,
                               int64_t T, int64_t C, int64_t H) {
-  PW_RETURN_IF_ERROR(CheckDevice(e, "attention", {&qkv, &out, &aux}));
+  PW_RETURN_IF_ERROR(CheckDevice(e, "attention", {&qkv, &out, &lse}));
   if constexpr (kWithCuda) {
-    if (e.device().is_cuda()) return cuda_impl::AttentionForward(e, qkv, out, aux, B, T, C, H);
+    if (e.device().is_cuda()) return cuda_impl::AttentionForward(e, qkv, out, lse, B, T, C, H);
   }
-  cpu::AttentionForward(qkv.data<float>(), out.data<float>(), aux.data<float>(), B, T, C, H);
+  // (batch, head) pairs on the threads, each part with its own scratch.
+  const int64_t per = static_cast<int64_t>(cpu::AttentionForwardScratchFloats(T, C, H));
+  const int parts = std::max(1, cpu::ParallelParts(B * H, 1, cpu::CurrentThreads()));
+  Tensor scratch = Tensor::Empty({parts * per}, DType::kF32, e.allocator());
+  cpu::ParallelForParts(B * H, 1, [&](int part, int64_t begin, int64_t end) {
+    cpu::AttentionForward(qkv.data<float>(), out.data<float>(), lse.data<float>(), T, C, H, begin,
+                          end, scratch.data<float>() + part * per);
+  });
   return absl::OkStatus();
 }
 
 absl::StatusOr<Tensor> AttentionBackward(const Exec& e, const Tensor& dout, const Tensor& qkv,
-                                         const Tensor& out, const Tensor& aux, int64_t B, int64_t T,
+                                         const Tensor& out, const Tensor& lse, int64_t B, int64_t T,
                                          int64_t C, int64_t H) {
-  PW_RETURN_IF_ERROR(CheckDevice(e, "attention backward", {&dout, &qkv, &out, &aux}));
+  PW_RETURN_IF_ERROR(CheckDevice(e, "attention backward", {&dout, &qkv, &out, &lse}));
   Tensor dqkv = Tensor::Empty(qkv.shape(), DType::kF32, e.allocator());
   if constexpr (kWithCuda) {
     if (e.device().is_cuda()) {
-      PW_RETURN_IF_ERROR(cuda_impl::AttentionBackward(e, dout, qkv, out, aux, dqkv, B, T, C, H));
+      PW_RETURN_IF_ERROR(cuda_impl::AttentionBackward(e, dout, qkv, out, lse, dqkv, B, T, C, H));
       return dqkv;
     }
   }
-  Tensor scratch = Tensor::Empty({T, T}, DType::kF32, e.allocator());
-  cpu::AttentionBackward(dout.data<float>(), qkv.data<float>(), aux.data<float>(),
-                         dqkv.data<float>(), scratch.data<float>(), B, T, C, H);
+  const int64_t per = static_cast<int64_t>(cpu::AttentionBackwardScratchFloats(T, C, H));
+  const int parts = std::max(1, cpu::ParallelParts(B * H, 1, cpu::CurrentThreads()));
+  Tensor scratch = Tensor::Empty({parts * per}, DType::kF32, e.allocator());
+  cpu::ParallelForParts(B * H, 1, [&](int part, int64_t begin, int64_t end) {
+    cpu::AttentionBackward(dout.data<float>(), qkv.data<float>(), out.data<float>(),
+                           lse.data<float>(), dqkv.data<float>(), T, C, H, begin, end,
+                           scratch.data<float>() + part * per);
+  });
   return dqkv;
 }
 
@@ -309,8 +427,10 @@ absl::Status EmbeddingForward(const Exec& e, const Tensor& tokens, const Tensor&
   if constexpr (kWithCuda) {
     if (e.device().is_cuda()) return cuda_impl::EmbeddingForward(e, tokens, wte, wpe, out, B, T, C);
   }
-  cpu::EmbeddingForward(tokens.data<int32_t>(), wte.data<float>(), wpe.data<float>(),
-                        out.data<float>(), B, T, C);
+  OnThreads(B, RowGrain(T * C), [&](int64_t b, int64_t n) {
+    cpu::EmbeddingForward(tokens.data<int32_t>() + b * T, wte.data<float>(), wpe.data<float>(),
+                          out.data<float>() + b * T * C, n, T, C);
+  });
   return absl::OkStatus();
 }
 
@@ -336,9 +456,11 @@ absl::Status AdamW(const Exec& e, const std::vector<AdamWItem>& items, float lr,
     if (e.device().is_cuda()) return cuda_impl::AdamW(e, items, lr, beta1, beta2, eps, t);
   }
   for (const AdamWItem& it : items) {
-    cpu::AdamWUpdate(it.param->data<float>(), it.grad->data<float>(), it.m->data<float>(),
-                     it.v->data<float>(), it.param->numel(), lr, beta1, beta2, eps, it.weight_decay,
-                     t);
+    OnThreads(it.param->numel(), kMinChunk, [&](int64_t i, int64_t n) {
+      cpu::AdamWUpdate(it.param->data<float>() + i, it.grad->data<float>() + i,
+                       it.m->data<float>() + i, it.v->data<float>() + i, n, lr, beta1, beta2, eps,
+                       it.weight_decay, t);
+    });
   }
   return absl::OkStatus();
 }
@@ -350,8 +472,10 @@ absl::Status SgdMomentum(const Exec& e, Tensor& param, const Tensor& grad, Tenso
     return absl::UnimplementedError(
         "sgd: the CUDA backend implements AdamW only (--optimizer adamw)");
   }
-  cpu::SgdMomentumUpdate(param.data<float>(), grad.data<float>(), buf.data<float>(), param.numel(),
-                         lr, momentum, weight_decay);
+  OnThreads(param.numel(), kMinChunk, [&](int64_t i, int64_t n) {
+    cpu::SgdMomentumUpdate(param.data<float>() + i, grad.data<float>() + i, buf.data<float>() + i,
+                           n, lr, momentum, weight_decay);
+  });
   return absl::OkStatus();
 }
 

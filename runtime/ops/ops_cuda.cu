@@ -112,6 +112,12 @@ absl::Status GeluBackward(const Exec& e, const Tensor& x, const Tensor& dy, Tens
                             dy.numel());
 }
 
+absl::Status BiasGeluForward(const Exec& e, Tensor& x, const Tensor& bias, Tensor& y, int64_t rows,
+                             int64_t cols) {
+  return cuda::BiasGeluForward(StreamOf(e), x.data<float>(), bias.data<float>(), x.data<float>(),
+                               y.data<float>(), I(rows), I(cols));
+}
+
 absl::Status LayerNormForward(const Exec& e, const Tensor& x, const Tensor& gamma,
                               const Tensor& beta, Tensor& y, Tensor& mean, Tensor& rstd,
                               int64_t rows, int64_t cols, float eps) {

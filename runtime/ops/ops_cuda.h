@@ -21,6 +21,9 @@ absl::Status AddInPlace(const Exec& e, Tensor& y, const Tensor& x);
 absl::Status Scale(const Exec& e, Tensor& x, float s);
 absl::Status GeluForward(const Exec& e, const Tensor& x, Tensor& y);
 absl::Status GeluBackward(const Exec& e, const Tensor& x, const Tensor& dy, Tensor& dx);
+// x += bias in place, y = GELU(x): the fused kernel with pre = x.
+absl::Status BiasGeluForward(const Exec& e, Tensor& x, const Tensor& bias, Tensor& y, int64_t rows,
+                             int64_t cols);
 absl::Status LayerNormForward(const Exec& e, const Tensor& x, const Tensor& gamma,
                               const Tensor& beta, Tensor& y, Tensor& mean, Tensor& rstd,
                               int64_t rows, int64_t cols, float eps);

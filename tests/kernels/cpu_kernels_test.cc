@@ -12,16 +12,12 @@
 #include <random>
 #include <vector>
 
+#include "tests/kernels/kernel_test_util.h"
+
 namespace pipewright::cpu {
 namespace {
 
-std::vector<float> RandomVec(size_t n, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
-  std::mt19937 gen(seed);
-  std::uniform_real_distribution<float> dist(lo, hi);
-  std::vector<float> v(n);
-  for (auto& x : v) x = dist(gen);
-  return v;
-}
+using kernel_test::RandomVec;
 
 std::vector<double> ToDouble(const std::vector<float>& v) { return {v.begin(), v.end()}; }
 
@@ -504,108 +500,7 @@ TEST(CrossEntropy, BackwardMatchesFiniteDifferences) {
   for (int j = 0; j < vocab; ++j) EXPECT_EQ(d[2 * vocab + j], 0.0f);
 }
 
-// ---------------------------------------------------------------- attention
-
-std::vector<double> AttentionRef(const std::vector<double>& qkv, int B, int T, int C, int H) {
-  const int D = C / H;
-  const double scale = 1 / std::sqrt(static_cast<double>(D));
-  std::vector<double> out(static_cast<size_t>(B) * T * C, 0.0);
-  auto at = [&](int b, int t, int col) {
-    return qkv[(static_cast<size_t>(b) * T + t) * 3 * C + col];
-  };
-  for (int b = 0; b < B; ++b) {
-    for (int h = 0; h < H; ++h) {
-      for (int i = 0; i < T; ++i) {
-        std::vector<double> s(i + 1);
-        double mx = -INFINITY;
-        for (int j = 0; j <= i; ++j) {
-          double dot = 0;
-          for (int d = 0; d < D; ++d) dot += at(b, i, h * D + d) * at(b, j, C + h * D + d);
-          s[j] = dot * scale;
-          mx = std::max(mx, s[j]);
-        }
-        double sum = 0;
-        for (int j = 0; j <= i; ++j) sum += (s[j] = std::exp(s[j] - mx));
-        for (int d = 0; d < D; ++d) {
-          double o = 0;
-          for (int j = 0; j <= i; ++j) o += s[j] / sum * at(b, j, 2 * C + h * D + d);
-          out[(static_cast<size_t>(b) * T + i) * C + h * D + d] = o;
-        }
-      }
-    }
-  }
-  return out;
-}
-
-void CheckAttentionForward(int B, int T, int C, int H, uint32_t seed) {
-  auto qkv = RandomVec(static_cast<size_t>(B) * T * 3 * C, seed, -2.0f, 2.0f);
-  std::vector<float> out(static_cast<size_t>(B) * T * C);
-  std::vector<float> probs(static_cast<size_t>(B) * H * T * T, 7.0f);
-  AttentionForward(qkv.data(), out.data(), probs.data(), B, T, C, H);
-  ExpectClose(out, AttentionRef(ToDouble(qkv), B, T, C, H), 1e-4, 1e-5, "out");
-  for (int bh = 0; bh < B * H; ++bh) {
-    for (int i = 0; i < T; ++i) {
-      double s = 0;
-      for (int j = 0; j < T; ++j) {
-        const float p = probs[(static_cast<size_t>(bh) * T + i) * T + j];
-        if (j > i) {
-          EXPECT_EQ(p, 0.0f) << "upper triangle must be zero";
-        }
-        EXPECT_GE(p, 0.0f);
-        s += p;
-      }
-      EXPECT_NEAR(s, 1.0, 1e-5);
-    }
-  }
-}
-
-TEST(Attention, ForwardMatchesNaive) { CheckAttentionForward(2, 5, 8, 2, 24); }
-TEST(Attention, ForwardSingleTokenAndSingleHead) {
-  CheckAttentionForward(3, 1, 8, 2, 25);
-  CheckAttentionForward(1, 7, 6, 1, 26);
-}
-
-TEST(Attention, IsCausal) {
-  const int B = 2, T = 6, C = 8, H = 2;
-  auto qkv = RandomVec(static_cast<size_t>(B) * T * 3 * C, 27);
-  std::vector<float> out(B * T * C), out2(B * T * C), probs(B * H * T * T);
-  AttentionForward(qkv.data(), out.data(), probs.data(), B, T, C, H);
-  const int changed_t = 4;
-  for (int b = 0; b < B; ++b)
-    for (int c = 0; c < 3 * C; ++c) qkv[(b * T + changed_t) * 3 * C + c] += 1.5f;
-  AttentionForward(qkv.data(), out2.data(), probs.data(), B, T, C, H);
-  for (int b = 0; b < B; ++b) {
-    for (int t = 0; t < T; ++t) {
-      bool differs = false;
-      for (int c = 0; c < C; ++c) {
-        const size_t i = (b * T + t) * C + c;
-        if (t < changed_t) {
-          EXPECT_EQ(out[i], out2[i]) << "t=" << t;
-        }
-        differs |= out[i] != out2[i];
-      }
-      if (t >= changed_t) {
-        EXPECT_TRUE(differs) << "t=" << t;
-      }
-    }
-  }
-}
-
-void CheckAttentionBackward(int B, int T, int C, int H, uint32_t seed) {
-  auto qkv = RandomVec(static_cast<size_t>(B) * T * 3 * C, seed, -1.5f, 1.5f);
-  auto w = RandomVec(static_cast<size_t>(B) * T * C, seed + 1);  // loss = sum(out * w)
-  std::vector<float> out(w.size()), probs(static_cast<size_t>(B) * H * T * T);
-  AttentionForward(qkv.data(), out.data(), probs.data(), B, T, C, H);
-  std::vector<float> dqkv(qkv.size(), 42.0f), scratch(static_cast<size_t>(T) * T, -1.0f);
-  AttentionBackward(w.data(), qkv.data(), probs.data(), dqkv.data(), scratch.data(), B, T, C, H);
-  auto num =
-      NumericGrad([&](const std::vector<double>& x) { return Dot(AttentionRef(x, B, T, C, H), w); },
-                  ToDouble(qkv));
-  ExpectClose(dqkv, num, 1e-2, 1e-4, "dqkv");
-}
-
-TEST(Attention, BackwardMatchesFiniteDifferences) { CheckAttentionBackward(2, 5, 8, 2, 28); }
-TEST(Attention, BackwardSingleToken) { CheckAttentionBackward(2, 1, 4, 2, 30); }
+// Attention: tests/kernels/attention_test.cc.
 
 // ---------------------------------------------------------------- embedding
 

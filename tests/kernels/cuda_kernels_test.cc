@@ -631,6 +631,16 @@ std::vector<double> ReferenceLse(const std::vector<float>& qkv, const AttnShape&
   return lse;
 }
 
+// The CPU kernel's forward: out [B,T,C] and lse [B,H,T] (the same saved state as CUDA's).
+void CpuAttentionForward(const std::vector<float>& qkv, const AttnShape& s, std::vector<float>& out,
+                         std::vector<float>& lse) {
+  out.assign(static_cast<size_t>(s.B) * s.T * s.C, 0.0f);
+  lse.assign(static_cast<size_t>(s.B) * s.H * s.T, 0.0f);
+  std::vector<float> scratch(cpu::AttentionForwardScratchFloats(s.T, s.C, s.H));
+  cpu::AttentionForward(qkv.data(), out.data(), lse.data(), s.T, s.C, s.H, 0, s.B * s.H,
+                        scratch.data());
+}
+
 TEST(CudaAttention, ForwardMatchesCpu) {
   if (pipewright::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   Stream stream;
@@ -640,16 +650,18 @@ TEST(CudaAttention, ForwardMatchesCpu) {
     const size_t nout = static_cast<size_t>(s.B) * s.T * s.C;
     const size_t nlse = static_cast<size_t>(s.B) * s.H * s.T;
     auto qkv = RandomVec(nqkv, seed++, -1.5f, 1.5f);
-    std::vector<float> out(nout), probs(nlse * s.T);
-    cpu::AttentionForward(qkv.data(), out.data(), probs.data(), s.B, s.T, s.C, s.H);
+    std::vector<float> out, lse;
+    CpuAttentionForward(qkv, s, out, lse);
     DeviceArray<float> dqkv(qkv), dout(nout), dlse(nlse);
     dout.Poison();
     dlse.Poison();
     PW_ASSERT_OK(
         AttentionForward(stream.get(), dqkv.get(), dout.get(), dlse.get(), s.B, s.T, s.C, s.H));
     stream.Sync();
+    const auto got_lse = dlse.Download();
     ExpectRelErr(dout.Download(), out, 1e-5, "attention out " + AttnName(s));
-    ExpectRelErr(dlse.Download(), ReferenceLse(qkv, s), 1e-5, "attention lse " + AttnName(s));
+    ExpectRelErr(got_lse, ReferenceLse(qkv, s), 1e-5, "attention lse " + AttnName(s));
+    ExpectRelErr(got_lse, lse, 1e-5, "attention lse vs cpu " + AttnName(s));
   }
 }
 
@@ -663,34 +675,44 @@ TEST(CudaAttention, BackwardMatchesCpu) {
     const size_t nlse = static_cast<size_t>(s.B) * s.H * s.T;
     auto qkv = RandomVec(nqkv, seed++, -1.5f, 1.5f);
     auto dout = RandomVec(nout, seed++);
-    std::vector<float> out(nout), probs(nlse * s.T), dqkv(nqkv),
-        scratch(static_cast<size_t>(s.T) * s.T);
-    cpu::AttentionForward(qkv.data(), out.data(), probs.data(), s.B, s.T, s.C, s.H);
-    cpu::AttentionBackward(dout.data(), qkv.data(), probs.data(), dqkv.data(), scratch.data(), s.B,
-                           s.T, s.C, s.H);
+    std::vector<float> out, lse, dqkv(nqkv),
+        scratch(cpu::AttentionBackwardScratchFloats(s.T, s.C, s.H));
+    CpuAttentionForward(qkv, s, out, lse);
+    cpu::AttentionBackward(dout.data(), qkv.data(), out.data(), lse.data(), dqkv.data(), s.T, s.C,
+                           s.H, 0, s.B * s.H, scratch.data());
 
     DeviceArray<float> d_qkv(qkv), d_dout(dout), d_out(nout), d_lse(nlse), d_dqkv(nqkv),
         d_scratch(nlse);
     PW_ASSERT_OK(
         AttentionForward(stream.get(), d_qkv.get(), d_out.get(), d_lse.get(), s.B, s.T, s.C, s.H));
-    d_dqkv.Poison();
-    d_scratch.Poison();
-    PW_ASSERT_OK(AttentionBackward(stream.get(), d_dout.get(), d_qkv.get(), d_out.get(),
-                                   d_lse.get(), d_dqkv.get(), d_scratch.get(), s.B, s.T, s.C, s.H));
-    stream.Sync();
-    const auto got = d_dqkv.Download();
-    ExpectRelErr(got, dqkv, 2e-5, "attention dqkv " + AttnName(s));
-    // Each third separately, so a wrong dq cannot hide behind accurate dk/dv.
-    for (int part = 0; part < 3; ++part) {
-      std::vector<float> g, w;
-      for (size_t row = 0; row < static_cast<size_t>(s.B) * s.T; ++row) {
-        for (int c = 0; c < s.C; ++c) {
-          const size_t idx = row * 3 * s.C + static_cast<size_t>(part) * s.C + c;
-          g.push_back(got[idx]);
-          w.push_back(dqkv[idx]);
-        }
+    // Twice: from the CUDA forward's out and lse, then from the CPU forward's (the two devices
+    // save the same state, so either backward accepts either forward's).
+    for (const bool from_cpu : {false, true}) {
+      if (from_cpu) {
+        d_out.Upload(out);
+        d_lse.Upload(lse);
       }
-      ExpectRelErr(g, w, 2e-5, std::string("attention ") + "qkv"[part] + " grad " + AttnName(s));
+      d_dqkv.Poison();
+      d_scratch.Poison();
+      PW_ASSERT_OK(AttentionBackward(stream.get(), d_dout.get(), d_qkv.get(), d_out.get(),
+                                     d_lse.get(), d_dqkv.get(), d_scratch.get(), s.B, s.T, s.C,
+                                     s.H));
+      stream.Sync();
+      const auto got = d_dqkv.Download();
+      const std::string name = AttnName(s) + (from_cpu ? " (cpu out, lse)" : "");
+      ExpectRelErr(got, dqkv, 2e-5, "attention dqkv " + name);
+      // Each third separately, so a wrong dq cannot hide behind accurate dk/dv.
+      for (int part = 0; part < 3; ++part) {
+        std::vector<float> g, w;
+        for (size_t row = 0; row < static_cast<size_t>(s.B) * s.T; ++row) {
+          for (int c = 0; c < s.C; ++c) {
+            const size_t idx = row * 3 * s.C + static_cast<size_t>(part) * s.C + c;
+            g.push_back(got[idx]);
+            w.push_back(dqkv[idx]);
+          }
+        }
+        ExpectRelErr(g, w, 2e-5, std::string("attention ") + "qkv"[part] + " grad " + name);
+      }
     }
   }
 }

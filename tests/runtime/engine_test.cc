@@ -1,6 +1,7 @@
 #include "pipewright/engine.h"
 
 #include <gtest/gtest.h>
+#include <sched.h>
 
 #include <atomic>
 #include <chrono>
@@ -224,6 +225,69 @@ TEST(EngineDataParallel, BitStableAcrossRuns) {
   RunResult a = RunEngine(o, Tiny()), b = RunEngine(o, Tiny());
   EXPECT_EQ(a.losses, b.losses);
   EXPECT_EQ(a.weights, b.weights);
+}
+
+// A GPT whose matrix products are big enough to be cut over a rank's threads (512 tokens per
+// micro-batch: 512 x 768 x 256 and up; Note [GEMM split] in kernels/cpu/gemm.cc).
+LayerGraph Wide() {
+  auto g = GptModel("wide", {.layers = 1, .hidden = 256, .heads = 4, .seq = 64, .vocab = 256}, 8);
+  EXPECT_TRUE(g.ok()) << g.status();
+  return *std::move(g);
+}
+
+EngineSetup WithThreads(int pp, int threads) {
+  EngineSetup o = Options(pp, 1, ScheduleKind::k1F1B, 1, Recompute::kNone, 2);
+  o.train.threads_per_rank = threads;
+  return o;
+}
+
+void ExpectSameRun(const RunResult& got, const RunResult& want, const std::string& what) {
+  ASSERT_EQ(got.losses.size(), want.losses.size()) << what;
+  EXPECT_EQ(got.losses, want.losses) << what;
+  ASSERT_EQ(got.weights.size(), want.weights.size()) << what;
+  for (const auto& [name, w] : want.weights) {
+    const std::vector<float>& v = got.weights.at(name);
+    ASSERT_EQ(v.size(), w.size()) << what << ": " << name;
+    EXPECT_EQ(std::memcmp(v.data(), w.data(), w.size() * sizeof(float)), 0)
+        << what << ": " << name << " differs";
+  }
+}
+
+// docs/runtime.md, "Threads per rank": pp = 2 with 2 threads per rank is pp = 1 with 2 threads
+// per rank, bit for bit; and no result depends on the thread count at all.
+TEST(EngineThreads, BitIdenticalAcrossDepthAndThreadCounts) {
+  const LayerGraph g = Wide();
+  const RunResult want = RunEngine(WithThreads(1, 2), g);
+  ASSERT_EQ(want.losses.size(), static_cast<size_t>(kSteps));
+  EXPECT_GT(want.losses.front(), want.losses.back());
+  ExpectSameRun(RunEngine(WithThreads(2, 2), g), want, "pp=2, 2 threads per rank");
+  ExpectSameRun(RunEngine(WithThreads(1, 1), g), want, "pp=1, 1 thread");
+  ExpectSameRun(RunEngine(WithThreads(2, 1), g), want, "pp=2, 1 thread per rank");
+  ExpectSameRun(RunEngine(WithThreads(1, 3), g), want, "pp=1, 3 threads");
+}
+
+TEST(EngineThreads, AutomaticSharesTheCoresAndIsReported) {
+  cpu_set_t set;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(set), &set), 0);
+  const int cores = CPU_COUNT(&set);
+  for (int pp : {1, 2}) {
+    auto e = MakeEngine(Tiny(), WithThreads(pp, 0));
+    ASSERT_TRUE(e.ok()) << e.status();
+    EXPECT_EQ((*e)->threads_per_rank(), std::max(1, cores / pp)) << "pp " << pp;
+    auto s = (*e)->Step();
+    ASSERT_TRUE(s.ok()) << s.status();
+    for (const RankTimes& t : s->ranks) EXPECT_EQ(t.threads, (*e)->threads_per_rank());
+    for (const RankTimes& t : (*e)->Summary().ranks) EXPECT_EQ(t.threads, (*e)->threads_per_rank());
+  }
+  auto three = MakeEngine(Tiny(), WithThreads(2, 3));
+  ASSERT_TRUE(three.ok()) << three.status();
+  EXPECT_EQ((*three)->threads_per_rank(), 3);
+  for (int bad : {-1, 256}) {
+    auto e = MakeEngine(Tiny(), WithThreads(1, bad));
+    ASSERT_FALSE(e.ok()) << bad;
+    EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(e.status().message().find("--threads-per-rank"), std::string::npos) << e.status();
+  }
 }
 
 // GPipe holds all 8 micro-batches' activations; recomputation keeps only their stage inputs.

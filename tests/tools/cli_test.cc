@@ -142,6 +142,35 @@ TEST(CliPipeline, SummaryTraceAndTimeline) {
   EXPECT_NE(h.out.find("bottleneck"), std::string::npos) << h.out;
 }
 
+// --threads-per-rank: shown in the summary (text and JSON, per rank too); the losses do not
+// depend on it (docs/runtime.md, "Threads per rank").
+TEST(CliThreads, ThreadsPerRankIsReportedAndChangesNoLoss) {
+  const std::string base = "train --preset gpt-tiny --steps 2 --seed 3 --micro-batches 2 ";
+  Result one = RunCli(base + "--threads-per-rank 1 --json");
+  ASSERT_EQ(one.exit_code, 0) << one.err;
+  for (const char* args : {"--threads-per-rank 2", "--threads-per-rank 3 --pp 2", ""}) {
+    Result r = RunCli(base + args + " --json");
+    ASSERT_EQ(r.exit_code, 0) << args << ": " << r.err;
+    EXPECT_EQ(Losses(r), Losses(one)) << args;
+  }
+  Result two = RunCli(base + "--threads-per-rank 3 --pp 2 --json");
+  ASSERT_EQ(two.exit_code, 0) << two.err;
+  const auto lines = JsonLines(two.out);
+  ASSERT_FALSE(lines.empty());
+  const auto& s = lines.back()["summary"];
+  EXPECT_EQ(s["threads_per_rank"], 3);
+  ASSERT_EQ(s["ranks"].size(), 2u);
+  for (const auto& rank : s["ranks"]) EXPECT_EQ(rank["threads"], 3);
+  Result text = RunCli(base + "--threads-per-rank 2");
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find("2 threads per rank"), std::string::npos) << text.out;
+  for (const char* bad : {"--threads-per-rank -1", "--threads-per-rank 256"}) {
+    Result r = RunCli(base + bad);
+    EXPECT_EQ(r.exit_code, 2) << bad;
+    EXPECT_NE(r.err.find("--threads-per-rank"), std::string::npos) << r.err;
+  }
+}
+
 TEST(CliPipeline, ImpossibleSplitsAreUsageErrors) {
   Result r = RunCli("train --preset gpt-tiny --pp 16 --steps 1");
   EXPECT_EQ(r.exit_code, 2);

@@ -1,0 +1,434 @@
+// GEMM on 16-bit inputs (bf16, f16) with fp32 accumulation, AVX-512: Note [16-bit GEMM].
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <vector>
+
+#include "kernels/cpu/cpu_kernels.h"
+#include "pipewright/cpu.h"
+#include "pipewright/status.h"
+
+#if PW_HAVE_X86_VARIANTS
+// GCC 12's AVX-512 intrinsics trip -Wmaybe-uninitialized on their own `__Y = __Y` placeholder
+// (GCC bug 105593, fixed in GCC 13).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+#endif
+
+namespace pipewright::cpu {
+
+// Note [16-bit GEMM]
+// The result is defined by one summation order, whatever the kernel, the blocking, or the part
+// of C computed. Element (i, j) is a single fp32 running sum:
+//   s = (alpha == 1 ? beta * c : 0)                      (beta == 0: s = 0, beta == 1: s = c)
+//   for each k pair (2p, 2p + 1) in increasing p:  s += a[i,2p+1] b[2p+1,j];  s += a[i,2p] b[2p,j]
+//   c = (alpha == 1 ? s : alpha * s + beta * c)          (one fused multiply-add)
+// Each product of two 16-bit values is exact in fp32, so each step is one rounding to nearest
+// even; a trailing odd k pairs with a zero. Denormals are flushed (fp32 DAZ and FTZ for the
+// whole call). This is exactly what vdpbf16ps computes per lane (odd element first, DAZ/FTZ
+// implied), and exactly what two vfmadd231ps on the widened inputs compute under MXCSR DAZ|FTZ,
+// so the two micro-kernels below give identical bits (tested), and the choice between them is
+// only a matter of speed.
+//
+//  - kBf16Dot: vdpbf16ps on "k-pair interleaved" bf16 panels (two consecutive k of one row or
+//    column share a 32-bit word). Half the instructions per flop of FMA, but some CPUs issue it
+//    at a quarter of the FMA rate (the Intel Xeon, family 6 model 207, of docs/benchmarks.md).
+//  - kFma: vfmadd231ps on panels widened to fp32 while packing (a 16-bit shift for bf16,
+//    vcvtph2ps for f16), k in the order above (2p + 1, then 2p).
+//
+// Blocking (Goto): k in blocks of at most kc; per block, A is packed up to kPackedABytes at a time
+// (L2) as micro-panels of kMr rows, and B one micro-panel of kNr columns at a time (L1, reused by
+// every row micro-panel). The micro-kernel holds a kMr x kNr tile of C in kMr * kNr / 16 zmm
+// accumulators; per k step it loads kNr / 16 vectors of B and broadcasts kMr values of A.
+// Between k blocks the running sums are stored in C itself (exact: they are fp32 values), so
+// the blocking does not change the bits. alpha != 1 with beta != 0 needs c's old value after
+// the last block: that case runs k as one block. Edges: packing pads the rows of A and the
+// columns of B with zeros up to the tile; the tile's loads and stores of C are masked.
+
+namespace {
+
+// C = beta * C on rows [m0, m1) x columns [n0, n1) (beta == 0 overwrites, NaN included).
+void ScaleBlock(float beta, float* c, int ldc, int m0, int m1, int n0, int n1) {
+  for (int i = m0; i < m1; ++i) {
+    float* row = c + static_cast<size_t>(i) * ldc;
+    for (int j = n0; j < n1; ++j) row[j] = beta == 0.0f ? 0.0f : row[j] * beta;
+  }
+}
+
+}  // namespace
+
+#if PW_HAVE_X86_VARIANTS
+
+namespace {
+
+constexpr int kMr = 14;                 // rows of the C tile
+constexpr int kNv = 2;                  // zmm vectors per tile row
+constexpr int kNr = 16 * kNv;           // columns of the C tile
+constexpr int kPackedABytes = 1 << 20;  // a packed block of A: half the 2 MiB L2
+// k per block: a B micro-panel of kKc[kernel] * kNr values takes 24 KiB of the 48 KiB L1.
+constexpr int kKcDot = 384, kKcFma = 192;
+
+// 64-byte aligned packing scratch of the calling thread; grows, never shrinks.
+struct alignas(64) Line {
+  uint32_t w[16];
+};
+uint32_t* Scratch(std::vector<Line>& buf, size_t words) {
+  const size_t lines = (words + 15) / 16;
+  if (buf.size() < lines) buf.resize(lines);
+  return buf.data()->w;
+}
+
+// The k steps of one k block as packed: kBf16Dot has one 32-bit word (k pair) per step, kFma
+// two fp32 values per pair (2p + 1, then 2p).
+int PackedSteps(HalfGemmKernel kernel, int kc) {
+  const int kp = (kc + 1) / 2;
+  return kernel == HalfGemmKernel::kBf16Dot ? kp : 2 * kp;
+}
+
+// 16 lanes of 16-bit values (the low halves of `x`'s 32-bit lanes) widened to fp32 bits.
+PW_TARGET_AVX512 inline __m512i Widen(bool is_bf16, __m512i x) {
+  if (is_bf16) return _mm512_slli_epi32(x, 16);
+  return _mm512_castps_si512(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(x)));
+}
+
+// Stores the k pairs of one step p for 16 panel rows (A) or columns (B) starting at c, the lanes
+// `store` selects; lane l of `pairs` holds element 2p in its low and 2p + 1 in its high half.
+PW_TARGET_AVX512 inline void StorePairs(HalfGemmKernel kernel, bool is_bf16, uint32_t* panel, int R,
+                                        int p, int c, __mmask16 store, __m512i pairs) {
+  if (kernel == HalfGemmKernel::kBf16Dot) {
+    _mm512_mask_storeu_epi32(panel + static_cast<size_t>(p) * R + c, store, pairs);
+    return;
+  }
+  uint32_t* out = panel + static_cast<size_t>(2 * p) * R + c;  // odd k, then even k
+  _mm512_mask_storeu_epi32(out, store, Widen(is_bf16, _mm512_srli_epi32(pairs, 16)));
+  _mm512_mask_storeu_epi32(out + R, store, Widen(is_bf16, pairs));
+}
+
+// Transposes the 16 x 16 matrix of 32-bit lanes r[row] in place: 64 shuffles.
+PW_TARGET_AVX512 inline void Transpose16x16(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {  // lane L of t[i], t[i + 1]: rows i, i + 1 interleaved
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 16; g += 4) {  // lane L of r[g + c]: column 4 L + c of rows g .. g + 3
+    r[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    r[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    r[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    r[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  // Column 4 L + c gathers lane L of r[c], r[4 + c], r[8 + c], r[12 + c]: a 4 x 4 transpose of
+  // 128-bit lanes for each c.
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88);
+    const __m512i v1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xDD);
+    const __m512i v2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
+    const __m512i v3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xDD);
+    t[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    t[4 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    t[8 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    t[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// An operand whose k pairs are contiguous in memory (A not transposed, B transposed): `count`
+// stored rows from `src` (row stride ld), k in [0, kc) from each row's start. Writes panels of R
+// rows, panel q = rows [q R, q R + R), as PackedSteps(kernel, kc) steps of R values (32-bit
+// words or fp32); rows past `count` are zero, and so is the partner of a trailing odd k.
+template <int R>
+PW_TARGET_AVX512 void PackRowPairs(HalfGemmKernel kernel, bool is_bf16, const uint16_t* src,
+                                   size_t ld, int count, int kc, uint32_t* dst) {
+  const int kp = (kc + 1) / 2, steps = PackedSteps(kernel, kc);
+  for (int r0 = 0; r0 < count; r0 += R) {
+    uint32_t* panel = dst + static_cast<size_t>(r0 / R) * steps * R;
+    for (int g = 0; g < R; g += 16) {  // 16 rows x 16 pairs at a time, transposed
+      const int rows = std::clamp(count - r0 - g, 0, 16);
+      const __mmask16 store = static_cast<__mmask16>((1u << std::min(16, R - g)) - 1);
+      const uint16_t* block = src + static_cast<size_t>(r0 + g) * ld;
+      for (int p = 0; p < kp; p += 16) {
+        // The 16-bit mask zeroes k past kc, the partner of an odd tail included.
+        const int words = std::min(32, kc - 2 * p);
+        const __mmask32 load = static_cast<__mmask32>((uint64_t{1} << words) - 1);
+        __m512i x[16];
+        for (int r = 0; r < 16; ++r) {
+          x[r] = r < rows ? _mm512_maskz_loadu_epi16(load, block + r * ld + 2 * p)
+                          : _mm512_setzero_si512();
+        }
+        Transpose16x16(x);
+        const int pairs = std::min(16, kp - p);
+        for (int q = 0; q < pairs; ++q)
+          StorePairs(kernel, is_bf16, panel, R, p + q, g, store, x[q]);
+      }
+    }
+  }
+}
+
+// An operand whose k runs down the stored rows (A transposed, B not transposed): k in [0, kc)
+// is stored row k (row stride ld), columns [0, count) from `src`. Same panels as PackRowPairs.
+template <int R>
+PW_TARGET_AVX512 void PackColumnPairs(HalfGemmKernel kernel, bool is_bf16, const uint16_t* src,
+                                      size_t ld, int count, int kc, uint32_t* dst) {
+  const int kp = (kc + 1) / 2, steps = PackedSteps(kernel, kc);
+  for (int c0 = 0; c0 < count; c0 += R) {
+    uint32_t* panel = dst + static_cast<size_t>(c0 / R) * steps * R;
+    for (int p = 0; p < kp; ++p) {
+      const uint16_t* even = src + static_cast<size_t>(2 * p) * ld + c0;
+      const bool has_odd = 2 * p + 1 < kc;  // else a zero partner (nothing is read)
+      const uint16_t* odd = has_odd ? even + ld : even;
+      for (int c = 0; c < R; c += 16) {
+        const int valid = std::clamp(count - c0 - c, 0, 16);
+        const __mmask16 load = static_cast<__mmask16>((1u << valid) - 1);
+        const __mmask16 store = static_cast<__mmask16>((1u << std::min(16, R - c)) - 1);
+        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(load, even + c));
+        const __m512i hi =
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(has_odd ? load : __mmask16{0}, odd + c));
+        StorePairs(kernel, is_bf16, panel, R, p, c, store,
+                   _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+    }
+  }
+}
+
+enum class Init { kZero, kLoad, kLoadScaled };          // s = 0; s = c; s = beta c
+enum class Store { kPlain, kScaled, kScaledPlusBeta };  // c = s; c = alpha s; c = alpha s + beta c
+
+// acc += the products of the bf16 pairs in a and b, odd element first (vdpbf16ps). Inline
+// assembly rather than the intrinsic: the intrinsic needs the avx512bf16 target on the whole
+// micro-kernel, and the FMA instantiation of that template must run on CPUs without it.
+PW_TARGET_AVX512 inline __m512 DotBf16Pairs(__m512 acc, __m512i a, __m512i b) {
+  __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+
+// The micro-kernel: C[0:rows, 0:cols] (row stride ldc) from `steps` packed k steps of an A and a
+// B micro-panel (PackedSteps), initialised and stored as `init` and `store` say. The tile's
+// padding rows and columns compute products of zeros and are neither loaded nor stored.
+template <int MR, int NV, HalfGemmKernel kKernel>
+PW_TARGET_AVX512 void MicroKernel(int steps, const uint32_t* ap, const uint32_t* bp, float* c,
+                                  size_t ldc, int rows, int cols, float alpha, float beta,
+                                  Init init, Store store) {
+  const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
+  __mmask16 mask[NV];
+#pragma GCC unroll 4
+  for (int v = 0; v < NV; ++v) {
+    mask[v] = static_cast<__mmask16>((1u << std::clamp(cols - 16 * v, 0, 16)) - 1);
+  }
+  __m512 acc[MR][NV];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      acc[i][v] = _mm512_setzero_ps();
+      if (init != Init::kZero && i < rows) {
+        acc[i][v] = _mm512_maskz_loadu_ps(mask[v], c + i * ldc + 16 * v);
+        if (init == Init::kLoadScaled) acc[i][v] = _mm512_mul_ps(vb, acc[i][v]);
+      }
+    }
+  }
+  for (int s = 0; s < steps; ++s, ap += MR, bp += 16 * NV) {
+    __m512i b[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(bp + 16 * v);
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      const __m512i a = _mm512_set1_epi32(static_cast<int>(ap[i]));  // a pair, or fp32 bits
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        if constexpr (kKernel == HalfGemmKernel::kBf16Dot) {
+          acc[i][v] = DotBf16Pairs(acc[i][v], a, b[v]);
+        } else {
+          acc[i][v] = _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b[v]), acc[i][v]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i) {
+    if (i >= rows) break;
+    float* row = c + i * ldc;
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      __m512 out = acc[i][v];
+      if (store == Store::kScaled) out = _mm512_mul_ps(va, out);
+      if (store == Store::kScaledPlusBeta) {
+        const __m512 old = _mm512_maskz_loadu_ps(mask[v], row + 16 * v);
+        out = _mm512_fmadd_ps(va, out, _mm512_mul_ps(vb, old));
+      }
+      _mm512_mask_storeu_ps(row + 16 * v, mask[v], out);
+    }
+  }
+}
+
+using MicroKernelFn = void (*)(int, const uint32_t*, const uint32_t*, float*, size_t, int, int,
+                               float, float, Init, Store);
+
+// Sets MXCSR DAZ|FTZ (Note [16-bit GEMM]) for its lifetime and restores the caller's.
+class FlushDenormals {
+ public:
+  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }
+  ~FlushDenormals() { _mm_setcsr(saved_); }
+  FlushDenormals(const FlushDenormals&) = delete;
+  FlushDenormals& operator=(const FlushDenormals&) = delete;
+
+ private:
+  unsigned saved_;
+};
+
+struct Operands {
+  bool is_bf16, trans_a, trans_b;
+  int k;
+  float alpha;
+  const uint16_t* a;
+  int lda;
+  const uint16_t* b;
+  int ldb;
+  float beta;
+  float* c;
+  int ldc;
+};
+
+// Rows [m0, m1) x columns [n0, n1) of C; k > 0 and alpha != 0.
+PW_TARGET_AVX512 void GemmHalfAvx512(const Operands& g, int m0, int m1, int n0, int n1,
+                                     HalfGemmKernel kernel) {
+  FlushDenormals flush;
+  thread_local std::vector<Line> a_buf, b_buf;
+  const bool dot = kernel == HalfGemmKernel::kBf16Dot;
+  const MicroKernelFn micro = dot ? MicroKernel<kMr, kNv, HalfGemmKernel::kBf16Dot>
+                                  : MicroKernel<kMr, kNv, HalfGemmKernel::kFma>;
+  // alpha != 1 with beta != 0 combines the finished sum with c's old value: one k block.
+  const bool one_block = g.alpha != 1.0f && g.beta != 0.0f;
+  // k in equal blocks of at most kKc, each even so that every block starts at an even k.
+  const int kc_limit = one_block ? g.k : dot ? kKcDot : kKcFma;
+  const int blocks = (g.k + kc_limit - 1) / kc_limit;
+  int kc_max = (g.k + blocks - 1) / blocks;
+  kc_max += kc_max & 1;
+  const int steps_max = PackedSteps(kernel, kc_max);
+  // Rows of A in equal blocks (whole micro-panels) of at most kPackedABytes.
+  const int rows_l2 = std::max(kMr, kPackedABytes / (4 * steps_max) / kMr * kMr);
+  const int m_blocks = (m1 - m0 + rows_l2 - 1) / rows_l2;
+  const int mc_max = ((m1 - m0 + m_blocks - 1) / m_blocks + kMr - 1) / kMr * kMr;
+  uint32_t* ap = Scratch(a_buf, static_cast<size_t>(mc_max) * steps_max);
+  uint32_t* bp = Scratch(b_buf, static_cast<size_t>(kNr) * steps_max);
+  for (int pc = 0; pc < g.k; pc += kc_max) {
+    const int kc = std::min(kc_max, g.k - pc), steps = PackedSteps(kernel, kc);
+    const bool first = pc == 0, last = pc + kc == g.k;
+    Init init = Init::kLoad;  // a later block continues the running sum stored in C
+    if (first) {
+      init = g.alpha != 1.0f || g.beta == 0.0f ? Init::kZero
+             : g.beta == 1.0f                  ? Init::kLoad
+                                               : Init::kLoadScaled;
+    }
+    Store store = Store::kPlain;
+    if (last && g.alpha != 1.0f) store = g.beta == 0.0f ? Store::kScaled : Store::kScaledPlusBeta;
+    for (int ic = m0; ic < m1; ic += mc_max) {
+      const int mc = std::min(mc_max, m1 - ic);
+      if (g.trans_a) {  // stored k x m
+        PackColumnPairs<kMr>(kernel, g.is_bf16, g.a + static_cast<size_t>(pc) * g.lda + ic, g.lda,
+                             mc, kc, ap);
+      } else {  // stored m x k
+        PackRowPairs<kMr>(kernel, g.is_bf16, g.a + static_cast<size_t>(ic) * g.lda + pc, g.lda, mc,
+                          kc, ap);
+      }
+      for (int jc = n0; jc < n1; jc += kNr) {
+        const int nr = std::min(kNr, n1 - jc);
+        if (g.trans_b) {  // stored n x k
+          PackRowPairs<kNr>(kernel, g.is_bf16, g.b + static_cast<size_t>(jc) * g.ldb + pc, g.ldb,
+                            nr, kc, bp);
+        } else {  // stored k x n
+          PackColumnPairs<kNr>(kernel, g.is_bf16, g.b + static_cast<size_t>(pc) * g.ldb + jc, g.ldb,
+                               nr, kc, bp);
+        }
+        for (int ir = 0; ir < mc; ir += kMr) {
+          micro(steps, ap + static_cast<size_t>(ir) * steps, bp,
+                g.c + static_cast<size_t>(ic + ir) * g.ldc + jc, g.ldc, std::min(kMr, mc - ir), nr,
+                g.alpha, g.beta, init, store);
+        }
+      }
+    }
+  }
+}
+
+// Seconds of this thread's CPU time (not wall time: a preempted probe is not slower).
+double ThreadSeconds() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+// The faster micro-kernel on this CPU, timed on one L1-resident tile (best of 5 tries each).
+// Both give the same bits, so the outcome of this race changes speed only.
+HalfGemmKernel ProbeBf16Kernel() {
+  constexpr int kSteps = 128, kCalls = 64;
+  std::vector<Line> a((kMr * 2 * kSteps + 15) / 16), b(kNr * 2 * kSteps / 16);
+  for (Line& l : a) std::fill(std::begin(l.w), std::end(l.w), 0x3F803F80u);  // bf16 1.0 pairs
+  for (Line& l : b) std::fill(std::begin(l.w), std::end(l.w), 0x3F803F80u);
+  std::vector<float> c(kMr * kNr);
+  double best[2] = {1e30, 1e30};
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    for (int which = 0; which < 2; ++which) {
+      // The same flops: kSteps pairs for dot, 2 kSteps single k for fma.
+      const MicroKernelFn fn = which == 0 ? MicroKernel<kMr, kNv, HalfGemmKernel::kBf16Dot>
+                                          : MicroKernel<kMr, kNv, HalfGemmKernel::kFma>;
+      const double t0 = ThreadSeconds();
+      for (int call = 0; call < kCalls; ++call) {
+        fn(which == 0 ? kSteps : 2 * kSteps, a.data()->w, b.data()->w, c.data(), kNr, kMr, kNr,
+           1.0f, 0.0f, Init::kZero, Store::kPlain);
+      }
+      best[which] = std::min(best[which], ThreadSeconds() - t0);
+    }
+  }
+  return best[0] < best[1] ? HalfGemmKernel::kBf16Dot : HalfGemmKernel::kFma;
+}
+
+}  // namespace
+
+bool HaveGemmHalfAvx512() { return GetCpuFeatures().avx512(); }
+
+bool CanRunHalfGemmKernel(HalfGemmKernel kernel) {
+  return HaveGemmHalfAvx512() && (kernel == HalfGemmKernel::kFma || GetCpuFeatures().avx512bf16);
+}
+
+HalfGemmKernel Bf16GemmKernel() {
+  static const HalfGemmKernel kernel = [] {
+    if (!CanRunHalfGemmKernel(HalfGemmKernel::kBf16Dot)) return HalfGemmKernel::kFma;
+    const char* force = std::getenv("PIPEWRIGHT_BF16_GEMM");
+    if (force != nullptr && std::strcmp(force, "fma") == 0) return HalfGemmKernel::kFma;
+    if (force != nullptr && std::strcmp(force, "dot") == 0) return HalfGemmKernel::kBf16Dot;
+    return ProbeBf16Kernel();
+  }();
+  return kernel;
+}
+
+#else  // not x86
+
+bool HaveGemmHalfAvx512() { return false; }
+bool CanRunHalfGemmKernel(HalfGemmKernel) { return false; }
+HalfGemmKernel Bf16GemmKernel() { return HalfGemmKernel::kFma; }
+
+#endif
+
+const char* HalfGemmKernelName(HalfGemmKernel kernel) {
+  return kernel == HalfGemmKernel::kBf16Dot ? "vdpbf16ps" : "fma";
+}
+
+void GemmHalfBlock(bool is_bf16, bool trans_a, bool trans_b, int m, int n, int k, float alpha,
+                   const uint16_t* a, int lda, const uint16_t* b, int ldb, float beta, float* c,
+                   int ldc, int m_begin, int m_end, int n_begin, int n_end, HalfGemmKernel kernel) {
+  PW_CHECK(0 <= m_begin && m_end <= m && 0 <= n_begin && n_end <= n);
+  if (m_begin >= m_end || n_begin >= n_end) return;
+  if (k <= 0 || alpha == 0.0f) {  // A and B are not read (BLAS semantics)
+    ScaleBlock(beta, c, ldc, m_begin, m_end, n_begin, n_end);
+    return;
+  }
+  PW_CHECK(CanRunHalfGemmKernel(kernel) && (is_bf16 || kernel == HalfGemmKernel::kFma));
+#if PW_HAVE_X86_VARIANTS
+  GemmHalfAvx512({is_bf16, trans_a, trans_b, k, alpha, a, lda, b, ldb, beta, c, ldc}, m_begin,
+                 m_end, n_begin, n_end, kernel);
+#endif
+}
+
+}  // namespace pipewright::cpu

@@ -1,0 +1,321 @@
+// Tests of the 16-bit GEMMs (kernels/cpu/gemm_bf16.cc, GemmHalf in kernels/cpu/gemm.cc).
+//
+// Reference: the exact product of the 16-bit-rounded inputs, in double. Tolerance, per element:
+//   |got - ref| <= 2 (k + 4) u (|alpha| sum_k |a b| + |beta c|) + 1e-30,   u = 2^-24,
+// the textbook bound for a recursive fp32 sum of k exact products (each bf16 x bf16 or f16 x f16
+// product is exact in fp32, so only the k additions, alpha and beta round), with a factor 2 of
+// slack. It holds whatever order the sum runs in, so it covers the native kernels and the
+// widening path (OpenBLAS) alike, and it is tight: a dropped or doubled term of size |a b| is
+// about sum |a b| / k, far above it for the k tested. The 1e-30 absorbs the flushed denormals.
+// The native kernels are also checked to give identical bits to each other and for any split
+// of C into sub-ranges.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/cpu_kernels.h"
+#include "tests/kernels/kernel_test_util.h"
+#include "pipewright/cpu.h"
+
+namespace pipewright::cpu {
+namespace {
+
+struct Shape {
+  int m, n, k;
+};
+// Odd sizes around the tiles (14 x 32), the pairs of k, and the k blocks (192 / 384).
+const Shape kShapes[] = {{1, 1, 1},    {7, 33, 65},  {65, 7, 33}, {33, 65, 300}, {300, 33, 7},
+                         {1, 300, 65}, {17, 100, 1}, {14, 32, 2}, {29, 65, 385}, {15, 31, 0}};
+struct Scaling {
+  float alpha, beta;
+};
+// alpha == 1 with beta 0, 1, other; alpha != 1 with beta 0 and (one k block) beta != 0.
+const Scaling kScalings[] = {
+    {1.0f, 0.0f}, {1.0f, 1.0f}, {1.0f, 0.5f}, {-0.5f, 0.0f}, {0.75f, -2.0f}};
+
+// A GEMM's operands: fp32 values already representable in the 16-bit type, and their bits.
+struct Problem {
+  bool is_bf16, ta, tb;
+  int m, n, k, lda, ldb, ldc;
+  float alpha, beta;
+  std::vector<uint16_t> a16, b16;
+  std::vector<float> a, b, c;  // c: the initial C (NaN everywhere when beta == 0)
+};
+
+void Round16(bool is_bf16, std::vector<float>& v, std::vector<uint16_t>& bits) {
+  bits = kernel_test::To16Bits(is_bf16, v);
+  if (is_bf16) {
+    Bf16ToFloat(bits.data(), v.data(), v.size());
+  } else {
+    HalfToFloat(bits.data(), v.data(), v.size());
+  }
+}
+
+// Inputs uniform in [-1, 1) times 2^scale_exp (a negative exponent reaches denormal products).
+Problem MakeProblem(bool is_bf16, bool ta, bool tb, Shape s, Scaling sc, int pad, uint32_t seed,
+                    int scale_exp = 0) {
+  Problem p{is_bf16, ta, tb, s.m, s.n, s.k, 0, 0, 0, sc.alpha, sc.beta, {}, {}, {}, {}, {}};
+  const int a_rows = ta ? s.k : s.m, a_cols = ta ? s.m : s.k;
+  const int b_rows = tb ? s.n : s.k, b_cols = tb ? s.k : s.n;
+  p.lda = a_cols + pad;
+  p.ldb = b_cols + pad;
+  p.ldc = s.n + pad;
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  auto fill = [&](std::vector<float>& v, size_t count, int e) {
+    v.resize(count);
+    for (float& x : v) x = std::ldexp(dist(gen), e);
+  };
+  fill(p.a, static_cast<size_t>(a_rows) * p.lda + 1, scale_exp);  // + 1: never empty
+  fill(p.b, static_cast<size_t>(b_rows) * p.ldb + 1, scale_exp);
+  fill(p.c, static_cast<size_t>(s.m) * p.ldc, 0);
+  Round16(is_bf16, p.a, p.a16);
+  Round16(is_bf16, p.b, p.b16);
+  if (sc.beta == 0.0f) {
+    // Only the m x n region: padding columns keep their values to show they are not written.
+    for (int i = 0; i < s.m; ++i) {
+      for (int j = 0; j < s.n; ++j) {
+        p.c[static_cast<size_t>(i) * p.ldc + j] = std::numeric_limits<float>::quiet_NaN();
+      }
+    }
+  }
+  return p;
+}
+
+std::string Describe(const Problem& p) {
+  return std::string(p.is_bf16 ? "bf16" : "f16") + " m=" + std::to_string(p.m) +
+         " n=" + std::to_string(p.n) + " k=" + std::to_string(p.k) + " ta=" + std::to_string(p.ta) +
+         " tb=" + std::to_string(p.tb) + " alpha=" + std::to_string(p.alpha) +
+         " beta=" + std::to_string(p.beta) + " ldc=" + std::to_string(p.ldc);
+}
+
+// Checks `got` (C after the GEMM) against the double reference within the stated bound, and
+// the padding columns against the initial C, bit for bit.
+void ExpectMatchesReference(const Problem& p, const std::vector<float>& got) {
+  ASSERT_EQ(got.size(), p.c.size());
+  const double u = std::ldexp(1.0, -24);
+  int failures = 0;
+  for (int i = 0; i < p.m && failures < 5; ++i) {
+    for (int j = 0; j < p.ldc; ++j) {
+      const size_t idx = static_cast<size_t>(i) * p.ldc + j;
+      if (j >= p.n) {
+        EXPECT_EQ(std::memcmp(&got[idx], &p.c[idx], sizeof(float)), 0)
+            << Describe(p) << ": padding written at (" << i << "," << j << ")";
+        continue;
+      }
+      double sum = 0, magnitude = 0;
+      for (int kk = 0; kk < p.k; ++kk) {
+        const double av =
+            p.a[p.ta ? static_cast<size_t>(kk) * p.lda + i : static_cast<size_t>(i) * p.lda + kk];
+        const double bv =
+            p.b[p.tb ? static_cast<size_t>(j) * p.ldb + kk : static_cast<size_t>(kk) * p.ldb + j];
+        sum += av * bv;
+        magnitude += std::fabs(av * bv);
+      }
+      const double c0 = p.beta == 0.0f ? 0.0 : p.c[idx];
+      const double want = p.alpha * sum + p.beta * c0;
+      const double bound =
+          2.0 * (p.k + 4) * u * (std::fabs(p.alpha) * magnitude + std::fabs(p.beta * c0)) + 1e-30;
+      if (!(std::fabs(got[idx] - want) <= bound)) {
+        ADD_FAILURE() << Describe(p) << " at (" << i << "," << j << "): got " << got[idx]
+                      << ", want " << want << " +- " << bound;
+        ++failures;
+      }
+    }
+  }
+}
+
+std::vector<float> RunBlock(const Problem& p, HalfGemmKernel kernel, int m0, int m1, int n0, int n1,
+                            std::vector<float> c) {
+  GemmHalfBlock(p.is_bf16, p.ta, p.tb, p.m, p.n, p.k, p.alpha, p.a16.data(), p.lda, p.b16.data(),
+                p.ldb, p.beta, c.data(), p.ldc, m0, m1, n0, n1, kernel);
+  return c;
+}
+std::vector<float> RunBlock(const Problem& p, HalfGemmKernel kernel) {
+  return RunBlock(p, kernel, 0, p.m, 0, p.n, p.c);
+}
+std::vector<float> RunGemmHalf(const Problem& p, Isa isa) {
+  std::vector<float> c = p.c;
+  GemmHalf(p.is_bf16, p.ta, p.tb, p.m, p.n, p.k, p.alpha, p.a16.data(), p.lda, p.b16.data(), p.ldb,
+           p.beta, c.data(), p.ldc, isa);
+  return c;
+}
+
+bool SameBits(const std::vector<float>& x, const std::vector<float>& y) {
+  return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
+}
+
+// Every shape, transpose, scaling and padding of kShapes x kScalings through `run`.
+template <typename Run>
+void ForAllProblems(bool is_bf16, Run run) {
+  uint32_t seed = 1;
+  for (const Shape& s : kShapes) {
+    for (int t = 0; t < 4; ++t) {
+      for (const Scaling& sc : kScalings) {
+        for (int pad : {0, 3}) {
+          const Problem p = MakeProblem(is_bf16, t & 1, t & 2, s, sc, pad, seed++);
+          run(p);
+          if (::testing::Test::HasFailure()) return;
+        }
+      }
+    }
+  }
+}
+
+void CheckKernel(bool is_bf16, HalfGemmKernel kernel) {
+  if (!CanRunHalfGemmKernel(kernel)) {
+    GTEST_SKIP() << HalfGemmKernelName(kernel) << " needs a CPU this one is not";
+  }
+  ForAllProblems(is_bf16,
+                 [&](const Problem& p) { ExpectMatchesReference(p, RunBlock(p, kernel)); });
+}
+
+TEST(GemmHalfBlock, Bf16FmaMatchesReference) { CheckKernel(true, HalfGemmKernel::kFma); }
+TEST(GemmHalfBlock, Bf16DotMatchesReference) { CheckKernel(true, HalfGemmKernel::kBf16Dot); }
+TEST(GemmHalfBlock, HalfFmaMatchesReference) { CheckKernel(false, HalfGemmKernel::kFma); }
+
+// The widening path (f32 copies for OpenBLAS), which CPUs without AVX-512 and forced narrower
+// ISAs take, meets the same bound.
+TEST(GemmHalf, WideningPathMatchesReference) {
+  for (bool is_bf16 : {true, false}) {
+    ForAllProblems(is_bf16, [&](const Problem& p) {
+      ExpectMatchesReference(p, RunGemmHalf(p, Isa::kBaseline));
+    });
+  }
+}
+
+// vdpbf16ps and the FMA kernel compute the same sum to the bit (Note [16-bit GEMM]), on
+// ordinary values and where products, sums and inputs are denormal (both flush them).
+TEST(GemmHalfBlock, KernelsGiveIdenticalBits) {
+  if (!CanRunHalfGemmKernel(HalfGemmKernel::kBf16Dot)) GTEST_SKIP() << "no AVX512_BF16";
+  uint32_t seed = 500;
+  for (int scale_exp : {0, -63, -70}) {
+    for (int t = 0; t < 4; ++t) {
+      for (const Scaling& sc : kScalings) {
+        const Problem p = MakeProblem(true, t & 1, t & 2, {45, 70, 1001}, sc, 1, seed++, scale_exp);
+        EXPECT_TRUE(
+            SameBits(RunBlock(p, HalfGemmKernel::kFma), RunBlock(p, HalfGemmKernel::kBf16Dot)))
+            << Describe(p) << " inputs scaled by 2^" << scale_exp;
+      }
+    }
+  }
+}
+
+// Any split of C into row or column ranges gives the whole product's bits, and a range call
+// writes nothing outside its range.
+TEST(GemmHalfBlock, SubRangesGiveTheSameBits) {
+  const HalfGemmKernel kernels[] = {HalfGemmKernel::kFma, HalfGemmKernel::kBf16Dot};
+  for (HalfGemmKernel kernel : kernels) {
+    if (!CanRunHalfGemmKernel(kernel)) continue;
+    for (int t = 0; t < 4; ++t) {
+      const Problem p = MakeProblem(true, t & 1, t & 2, {67, 101, 457}, {1.0f, 1.0f}, 2, 900 + t);
+      const std::vector<float> whole = RunBlock(p, kernel);
+      EXPECT_TRUE(SameBits(whole, RunBlock(p, kernel))) << "not deterministic";
+      const int row_cuts[] = {0, 5, 19, 20, 47, 67}, col_cuts[] = {0, 1, 33, 64, 100, 101};
+      std::vector<float> by_rows = p.c, by_cols = p.c;
+      for (int r = 0; r + 1 < 6; ++r) {
+        by_rows = RunBlock(p, kernel, row_cuts[r], row_cuts[r + 1], 0, p.n, by_rows);
+      }
+      for (int c = 0; c + 1 < 6; ++c) {
+        by_cols = RunBlock(p, kernel, 0, p.m, col_cuts[c], col_cuts[c + 1], by_cols);
+      }
+      EXPECT_TRUE(SameBits(whole, by_rows)) << HalfGemmKernelName(kernel) << " t=" << t;
+      EXPECT_TRUE(SameBits(whole, by_cols)) << HalfGemmKernelName(kernel) << " t=" << t;
+      // One interior block: everything else keeps the initial C.
+      const std::vector<float> block = RunBlock(p, kernel, 10, 30, 40, 70, p.c);
+      for (int i = 0; i < p.m; ++i) {
+        for (int j = 0; j < p.ldc; ++j) {
+          const size_t idx = static_cast<size_t>(i) * p.ldc + j;
+          const bool inside = i >= 10 && i < 30 && j >= 40 && j < 70;
+          EXPECT_EQ(std::memcmp(&block[idx], inside ? &whole[idx] : &p.c[idx], sizeof(float)), 0)
+              << "(" << i << "," << j << ")";
+        }
+      }
+    }
+  }
+}
+
+// k == 0 and alpha == 0 only scale C, never read A or B (NaN there must not leak in), and
+// beta == 0 overwrites NaN in C.
+TEST(GemmHalfBlock, DegenerateScalings) {
+  if (!HaveGemmHalfAvx512()) GTEST_SKIP() << "no AVX-512";
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<uint16_t> nan16(64, 0x7FC0);  // bf16 NaN
+  std::vector<float> c(12, 2.0f);
+  GemmHalfBlock(true, false, true, 3, 4, 0, 1.0f, nan16.data(), 1, nan16.data(), 1, 0.5f, c.data(),
+                4, 0, 3, 0, 4, HalfGemmKernel::kFma);
+  for (float v : c) EXPECT_EQ(v, 1.0f);
+  GemmHalfBlock(true, false, true, 3, 4, 5, 0.0f, nan16.data(), 5, nan16.data(), 5, 2.0f, c.data(),
+                4, 0, 3, 0, 4, HalfGemmKernel::kFma);
+  for (float v : c) EXPECT_EQ(v, 2.0f);
+  c.assign(12, nan);
+  GemmHalfBlock(true, false, true, 3, 4, 0, 1.0f, nullptr, 1, nullptr, 1, 0.0f, c.data(), 4, 0, 3,
+                0, 4, HalfGemmKernel::kFma);
+  for (float v : c) EXPECT_EQ(v, 0.0f);
+}
+
+// GemmHalf runs GemmHalfBlock (bf16: with Bf16GemmKernel()) when KernelIsa() is AVX-512, and
+// the widening path otherwise. ctest also runs this with PIPEWRIGHT_CPU_ISA=avx2 (and
+// PIPEWRIGHT_BF16_GEMM=dot), where it must widen (and use vdpbf16ps).
+TEST(GemmHalfDispatch, FollowsIsa) {
+  const char* forced = std::getenv("PIPEWRIGHT_CPU_ISA");
+  if (forced != nullptr && std::string(forced) != "avx512") {
+    EXPECT_NE(KernelIsa(), Isa::kAvx512) << "PIPEWRIGHT_CPU_ISA=" << forced;
+  }
+  const char* kernel_env = std::getenv("PIPEWRIGHT_BF16_GEMM");
+  if (kernel_env != nullptr && std::string(kernel_env) == "dot" &&
+      CanRunHalfGemmKernel(HalfGemmKernel::kBf16Dot)) {
+    EXPECT_EQ(Bf16GemmKernel(), HalfGemmKernel::kBf16Dot);
+  }
+  for (bool is_bf16 : {true, false}) {
+    const Problem p = MakeProblem(is_bf16, false, true, {70, 90, 777}, {1.0f, 0.0f}, 0, 77);
+    const std::vector<float> got = RunGemmHalf(p, KernelIsa());
+    if (KernelIsa() == Isa::kAvx512) {
+      const HalfGemmKernel kernel = is_bf16 ? Bf16GemmKernel() : HalfGemmKernel::kFma;
+      EXPECT_TRUE(SameBits(got, RunBlock(p, kernel))) << Describe(p);
+    } else {
+      EXPECT_TRUE(SameBits(got, RunGemmHalf(p, Isa::kBaseline))) << Describe(p);
+    }
+  }
+}
+
+// The CPU bf16 paths agree with each other far inside the 1e-4 relative (Frobenius) tolerance
+// that docs/precision.md states for CPU vs CUDA, on the shapes CudaGemm.Bf16MatchesCpu uses.
+TEST(GemmHalfDispatch, NativeAndWideningAgreeWithinTheCudaTolerance) {
+  if (!HaveGemmHalfAvx512()) GTEST_SKIP() << "no AVX-512";
+  const struct {
+    Shape s;
+    int pad;
+    Scaling sc;
+  } cases[] = {{{19, 23, 37}, 1, {1.0f, 0.5f}},
+               {{128, 256, 64}, 0, {1.0f, 0.0f}},
+               {{65, 31, 129}, 3, {-0.5f, 0.0f}},
+               {{1024, 256, 1024}, 0, {1.0f, 1.0f}}};
+  uint32_t seed = 300;
+  for (const auto& cs : cases) {
+    for (int t = 0; t < 4; ++t) {
+      const Problem p = MakeProblem(true, t & 1, t & 2, cs.s, cs.sc, cs.pad, seed++);
+      const std::vector<float> native = RunBlock(p, Bf16GemmKernel());
+      const std::vector<float> widened = RunGemmHalf(p, Isa::kBaseline);
+      double num = 0, den = 0;
+      for (int i = 0; i < p.m; ++i) {
+        for (int j = 0; j < p.n; ++j) {
+          const size_t idx = static_cast<size_t>(i) * p.ldc + j;
+          num += (static_cast<double>(native[idx]) - widened[idx]) * (native[idx] - widened[idx]);
+          den += static_cast<double>(widened[idx]) * widened[idx];
+        }
+      }
+      EXPECT_LT(std::sqrt(num / den), 1e-5) << Describe(p);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace pipewright::cpu
