@@ -78,6 +78,9 @@ void BiasAdd(float* y, const float* bias, int rows, int cols, Isa isa = KernelIs
 // dbias[c] += sum_r dy[r, c], adding the rows onto dbias in row order (the same bits on every
 // ISA).
 void BiasBackward(const float* dy, float* dbias, int rows, int cols, Isa isa = KernelIsa());
+// The same over columns [0, cols) of rows `ld` floats apart (a column range of a wider matrix:
+// a column's bits do not depend on which columns one call covers).
+void BiasBackward(const float* dy, int ld, float* dbias, int rows, int cols, Isa isa = KernelIsa());
 // out = a + b (out may alias a or b)
 void Add(const float* a, const float* b, float* out, size_t n, Isa isa = KernelIsa());
 // y += x
@@ -98,6 +101,9 @@ void BiasGeluForward(const float* x, const float* bias, float* pre, float* y, in
 // dbias[c] += sum_r dpre[r, c] (accumulates). The same bits as GeluBackward then BiasBackward.
 void BiasGeluBackward(const float* pre, const float* dy, float* dpre, float* dbias, int rows,
                       int cols, Isa isa = KernelIsa());
+// The same over columns [0, cols) of rows `ld` floats apart (a column range).
+void BiasGeluBackward(const float* pre, const float* dy, float* dpre, float* dbias, int rows,
+                      int cols, int ld, Isa isa = KernelIsa());
 
 // ---- LayerNorm over the last dimension ----
 // y = (x - mean) * rstd * gamma + beta; mean/rstd (length rows) are saved for backward.
@@ -110,6 +116,10 @@ void LayerNormBackwardInput(const float* x, const float* gamma, const float* mea
 // dgamma += sum_r dy * xhat, dbeta += sum_r dy.
 void LayerNormBackwardWeight(const float* x, const float* mean, const float* rstd, const float* dy,
                              float* dgamma, float* dbeta, int rows, int cols,
+                             Isa isa = KernelIsa());
+// The same over columns [0, cols) of x and dy, whose rows are `ld` floats apart (a column range).
+void LayerNormBackwardWeight(const float* x, const float* mean, const float* rstd, const float* dy,
+                             int ld, float* dgamma, float* dbeta, int rows, int cols,
                              Isa isa = KernelIsa());
 
 // ---- fused softmax cross-entropy (numerically stable: max-subtracted, log-sum-exp) ----

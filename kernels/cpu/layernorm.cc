@@ -97,12 +97,12 @@ struct LayerNormBackwardInputKernel {
 struct LayerNormBackwardWeightKernel {
   template <int W>
   PW_KERNEL_BODY void Run(const float* x, const float* mean, const float* rstd, const float* dy,
-                          float* dgamma, float* dbeta, int rows, int cols) {
+                          int ld, float* dgamma, float* dbeta, int rows, int cols) {
     using F = typename Vec<W>::F;
     ColumnBlocks<W>(rows, cols, [&](int r0, int r1, size_t c, int k) PW_LAMBDA {
       F acc_g = LoadN<W>(dgamma + c, k), acc_b = LoadN<W>(dbeta + c, k);
       for (int r = r0; r < r1; ++r) {
-        const size_t i = static_cast<size_t>(r) * cols + c;
+        const size_t i = static_cast<size_t>(r) * ld + c;
         const F d = LoadN<W>(dy + i, k);
         acc_g += d * ((LoadN<W>(x + i, k) - mean[r]) * rstd[r]);
         acc_b += d;
@@ -128,7 +128,14 @@ void LayerNormBackwardInput(const float* x, const float* gamma, const float* mea
 
 void LayerNormBackwardWeight(const float* x, const float* mean, const float* rstd, const float* dy,
                              float* dgamma, float* dbeta, int rows, int cols, Isa isa) {
-  simd::Dispatch<LayerNormBackwardWeightKernel>(isa, x, mean, rstd, dy, dgamma, dbeta, rows, cols);
+  simd::Dispatch<LayerNormBackwardWeightKernel>(isa, x, mean, rstd, dy, cols, dgamma, dbeta, rows,
+                                                cols);
+}
+
+void LayerNormBackwardWeight(const float* x, const float* mean, const float* rstd, const float* dy,
+                             int ld, float* dgamma, float* dbeta, int rows, int cols, Isa isa) {
+  simd::Dispatch<LayerNormBackwardWeightKernel>(isa, x, mean, rstd, dy, ld, dgamma, dbeta, rows,
+                                                cols);
 }
 
 }  // namespace pipewright::cpu

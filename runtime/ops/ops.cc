@@ -42,10 +42,10 @@ absl::Status Need(bool ok, const char* op, const std::string& what) {
 // ones and the optimizers, (batch, head) pairs of attention, sequences of the embedding, and
 // blocks of C in cpu::Gemm itself. An element's bits do not depend on the range a kernel call
 // covers (Note [Same bits for every chunking] in kernels/cpu/vec.h), so results do not depend on
-// the thread count. What sums across rows stays on one thread, in its order: the bias and
-// LayerNorm weight gradients, the embedding's scatter-add, the gradient norm's sum of squares;
-// the cross-entropy total adds per-row losses in row order like the kernel. (The kernels take
-// no row stride, so a column reduction cannot be cut by columns from here.)
+// the thread count. Sums over rows (the bias and LayerNorm weight gradients, the fused bias +
+// GELU backward's) are cut by columns: each column still adds its rows in row order on one
+// thread. What stays on one thread: the embedding's scatter-add and the gradient norm's sum of
+// squares; the cross-entropy total adds per-row losses in row order like the kernel.
 constexpr int64_t kMinChunk = 16384;  // floats per part at least: ~10 us of work
 
 // fn(begin, count) over the parts of [0, n), each at least `grain` indices (ParallelFor).
@@ -57,6 +57,14 @@ void OnThreads(int64_t n, int64_t grain, Fn fn) {
 // Rows per part for rows of `cols` floats.
 int64_t RowGrain(int64_t cols) {
   return std::max<int64_t>(1, kMinChunk / std::max<int64_t>(1, cols));
+}
+
+// Columns per part for the column sums over `rows` rows: whole vectors (16 floats), at least
+// kMinChunk floats of work. A column's sum is the same whichever columns a call covers.
+int64_t ColumnGrain(int64_t rows) {
+  constexpr int64_t kAlign = 16;
+  const int64_t cols = kMinChunk / std::max<int64_t>(1, rows);
+  return std::max<int64_t>(kAlign, (cols + kAlign - 1) / kAlign * kAlign);
 }
 
 // Host to host is a memcpy on the calling thread; anything touching a GPU is ordered on the
@@ -163,7 +171,10 @@ absl::Status BiasBackward(const Exec& e, const Tensor& dy, Tensor& dbias, int64_
   if constexpr (kWithCuda) {
     if (e.device().is_cuda()) return cuda_impl::BiasBackward(e, dy, dbias, rows, cols);
   }
-  cpu::BiasBackward(dy.data<float>(), dbias.data<float>(), rows, cols);
+  OnThreads(cols, ColumnGrain(rows), [&](int64_t c, int64_t n) {
+    cpu::BiasBackward(dy.data<float>() + c, static_cast<int>(cols), dbias.data<float>() + c, rows,
+                      n);
+  });
   return absl::OkStatus();
 }
 
@@ -267,17 +278,11 @@ absl::StatusOr<Tensor> BiasGeluBackward(const Exec& e, const Tensor& pre, const 
       return dpre;
     }
   }
-  if (cpu::ParallelParts(rows * cols, kMinChunk, cpu::CurrentThreads()) <= 1) {
-    cpu::BiasGeluBackward(pre.data<float>(), dy.data<float>(), dpre.data<float>(),
-                          dbias.data<float>(), rows, cols);
-    return dpre;
-  }
-  // Several threads: the GELU part on all of them, the bias sum (over rows) on this one; the
-  // same bits as the fused kernel.
-  OnThreads(rows * cols, kMinChunk, [&](int64_t i, int64_t n) {
-    cpu::GeluBackward(pre.data<float>() + i, dy.data<float>() + i, dpre.data<float>() + i, n);
+  // Column ranges on the threads, each a fused pass over its columns of every row.
+  OnThreads(cols, ColumnGrain(rows), [&](int64_t c, int64_t n) {
+    cpu::BiasGeluBackward(pre.data<float>() + c, dy.data<float>() + c, dpre.data<float>() + c,
+                          dbias.data<float>() + c, rows, n, static_cast<int>(cols));
   });
-  cpu::BiasBackward(dpre.data<float>(), dbias.data<float>(), rows, cols);
   return dpre;
 }
 
@@ -325,9 +330,11 @@ absl::Status LayerNormBackwardWeight(const Exec& e, const Tensor& x, const Tenso
       return cuda_impl::LayerNormBackwardWeight(e, x, mean, rstd, dy, dgamma, dbeta, rows, cols);
     }
   }
-  cpu::LayerNormBackwardWeight(x.data<float>(), mean.data<float>(), rstd.data<float>(),
-                               dy.data<float>(), dgamma.data<float>(), dbeta.data<float>(), rows,
-                               cols);
+  OnThreads(cols, ColumnGrain(rows), [&](int64_t c, int64_t n) {
+    cpu::LayerNormBackwardWeight(x.data<float>() + c, mean.data<float>(), rstd.data<float>(),
+                                 dy.data<float>() + c, static_cast<int>(cols),
+                                 dgamma.data<float>() + c, dbeta.data<float>() + c, rows, n);
+  });
   return absl::OkStatus();
 }
 

@@ -350,7 +350,9 @@ TEST(ParallelOps, ResultsDoNotDependOnTheThreadCount) {
     Tensor dg = *ops::GeluBackward(e, sum, dy);
     Tensor half = *ops::Cast(e, g, DType::kBF16);
     Tensor back = *ops::Cast(e, half, DType::kF32);
-    return Cat({&y, &sum, &g, &dg, &back});
+    Tensor dbias = Random({kCols}, 22);  // a column sum, cut by columns
+    EXPECT_TRUE(ops::BiasBackward(e, dy, dbias, kRows, kCols).ok());
+    return Cat({&y, &sum, &g, &dg, &back, &dbias});
   });
   ExpectThreadCountIndependent("bias + gelu", [&] {
     Tensor pre = x.Clone();
@@ -364,7 +366,10 @@ TEST(ParallelOps, ResultsDoNotDependOnTheThreadCount) {
     Tensor rstd = Tensor::Empty({kRows}), dx = Tensor::Empty({kRows, kCols});
     EXPECT_TRUE(ops::LayerNormForward(e, x, gamma, bias, y, mean, rstd, kRows, kCols, 1e-5f).ok());
     EXPECT_TRUE(ops::LayerNormBackwardInput(e, x, gamma, mean, rstd, dy, dx, kRows, kCols).ok());
-    return Cat({&y, &mean, &rstd, &dx});
+    Tensor dgamma = Random({kCols}, 20), dbeta = Random({kCols}, 21);
+    EXPECT_TRUE(
+        ops::LayerNormBackwardWeight(e, x, mean, rstd, dy, dgamma, dbeta, kRows, kCols).ok());
+    return Cat({&y, &mean, &rstd, &dx, &dgamma, &dbeta});
   });
   ExpectThreadCountIndependent("cross-entropy", [&] {
     std::vector<int32_t> t(kRows);
