@@ -291,6 +291,8 @@ BENCHMARK(BM_AttentionForwardBackward)->Apply(AttentionShapes);
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The OpenBLAS kernels the CLI uses (its detection can fall short: cpu_features.cc).
+  pipewright::ReexecForBlasCore(argv);
   pipewright::SetCpuKernelThreads(1);
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();
