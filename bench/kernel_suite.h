@@ -21,10 +21,11 @@ struct KernelSuiteResult {
   std::vector<BenchRow> rows;
   double sgemm_gflops_per_s = 0;  // best single-thread sgemm among the reference shapes
   double step_gflops_per_s = 0;
-  double fraction_of_sgemm = 0;
+  double fraction_of_sgemm = 0;  // median over rounds (Note [Interleaved rounds])
 };
 
-// `repetitions` timed runs after one warm-up for each row.
+// `repetitions` interleaved rounds after one warm-up (Note [Interleaved rounds] in
+// kernel_suite.cc).
 absl::StatusOr<KernelSuiteResult> RunKernelSuite(int repetitions);
 
 }  // namespace pipewright::bench

@@ -219,7 +219,7 @@ void BM_AdamW(benchmark::State& state) {
        v = Filled(n, 0, 0.01f);
   RunIsa(state, 28.0 * n, [&](Isa isa) {
     AdamWUpdate(p.data(), g.data(), m.data(), v.data(), n, 1e-4f, 0.9f, 0.999f, 1e-8f, 0.1f, 10,
-                isa);
+                1.0f, isa);
   });
 }
 PW_ISA_BENCHMARK(BM_AdamW);

@@ -30,8 +30,11 @@ Optimizer::Optimizer(const OptimizerConfig& config, std::vector<Parameter*> para
   }
 }
 
-absl::Status Optimizer::Step(float lr) {
+absl::Status Optimizer::Step(float lr, float grad_scale) {
   const ops::Exec e{allocator_};
+  if (config_.kind != OptimizerKind::kAdamW && grad_scale != 1.0f) {
+    PW_RETURN_IF_ERROR(ScaleGrads(params_, grad_scale, allocator_));
+  }
   if (config_.kind == OptimizerKind::kAdamW) {
     std::vector<ops::AdamWItem> items;
     for (size_t i = 0; i < params_.size(); ++i) {
@@ -40,7 +43,7 @@ absl::Status Optimizer::Step(float lr) {
           {&p->value, &p->grad, &m_[i], &v_[i], p->weight_decay ? config_.weight_decay : 0.0f});
     }
     PW_RETURN_IF_ERROR(
-        ops::AdamW(e, items, lr, config_.beta1, config_.beta2, config_.eps, step_ + 1));
+        ops::AdamW(e, items, lr, config_.beta1, config_.beta2, config_.eps, step_ + 1, grad_scale));
   } else {
     for (size_t i = 0; i < params_.size(); ++i) {
       Parameter* p = params_[i];

@@ -178,8 +178,10 @@ struct AdamWItem {
   Tensor* v;
   float weight_decay;
 };
+// The gradient used is grad * grad_scale (rounded to f32, as a separate Scale would store it);
+// the grads are not written.
 absl::Status AdamW(const Exec& e, const std::vector<AdamWItem>& items, float lr, float beta1,
-                   float beta2, float eps, int64_t t);
+                   float beta2, float eps, int64_t t, float grad_scale = 1.0f);
 // buf = momentum buf + (grad + weight_decay param); param -= lr buf (PyTorch SGD, no dampening).
 // CPU only: Unimplemented on CUDA.
 absl::Status SgdMomentum(const Exec& e, Tensor& param, const Tensor& grad, Tensor& buf, float lr,

@@ -31,9 +31,11 @@ class Optimizer {
   static std::unique_ptr<Optimizer> Create(const OptimizerConfig& config,
                                            std::vector<Parameter*> params,
                                            Allocator* allocator = nullptr);
-  // One update of every parameter from its grad at learning rate `lr`, on the allocator's
-  // device (CUDA: one multi-tensor AdamW launch). Does not zero grads.
-  absl::Status Step(float lr);
+  // One update of every parameter from its grad times `grad_scale` at learning rate `lr`, on
+  // the allocator's device (CUDA: one multi-tensor AdamW launch). The same bits as
+  // ScaleGrads(grad_scale) then Step(lr), but AdamW on the CPU reads each gradient once and
+  // leaves it unscaled (clipping without a pass of its own). Does not zero grads.
+  absl::Status Step(float lr, float grad_scale = 1.0f);
   int64_t step_count() const { return step_; }
   // State tensors ("exp_avg.<name>", "exp_avg_sq.<name>" or "momentum_buffer.<name>").
   std::vector<std::pair<std::string, Tensor>> State() const;

@@ -163,9 +163,10 @@ void EmbeddingBackward(const float* dout, const int32_t* tokens, float* dwte, fl
 
 // ---- optimizers (one parameter tensor; step t >= 1) ----
 // Decoupled weight decay (Loshchilov & Hutter): p -= lr * (mhat / (sqrt(vhat) + eps) + wd * p).
+// The gradient used is grad[i] * grad_scale (the value a separate Scale would have stored).
 void AdamWUpdate(float* param, const float* grad, float* m, float* v, size_t n, float lr,
                  float beta1, float beta2, float eps, float weight_decay, int64_t t,
-                 Isa isa = KernelIsa());
+                 float grad_scale = 1.0f, Isa isa = KernelIsa());
 // buf = momentum * buf + (grad + wd * p); p -= lr * buf   (PyTorch SGD semantics, no dampening)
 void SgdMomentumUpdate(float* param, const float* grad, float* buf, size_t n, float lr,
                        float momentum, float weight_decay, Isa isa = KernelIsa());

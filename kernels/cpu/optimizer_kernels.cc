@@ -18,10 +18,10 @@ struct AdamWKernel {
   template <int W>
   PW_KERNEL_BODY void Run(float* param, const float* grad, float* m, float* v, size_t n, float lr,
                           float beta1, float beta2, float eps, float weight_decay, float inv_bc1,
-                          float inv_bc2) {
+                          float inv_bc2, float grad_scale) {
     const float one_minus_b1 = 1.0f - beta1, one_minus_b2 = 1.0f - beta2;
     for (size_t i = 0; i < n; ++i) {
-      const float g = grad[i];
+      const float g = grad[i] * grad_scale;  // exact when grad_scale == 1
       const float mi = beta1 * m[i] + one_minus_b1 * g;
       const float vi = beta2 * v[i] + one_minus_b2 * g * g;
       m[i] = mi;
@@ -76,12 +76,13 @@ struct AllFiniteKernel {
 }  // namespace
 
 void AdamWUpdate(float* param, const float* grad, float* m, float* v, size_t n, float lr,
-                 float beta1, float beta2, float eps, float weight_decay, int64_t t, Isa isa) {
+                 float beta1, float beta2, float eps, float weight_decay, int64_t t,
+                 float grad_scale, Isa isa) {
   const double td = static_cast<double>(t);
   const float inv_bc1 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(beta1), td)));
   const float inv_bc2 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(beta2), td)));
   simd::Dispatch<AdamWKernel>(isa, param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay,
-                              inv_bc1, inv_bc2);
+                              inv_bc1, inv_bc2, grad_scale);
 }
 
 void SgdMomentumUpdate(float* param, const float* grad, float* buf, size_t n, float lr,

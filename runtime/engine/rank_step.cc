@@ -342,9 +342,9 @@ absl::Status RankExecutor::Agree(int64_t step, float lr, StepOutcome* out) {
         absl::StrCat("step ", step, ": non-finite gradient norm; weights not updated on any rank"));
   }
   Clock::time_point o = Clock::now();
+  // Clipping (and fp16's unscaling) as the optimizer reads the gradients.
   PW_RETURN_IF_ERROR(
-      ScaleGrads(params, ClipScale(out->grad_norm, ctx->options->clip_norm) / scale, alloc.get()));
-  PW_RETURN_IF_ERROR(optimizer->Step(lr));
+      optimizer->Step(lr, ClipScale(out->grad_norm, ctx->options->clip_norm) / scale));
   PW_RETURN_IF_ERROR(Sync());
   Record(EventKind::kOptimizer, a, o);
   return absl::OkStatus();

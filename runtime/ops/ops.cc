@@ -455,18 +455,25 @@ absl::Status EmbeddingBackward(const Exec& e, const Tensor& dout, const Tensor& 
 }
 
 absl::Status AdamW(const Exec& e, const std::vector<AdamWItem>& items, float lr, float beta1,
-                   float beta2, float eps, int64_t t) {
+                   float beta2, float eps, int64_t t, float grad_scale) {
   for (const AdamWItem& it : items) {
     PW_RETURN_IF_ERROR(CheckDevice(e, "adamw", {it.param, it.grad, it.m, it.v}));
   }
   if constexpr (kWithCuda) {
-    if (e.device().is_cuda()) return cuda_impl::AdamW(e, items, lr, beta1, beta2, eps, t);
+    if (e.device().is_cuda()) {
+      if (grad_scale != 1.0f) {  // the CUDA kernel takes no scale: a pass of its own
+        for (const AdamWItem& it : items) {
+          PW_RETURN_IF_ERROR(cuda_impl::Scale(e, const_cast<Tensor&>(*it.grad), grad_scale));
+        }
+      }
+      return cuda_impl::AdamW(e, items, lr, beta1, beta2, eps, t);
+    }
   }
   for (const AdamWItem& it : items) {
     OnThreads(it.param->numel(), kMinChunk, [&](int64_t i, int64_t n) {
       cpu::AdamWUpdate(it.param->data<float>() + i, it.grad->data<float>() + i,
                        it.m->data<float>() + i, it.v->data<float>() + i, n, lr, beta1, beta2, eps,
-                       it.weight_decay, t);
+                       it.weight_decay, t, grad_scale);
     });
   }
   return absl::OkStatus();

@@ -305,13 +305,13 @@ TEST_P(KernelIsaTest, OptimizersMatchBaselineAndAnyChunking) {
   for (int64_t t = 1; t <= 3; ++t) {
     const auto g = RandomVec(n, 19 + t);
     AdamWUpdate(p.data(), g.data(), m.data(), v.data(), n, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, t,
-                isa());
+                1.0f, isa());
     AdamWUpdate(pb.data(), g.data(), mb.data(), vb.data(), n, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, t,
-                Isa::kBaseline);
+                1.0f, Isa::kBaseline);
     for (size_t o : {size_t{0}, size_t{5}, size_t{517}}) {
       const size_t end = o == 0 ? 5 : o == 5 ? 517 : n;
       AdamWUpdate(ps.data() + o, g.data() + o, ms.data() + o, vs.data() + o, end - o, 1e-2f, 0.9f,
-                  0.999f, 1e-8f, 0.1f, t, isa());
+                  0.999f, 1e-8f, 0.1f, t, 1.0f, isa());
     }
   }
   ExpectNear(p, pb, 2e-6, 2e-7, "adamw param");  // |p| ~ 1

@@ -563,6 +563,28 @@ TEST(Optimizer, AdamWStepsMatchHandComputed) {
   }
 }
 
+// The clipping scale applied as AdamW reads the gradient: the same bits as scaling the gradient
+// first, and the gradient itself is left as it was.
+TEST(Optimizer, AdamWGradScaleEqualsScalingFirst) {
+  const size_t n = 1000 + 7;
+  std::vector<float> g(n), p(n), m(n, 0.01f), v(n, 0.001f);
+  for (size_t i = 0; i < n; ++i) {
+    g[i] = 0.37f * static_cast<float>(static_cast<int>(i % 101) - 50) + 0.013f;
+    p[i] = 0.5f - 0.001f * static_cast<float>(i);
+  }
+  const float s = 0.3719f;
+  std::vector<float> scaled = g, p1 = p, m1 = m, v1 = v;
+  Scale(scaled.data(), n, s);
+  AdamWUpdate(p1.data(), scaled.data(), m1.data(), v1.data(), n, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f,
+              3);
+  const std::vector<float> g0 = g;
+  AdamWUpdate(p.data(), g.data(), m.data(), v.data(), n, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, 3, s);
+  EXPECT_EQ(0, std::memcmp(p.data(), p1.data(), n * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(m.data(), m1.data(), n * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(v.data(), v1.data(), n * sizeof(float)));
+  EXPECT_EQ(g, g0);
+}
+
 TEST(Optimizer, SgdMomentumTwoStepsMatchHandComputed) {
   std::vector<float> p = {1.0f, -1.0f}, buf = {0.0f, 0.0f};
   const float lr = 0.1f, mom = 0.9f, wd = 0.01f;

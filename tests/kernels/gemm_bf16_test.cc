@@ -21,8 +21,8 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_kernels.h"
-#include "tests/kernels/kernel_test_util.h"
 #include "pipewright/cpu.h"
+#include "tests/kernels/kernel_test_util.h"
 
 namespace pipewright::cpu {
 namespace {
