@@ -39,12 +39,12 @@ void BM_GemmBf16(benchmark::State& state) {
   const int m = gemm == 2 ? out : kTokens, n = gemm == 1 ? in : gemm == 0 ? out : in;
   const int k = gemm == 0 ? in : gemm == 1 ? out : kTokens;
   const auto kernel = path == 3 ? HalfGemmKernel::kBf16Dot : HalfGemmKernel::kFma;
-  if (path >= 2 && !CanRunHalfGemmKernel(kernel)) {
+  if (path >= 2 && path <= 3 && !CanRunHalfGemmKernel(kernel)) {
     state.SkipWithError("kernel not supported on this CPU");
     return;
   }
   static const char* const kPaths[] = {"sgemm f32", "bf16 widen+sgemm", "bf16 fma",
-                                       "bf16 vdpbf16ps"};
+                                       "bf16 vdpbf16ps", "own f32"};
   state.SetLabel(std::string(ta ? "T" : "N") + (tb ? "T " : "N ") + kPaths[path]);
   const int lda = ta ? m : k, ldb = tb ? k : n;
   std::vector<float> a(size_t(m) * k), b(size_t(k) * n), c(size_t(m) * n);
@@ -57,6 +57,9 @@ void BM_GemmBf16(benchmark::State& state) {
   for (auto _ : state) {
     if (path == 0) {
       Gemm(ta, tb, m, n, k, 1.0f, a.data(), lda, b.data(), ldb, beta, c.data(), n);
+    } else if (path == 4) {
+      GemmF32Block(ta, tb, m, n, k, 1.0f, a.data(), lda, b.data(), ldb, beta, c.data(), n, 0, m, 0,
+                   n);
     } else if (path == 1) {
       GemmHalf(true, ta, tb, m, n, k, 1.0f, a16.data(), lda, b16.data(), ldb, beta, c.data(), n,
                Isa::kBaseline);
@@ -72,8 +75,8 @@ void BM_GemmBf16(benchmark::State& state) {
 // gpt-small's Linears: attention qkv (256 -> 768), MLP up (256 -> 1024), MLP down (1024 -> 256),
 // attention projection and LM head (256 -> 256).
 BENCHMARK(BM_GemmBf16)
-    ->ArgsProduct({{kC}, {3 * kC, 4 * kC, kC}, {0, 1, 2}, {0, 1, 2, 3}})
-    ->ArgsProduct({{4 * kC}, {kC}, {0, 1, 2}, {0, 1, 2, 3}})
+    ->ArgsProduct({{kC}, {3 * kC, 4 * kC, kC}, {0, 1, 2}, {0, 1, 2, 3, 4}})
+    ->ArgsProduct({{4 * kC}, {kC}, {0, 1, 2}, {0, 1, 2, 3, 4}})
     ->ArgNames({"in", "out", "gemm", "path"});
 
 // ---- elementwise, LayerNorm, cross-entropy, optimizer and cast kernels, per ISA variant ----

@@ -72,6 +72,14 @@ void GemmHalfBlock(bool is_bf16, bool trans_a, bool trans_b, int m, int n, int k
                    const uint16_t* a, int lda, const uint16_t* b, int ldb, float beta, float* c,
                    int ldc, int m_begin, int m_end, int n_begin, int n_end, HalfGemmKernel kernel);
 
+// fp32 GEMM on AVX-512 with the same blocking and micro-kernel (Note [fp32 GEMM] in
+// gemm_bf16.cc): rows [m_begin, m_end) x columns [n_begin, n_end) of C. Each element is one fp32
+// running sum over k in increasing order (fused multiply-adds), starting from beta * C when
+// alpha == 1, so the bits do not depend on the range computed. Requires HaveGemmHalfAvx512().
+void GemmF32Block(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a,
+                  int lda, const float* b, int ldb, float beta, float* c, int ldc, int m_begin,
+                  int m_end, int n_begin, int n_end);
+
 // ---- elementwise ----
 // y[r, c] += bias[c]
 void BiasAdd(float* y, const float* bias, int rows, int cols, Isa isa = KernelIsa());

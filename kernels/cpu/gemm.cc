@@ -2,6 +2,8 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "kernels/cpu/cpu_kernels.h"
@@ -69,6 +71,26 @@ void Gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const fl
         for (int j = 0; j < n; ++j) row[j] *= beta;
       }
     }
+    return;
+  }
+  // PIPEWRIGHT_GEMM=own: pipewright's AVX-512 fp32 GEMM (Note [fp32 GEMM] in gemm_bf16.cc)
+  // instead of OpenBLAS, split however the threads divide C (its bits do not depend on the part
+  // computed). Measured as fast as OpenBLAS on gpt-small (docs/benchmarks.md), so not the
+  // default: it is the base for packing weights once per step and fusing epilogues.
+  static const bool own = [] {
+    const char* v = std::getenv("PIPEWRIGHT_GEMM");
+    return HaveGemmHalfAvx512() && v != nullptr && std::string(v) == "own";
+  }();
+  if (own) {
+    const bool by_rows = m >= n;
+    const int64_t across = int64_t{by_rows ? n : m} * std::max(k, 1);
+    const int64_t grain = std::max<int64_t>(
+        kSplitAlign, (kMinPartMacs / across + kSplitAlign - 1) / kSplitAlign * kSplitAlign);
+    ParallelFor(by_rows ? m : n, grain, [&](int64_t lo, int64_t hi) {
+      const int l = static_cast<int>(lo), h = static_cast<int>(hi);
+      GemmF32Block(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, by_rows ? l : 0,
+                   by_rows ? h : m, by_rows ? 0 : l, by_rows ? n : h);
+    });
     return;
   }
   const int parts = GemmParts(m, n, k);

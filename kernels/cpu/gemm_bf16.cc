@@ -193,6 +193,63 @@ PW_TARGET_AVX512 void PackColumnPairs(HalfGemmKernel kernel, bool is_bf16, const
   }
 }
 
+// Note [fp32 GEMM]. The kFma micro-kernel and the blocking above also multiply fp32 matrices:
+// the panels hold the fp32 values in natural k order (kc steps per k block), nothing is widened
+// and denormals are not flushed. Element (i, j) is one fp32 running sum, from beta * c when
+// alpha == 1 (or 0), adding a[i,p] b[p,j] in increasing p with fused multiply-adds; between k
+// blocks the sum is stored in C, exactly. So the bits do not depend on the blocking or on the
+// part of C a call computes, and threads may split C freely. On gpt-small's shapes it runs as
+// fast as OpenBLAS's Cooperlake sgemm (docs/benchmarks.md); cpu::Gemm uses it only under
+// PIPEWRIGHT_GEMM=own.
+//
+// fp32 operands for the kFma micro-kernel in natural k order: `count` stored
+// rows from `src` (row stride ld) with k contiguous, k in [0, kc). Panels of R rows, panel q =
+// rows [q R, q R + R), kc steps of R values; rows past `count` are zero.
+template <int R>
+PW_TARGET_AVX512 void PackRowsF32(const float* src, size_t ld, int count, int kc, uint32_t* dst) {
+  for (int r0 = 0; r0 < count; r0 += R) {
+    uint32_t* panel = dst + static_cast<size_t>(r0 / R) * kc * R;
+    for (int g = 0; g < R; g += 16) {  // 16 rows x 16 k at a time, transposed
+      const int rows = std::clamp(std::min(count - r0, R) - g, 0, 16);
+      const __mmask16 store = static_cast<__mmask16>((1u << std::min(16, R - g)) - 1);
+      const float* block = src + static_cast<size_t>(r0 + g) * ld;
+      for (int p = 0; p < kc; p += 16) {
+        const int ks = std::min(16, kc - p);
+        const __mmask16 load = static_cast<__mmask16>((1u << ks) - 1);
+        __m512i x[16];
+        for (int r = 0; r < 16; ++r) {
+          x[r] = r < rows ? _mm512_castps_si512(_mm512_maskz_loadu_ps(load, block + r * ld + p))
+                          : _mm512_setzero_si512();
+        }
+        Transpose16x16(x);
+        for (int q = 0; q < ks; ++q) {
+          _mm512_mask_storeu_epi32(panel + static_cast<size_t>(p + q) * R + g, store, x[q]);
+        }
+      }
+    }
+  }
+}
+
+// fp32 operands whose k runs down the stored rows: k in [0, kc) is stored row k (row stride ld),
+// columns [0, count). Same panels as PackRowsF32.
+template <int R>
+PW_TARGET_AVX512 void PackColumnsF32(const float* src, size_t ld, int count, int kc,
+                                     uint32_t* dst) {
+  for (int c0 = 0; c0 < count; c0 += R) {
+    uint32_t* panel = dst + static_cast<size_t>(c0 / R) * kc * R;
+    for (int p = 0; p < kc; ++p) {
+      const float* row = src + static_cast<size_t>(p) * ld + c0;
+      for (int c = 0; c < R; c += 16) {
+        const int valid = std::clamp(count - c0 - c, 0, 16);
+        const __mmask16 load = static_cast<__mmask16>((1u << valid) - 1);
+        const __mmask16 store = static_cast<__mmask16>((1u << std::min(16, R - c)) - 1);
+        _mm512_mask_storeu_epi32(panel + static_cast<size_t>(p) * R + c, store,
+                                 _mm512_castps_si512(_mm512_maskz_loadu_ps(load, row + c)));
+      }
+    }
+  }
+}
+
 enum class Init { kZero, kLoad, kLoadScaled };          // s = 0; s = c; s = beta c
 enum class Store { kPlain, kScaled, kScaledPlusBeta };  // c = s; c = alpha s; c = alpha s + beta c
 
@@ -352,6 +409,68 @@ PW_TARGET_AVX512 void GemmHalfAvx512(const Operands& g, int m0, int m1, int n0, 
   }
 }
 
+struct OperandsF32 {
+  bool trans_a, trans_b;
+  int k;
+  float alpha;
+  const float* a;
+  int lda;
+  const float* b;
+  int ldb;
+  float beta;
+  float* c;
+  int ldc;
+};
+
+// Rows [m0, m1) x columns [n0, n1) of C; k > 0 and alpha != 0. The blocking of GemmHalfAvx512
+// with natural k order and no denormal flushing.
+PW_TARGET_AVX512 void GemmF32Avx512(const OperandsF32& g, int m0, int m1, int n0, int n1) {
+  thread_local std::vector<Line> a_buf, b_buf;
+  const MicroKernelFn micro = MicroKernel<kMr, kNv, HalfGemmKernel::kFma>;
+  const bool one_block = g.alpha != 1.0f && g.beta != 0.0f;
+  const int kc_limit = one_block ? g.k : kKcFma;
+  const int blocks = (g.k + kc_limit - 1) / kc_limit;
+  const int kc_max = (g.k + blocks - 1) / blocks;
+  const int rows_l2 = std::max(kMr, kPackedABytes / (4 * kc_max) / kMr * kMr);
+  const int m_blocks = (m1 - m0 + rows_l2 - 1) / rows_l2;
+  const int mc_max = ((m1 - m0 + m_blocks - 1) / m_blocks + kMr - 1) / kMr * kMr;
+  uint32_t* ap = Scratch(a_buf, static_cast<size_t>(mc_max) * kc_max);
+  uint32_t* bp = Scratch(b_buf, static_cast<size_t>(kNr) * kc_max);
+  for (int pc = 0; pc < g.k; pc += kc_max) {
+    const int kc = std::min(kc_max, g.k - pc);
+    const bool first = pc == 0, last = pc + kc == g.k;
+    Init init = Init::kLoad;
+    if (first) {
+      init = g.alpha != 1.0f || g.beta == 0.0f ? Init::kZero
+             : g.beta == 1.0f                  ? Init::kLoad
+                                               : Init::kLoadScaled;
+    }
+    Store store = Store::kPlain;
+    if (last && g.alpha != 1.0f) store = g.beta == 0.0f ? Store::kScaled : Store::kScaledPlusBeta;
+    for (int ic = m0; ic < m1; ic += mc_max) {
+      const int mc = std::min(mc_max, m1 - ic);
+      if (g.trans_a) {
+        PackColumnsF32<kMr>(g.a + static_cast<size_t>(pc) * g.lda + ic, g.lda, mc, kc, ap);
+      } else {
+        PackRowsF32<kMr>(g.a + static_cast<size_t>(ic) * g.lda + pc, g.lda, mc, kc, ap);
+      }
+      for (int jc = n0; jc < n1; jc += kNr) {
+        const int nr = std::min(kNr, n1 - jc);
+        if (g.trans_b) {
+          PackRowsF32<kNr>(g.b + static_cast<size_t>(jc) * g.ldb + pc, g.ldb, nr, kc, bp);
+        } else {
+          PackColumnsF32<kNr>(g.b + static_cast<size_t>(pc) * g.ldb + jc, g.ldb, nr, kc, bp);
+        }
+        for (int ir = 0; ir < mc; ir += kMr) {
+          micro(kc, ap + static_cast<size_t>(ir) * kc, bp,
+                g.c + static_cast<size_t>(ic + ir) * g.ldc + jc, g.ldc, std::min(kMr, mc - ir), nr,
+                g.alpha, g.beta, init, store);
+        }
+      }
+    }
+  }
+}
+
 // Seconds of this thread's CPU time (not wall time: a preempted probe is not slower).
 double ThreadSeconds() {
   timespec ts;
@@ -428,6 +547,22 @@ void GemmHalfBlock(bool is_bf16, bool trans_a, bool trans_b, int m, int n, int k
 #if PW_HAVE_X86_VARIANTS
   GemmHalfAvx512({is_bf16, trans_a, trans_b, k, alpha, a, lda, b, ldb, beta, c, ldc}, m_begin,
                  m_end, n_begin, n_end, kernel);
+#endif
+}
+
+void GemmF32Block(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a,
+                  int lda, const float* b, int ldb, float beta, float* c, int ldc, int m_begin,
+                  int m_end, int n_begin, int n_end) {
+  PW_CHECK(0 <= m_begin && m_end <= m && 0 <= n_begin && n_end <= n);
+  if (m_begin >= m_end || n_begin >= n_end) return;
+  if (k <= 0 || alpha == 0.0f) {
+    ScaleBlock(beta, c, ldc, m_begin, m_end, n_begin, n_end);
+    return;
+  }
+  PW_CHECK(HaveGemmHalfAvx512());
+#if PW_HAVE_X86_VARIANTS
+  GemmF32Avx512({trans_a, trans_b, k, alpha, a, lda, b, ldb, beta, c, ldc}, m_begin, m_end, n_begin,
+                n_end);
 #endif
 }
 

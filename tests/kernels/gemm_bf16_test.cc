@@ -242,6 +242,38 @@ TEST(GemmHalfBlock, SubRangesGiveTheSameBits) {
   }
 }
 
+// The fp32 GEMM on the same blocking (Note [fp32 GEMM]): within the recursive-sum bound of the
+// double reference, and the same bits for any split of C.
+std::vector<float> RunF32(const Problem& p, int m0, int m1, int n0, int n1, std::vector<float> c) {
+  GemmF32Block(p.ta, p.tb, p.m, p.n, p.k, p.alpha, p.a.data(), p.lda, p.b.data(), p.ldb, p.beta,
+               c.data(), p.ldc, m0, m1, n0, n1);
+  return c;
+}
+
+TEST(GemmF32Block, MatchesReference) {
+  if (!HaveGemmHalfAvx512()) GTEST_SKIP() << "no AVX-512";
+  ForAllProblems(
+      true, [&](const Problem& p) { ExpectMatchesReference(p, RunF32(p, 0, p.m, 0, p.n, p.c)); });
+}
+
+TEST(GemmF32Block, SubRangesGiveTheSameBits) {
+  if (!HaveGemmHalfAvx512()) GTEST_SKIP() << "no AVX-512";
+  for (int t = 0; t < 4; ++t) {
+    const Problem p = MakeProblem(true, t & 1, t & 2, {67, 101, 457}, {1.0f, 1.0f}, 2, 950 + t);
+    const std::vector<float> whole = RunF32(p, 0, p.m, 0, p.n, p.c);
+    const int row_cuts[] = {0, 5, 19, 20, 47, 67}, col_cuts[] = {0, 1, 33, 64, 100, 101};
+    std::vector<float> by_rows = p.c, by_cols = p.c;
+    for (int r = 0; r + 1 < 6; ++r) {
+      by_rows = RunF32(p, row_cuts[r], row_cuts[r + 1], 0, p.n, by_rows);
+    }
+    for (int c = 0; c + 1 < 6; ++c) {
+      by_cols = RunF32(p, 0, p.m, col_cuts[c], col_cuts[c + 1], by_cols);
+    }
+    EXPECT_TRUE(SameBits(whole, by_rows)) << "t=" << t;
+    EXPECT_TRUE(SameBits(whole, by_cols)) << "t=" << t;
+  }
+}
+
 // k == 0 and alpha == 0 only scale C, never read A or B (NaN there must not leak in), and
 // beta == 0 overwrites NaN in C.
 TEST(GemmHalfBlock, DegenerateScalings) {
