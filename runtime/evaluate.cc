@@ -95,6 +95,7 @@ absl::StatusOr<EvalResult> EvaluateCheckpoint(const std::string& dir, const std:
   const uint64_t seed = m.contains("rng") ? m["rng"].value("seed", uint64_t{0}) : 0;
   PW_ASSIGN_OR_RETURN(std::unique_ptr<TokenDataset> ds,
                       OpenDataset(data, graph.shape().seq_len, seed));
+  PW_RETURN_IF_ERROR(CheckVocabulary(*ds, 256));  // the presets are byte-level
   return EvaluateCheckpoint(graph, dir, *ds, batches);
 }
 

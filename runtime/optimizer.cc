@@ -135,12 +135,16 @@ float LrSchedule::At(int64_t step) const {
 absl::StatusOr<LrScaling> ParseLrScaling(absl::string_view name) {
   if (name == "none") return LrScaling::kNone;
   if (name == "linear") return LrScaling::kLinear;
-  return absl::InvalidArgumentError(absl::StrCat("unknown lr scaling '", name, "' (none, linear)"));
+  if (name == "sqrt") return LrScaling::kSqrt;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown lr scaling '", name, "' (none, linear, sqrt)"));
 }
 
 float ScaleLearningRate(float base_lr, int64_t global_batch, int64_t base_batch,
                         LrScaling scaling) {
   if (scaling == LrScaling::kNone || base_batch <= 0) return base_lr;
+  const double ratio = static_cast<double>(global_batch) / static_cast<double>(base_batch);
+  if (scaling == LrScaling::kSqrt) return static_cast<float>(base_lr * std::sqrt(ratio));
   return base_lr * static_cast<float>(global_batch) / static_cast<float>(base_batch);
 }
 

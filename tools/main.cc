@@ -37,6 +37,7 @@ int main(int argc, char** argv) {
   pipewright::tools::RegisterModel(app, &exit_code);
   pipewright::tools::RegisterPlan(app, &exit_code);
   pipewright::tools::RegisterValidate(app, &exit_code);
+  pipewright::tools::RegisterData(app, &exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

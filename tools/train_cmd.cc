@@ -27,6 +27,9 @@ namespace {
 
 using json = nlohmann::json;
 
+// Every preset train runs reads byte-level tokens.
+constexpr int64_t kByteVocabulary = 256;
+
 // The presets small enough to instantiate and train on this machine; the analytic giants
 // (gpt3-175b, megatron-*) are for `pipewright model` and `plan` only.
 const std::vector<std::string>& TrainablePresets() {
@@ -48,6 +51,8 @@ struct TrainFlags {
   float loss_scale = 65536.0f;
   std::string inject_failure;  // "RANK:STEP", tests of failure handling
   int64_t loss_scale_window = 1000;
+  int data_workers = 1;
+  int64_t data_delay_us = 0;  // benchmark-only: an artificially slow data source
   bool json = false;
   std::set<std::string> given;  // flags the user gave explicitly
 };
@@ -68,6 +73,10 @@ absl::Status CheckFlags(const TrainFlags& f) {
   if (!(f.loss_scale >= 1) || !std::isfinite(f.loss_scale) || f.loss_scale > 16777216.0f) {
     return absl::InvalidArgumentError("--loss-scale must be in [1, 2^24]");
   }
+  if (f.data_workers < 0 || f.data_workers > 64) {
+    return absl::InvalidArgumentError("--data-workers must be in [0, 64]");
+  }
+  if (f.data_delay_us < 0) return absl::InvalidArgumentError("--data-delay-us must be >= 0");
   if (f.loss_scale_window < 1) {
     return absl::InvalidArgumentError("--loss-scale-window must be >= 1");
   }
@@ -112,6 +121,7 @@ absl::StatusOr<TrainOptions> OptionsFromFlags(const TrainFlags& f) {
   PW_ASSIGN_OR_RETURN(o.optimizer.kind, ParseOptimizerKind(f.optimizer));
   o.bucket_bytes = static_cast<int64_t>(f.bucket_mb * 1048576.0);
   o.threads_per_rank = f.threads_per_rank;
+  o.data_workers = f.data_workers;
   if (!f.inject_failure.empty()) {
     std::vector<std::string> parts = absl::StrSplit(f.inject_failure, ':');
     if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &o.inject_failure_rank) ||
@@ -250,6 +260,17 @@ absl::Status WriteOutputs(const Engine& t, const TrainFlags& f, const RunRecord&
   return absl::OkStatus();
 }
 
+// --data (memory-mapped: a process whose ranks load no data never touches its pages), slowed by
+// --data-delay-us for loader benchmarks, and checked against the model's vocabulary.
+absl::StatusOr<std::shared_ptr<const TokenDataset>> OpenTrainData(const TrainFlags& f,
+                                                                  const LayerGraph& graph) {
+  PW_ASSIGN_OR_RETURN(std::shared_ptr<const TokenDataset> data,
+                      OpenDataset(f.data, graph.shape().seq_len, f.seed));
+  PW_RETURN_IF_ERROR(CheckVocabulary(*data, kByteVocabulary));
+  if (f.data_delay_us > 0) data = WithSampleDelay(data, absl::Microseconds(f.data_delay_us));
+  return data;
+}
+
 absl::Status RunTrain(const TrainFlags& f) {
   PW_RETURN_IF_ERROR(CheckFlags(f));
   // OpenBLAS stays single-threaded (its threads are process-wide): each rank splits its own
@@ -259,8 +280,7 @@ absl::Status RunTrain(const TrainFlags& f) {
   PW_ASSIGN_OR_RETURN(RunSpec run, RunFromFlags(f, model));
   PW_ASSIGN_OR_RETURN(TrainOptions options, OptionsFromFlags(f));
   PW_ASSIGN_OR_RETURN(WorldOptions world_options, WorldFromFlags(f));
-  PW_ASSIGN_OR_RETURN(std::shared_ptr<const Dataset> data,
-                      OpenDataset(f.data, model.graph.shape().seq_len, f.seed));
+  PW_ASSIGN_OR_RETURN(std::shared_ptr<const Dataset> data, OpenTrainData(f, model.graph));
   // Under mpirun or srun this process is one rank of the pp x dp grid (docs/cluster.md).
   PW_ASSIGN_OR_RETURN(World world, Launch(world_options));
   if (world.multi_process() && !f.save.empty()) {
@@ -312,10 +332,21 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
   cmd->add_option("--steps", f->steps, "Total optimizer steps (a resumed run continues to it)");
   cmd->add_option("--stop-after", f->stop_after,
                   "Stop after this many steps in this run (the LR schedule still spans --steps)");
-  cmd->add_option("--data", f->data, "synthetic, or a text file (byte-level tokens)");
+  cmd->add_option("--data", f->data,
+                  "synthetic, a token file ('pipewright data prepare'), or a text file "
+                  "(byte-level tokens); files are memory-mapped");
+  cmd->add_option("--data-workers", f->data_workers,
+                  "Loader threads per data-loading rank building whole steps ahead (0: build "
+                  "each step on the rank's thread); results do not depend on it");
+  cmd->add_option("--data-delay-us", f->data_delay_us,
+                  "Benchmark only: sleep this long per sample (an artificially slow data source)")
+      ->group("");  // hidden from --help
   cmd->add_option("--seed", f->seed, "Seed for weights and data");
   cmd->add_option("--lr", f->lr, "Peak learning rate for --base-batch sequences");
-  cmd->add_option("--lr-scaling", f->lr_scaling, "none|linear: scale --lr with the global batch");
+  cmd->add_option(
+      "--lr-scaling", f->lr_scaling,
+      "none|linear|sqrt: scale --lr with the global batch (sqrt: the square-root rule for "
+      "Adam-family optimizers)");
   cmd->add_option("--base-batch", f->base_batch, "Batch that --lr is tuned for");
   cmd->add_option("--warmup", f->warmup, "Linear warm-up steps before cosine decay");
   cmd->add_option("--min-lr-ratio", f->min_lr_ratio, "Final lr as a fraction of the peak");
@@ -367,7 +398,7 @@ void RegisterEval(CLI::App& app, int* exit_code) {
   auto f = std::make_shared<EvalFlags>();
   CLI::App* cmd = app.add_subcommand("eval", "Evaluate a checkpoint's loss on data");
   cmd->add_option("--checkpoint", f->checkpoint, "Checkpoint directory")->required();
-  cmd->add_option("--data", f->data, "synthetic, or a text file");
+  cmd->add_option("--data", f->data, "synthetic, a token file, or a text file");
   cmd->add_option("--batches", f->batches, "Held-out batches to evaluate");
   cmd->add_flag("--json", f->json, "Print JSON");
   cmd->callback([f, exit_code] {

@@ -1,6 +1,7 @@
 // Training data: a Dataset gives global sample i as the first stage's input and the loss layer's
-// target, of the shapes and dtypes its SampleSpec says; the byte-level token datasets (text, and
-// a deterministic synthetic task) are TokenDatasets; a loader thread prefetches whole steps.
+// target, of the shapes and dtypes its SampleSpec says; the token datasets (byte-level text and
+// prepared token files, both memory-mapped, and a deterministic synthetic task) are
+// TokenDatasets; loader workers build whole steps ahead of use.
 //
 // Global sample i depends only on (dataset, seed, i) — never on the batch layout — so runs with
 // different pipeline depths, schedules or micro-batchings see the same global batches. A token
@@ -48,6 +49,8 @@ class TokenDataset : public Dataset {
  public:
   explicit TokenDataset(int64_t seq_len) : seq_len_(seq_len) {}
   int64_t seq_len() const { return seq_len_; }
+  // Every token is < vocab_size(): 256 for bytes, a token file's recorded vocabulary.
+  virtual int64_t vocab_size() const { return 256; }
   // Writes seq_len + 1 tokens of sample `index` for sequences of `seq_len` tokens (the dataset's
   // own, or shorter).
   virtual void Tokens(int64_t index, int64_t seq_len, int32_t* out) const = 0;
@@ -58,17 +61,54 @@ class TokenDataset : public Dataset {
   int64_t seq_len_;
 };
 
-// Byte-level text: sample i is the window of seq_len + 1 bytes at a position drawn from
-// (seed, i). Errors when the file is missing, unreadable or shorter than seq_len + 2 bytes.
+// Byte-level text, memory-mapped (never read whole): sample i is the window of seq_len + 1 bytes
+// at a position drawn from (seed, i). Errors when the file is missing, unreadable or shorter
+// than seq_len + 2 bytes.
 absl::StatusOr<std::unique_ptr<TokenDataset>> OpenTextDataset(const std::string& path,
                                                               int64_t seq_len, uint64_t seed);
+
+// Token files (docs/data.md, "Token files"): a 256-byte header — "PWTOKENS\n", then a JSON
+// object {"format", "version", "dtype", "vocab_size", "tokens"} padded with spaces, then "\n" —
+// followed by `tokens` little-endian uint16 (vocabulary <= 65536) or uint32 tokens.
+inline constexpr int64_t kTokenFileHeaderBytes = 256;
+struct TokenFileInfo {
+  int64_t vocab_size = 256;
+  int64_t tokens = 0;
+  int token_bytes = 2;  // 2: uint16, 4: uint32
+  std::string dtype() const { return token_bytes == 2 ? "uint16" : "uint32"; }
+};
+// The header of token file `path`, checked against the file's size; InvalidArgument naming the
+// file when it is malformed.
+absl::StatusOr<TokenFileInfo> ReadTokenFileInfo(const std::string& path);
+// Writes `tokens` (each < vocab_size) as a token file, uint16 when the vocabulary fits.
+absl::Status WriteTokenFile(const std::string& path, const std::vector<uint32_t>& tokens,
+                            int64_t vocab_size);
+// `pipewright data prepare`: the bytes of text file `input` as byte-level tokens (vocabulary
+// 256, uint16), streamed in blocks so that neither file is ever held in memory whole.
+absl::StatusOr<TokenFileInfo> PrepareByteTokenFile(const std::string& input,
+                                                   const std::string& output);
+// A memory-mapped token file: sample i is the window of seq_len + 1 tokens at the position the
+// text dataset would draw for (seed, i), so a text file and its prepared token file give the
+// same samples. Opening checks the header, the size and (streaming, outside the mapping) that
+// every token is < vocab_size.
+absl::StatusOr<std::unique_ptr<TokenDataset>> OpenTokenFileDataset(const std::string& path,
+                                                                   int64_t seq_len, uint64_t seed);
 // Repeated patterns (docs/data.md): sample i repeats a random pattern of 2..8 letters drawn
 // from 'a'..'p'. After one period every token is predictable, so a small attention model can
 // drive the loss far below the ln(16) of guessing.
 std::unique_ptr<TokenDataset> SyntheticDataset(int64_t seq_len, uint64_t seed);
-// "synthetic" or a path to a text file.
+// A benchmark-only wrapper (`pipewright train --data-delay-us`): `data` whose every sample takes
+// `delay` longer, an artificially slow data source for measuring the loader.
+std::unique_ptr<TokenDataset> WithSampleDelay(std::shared_ptr<const TokenDataset> data,
+                                              absl::Duration delay);
+// "synthetic", a token file (one that starts with the "PWTOKENS" header) or a text file. A
+// path ending in ".tokens" must be a token file.
 absl::StatusOr<std::unique_ptr<TokenDataset>> OpenDataset(absl::string_view spec, int64_t seq_len,
                                                           uint64_t seed);
+
+// InvalidArgument naming the data when its tokens may reach `model_vocab` (the presets train
+// and eval run are byte-level: 256).
+absl::Status CheckVocabulary(const TokenDataset& data, int64_t model_vocab);
 
 struct BatchLayout {
   int64_t micro_batches = 1;     // per replica
@@ -92,17 +132,23 @@ struct StepBatch {
 StepBatch MakeStepBatch(const Dataset& data, const BatchLayout& layout, int64_t step,
                         int64_t replica);
 
-// A background thread that builds step batches ahead of use (bounded queue of `prefetch`).
+// Builds one replica's step batches, in step order from `first_step`. With `workers` >= 1,
+// that many background threads build whole steps ahead of use into a bounded queue: at most
+// max(prefetch, workers) steps are built or being built beyond the one Next() last returned,
+// several steps concurrently, and Next() hands them out in step order. With `workers` = 0,
+// Next() builds the step on the calling thread (no prefetch, no extra thread). The batches are
+// the same for every `workers` (Note [Loader workers] in data.cc).
 class DataLoader {
  public:
   DataLoader(std::shared_ptr<const Dataset> data, BatchLayout layout, int64_t replica,
-             int64_t first_step, int prefetch = 2);
+             int64_t first_step, int prefetch = 2, int workers = 1);
   ~DataLoader();
   DataLoader(const DataLoader&) = delete;
   DataLoader& operator=(const DataLoader&) = delete;
-  // The next step's batch, waiting for the loader thread if it is behind.
+  // The next step's batch, waiting for the workers if they are behind (or building it, with no
+  // workers).
   StepBatch Next();
-  // Total time Next() spent waiting for data.
+  // Total time Next() spent waiting for data (building it, with no workers).
   absl::Duration wait_time() const;
 
  private:

@@ -75,9 +75,11 @@ struct LrSchedule {
   float At(int64_t step) const;
 };
 
-enum class LrScaling { kNone, kLinear };
-absl::StatusOr<LrScaling> ParseLrScaling(absl::string_view name);  // "none" | "linear"
-// The linear scaling rule (Goyal et al. 2017): lr = base_lr * global_batch / base_batch.
+enum class LrScaling { kNone, kLinear, kSqrt };
+absl::StatusOr<LrScaling> ParseLrScaling(absl::string_view name);  // "none" | "linear" | "sqrt"
+// The linear scaling rule (Goyal et al. 2017): lr = base_lr * global_batch / base_batch; the
+// square-root rule, gentler and the usual one for Adam-family optimizers (Krizhevsky 2014; Malladi
+// et al. 2022): lr = base_lr * sqrt(global_batch / base_batch).
 float ScaleLearningRate(float base_lr, int64_t global_batch, int64_t base_batch, LrScaling scaling);
 
 }  // namespace pipewright

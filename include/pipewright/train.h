@@ -34,6 +34,10 @@ struct TrainOptions {
   // processes on the node), at least 1; ranks on a GPU use 1. Results do not depend on it
   // (docs/runtime.md, "Threads per rank").
   int threads_per_rank = 0;
+  // Loader workers per data-loading rank (docs/data.md, "Loader"): >= 1 threads build whole
+  // steps ahead into a bounded queue; 0 builds each step on the rank's own thread when it is
+  // needed. Results do not depend on it.
+  int data_workers = 1;
   // Fault injection for tests of failure handling: global rank `inject_failure_rank` fails
   // with Internal "injected failure" at its first backward action of step
   // `inject_failure_step` (-1: never).

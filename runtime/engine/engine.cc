@@ -46,6 +46,9 @@ absl::Status CheckTrainOptions(const TrainOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("--threads-per-rank must be in [0, ", kMaxThreadsPerRank, "] (0: automatic)"));
   }
+  if (o.data_workers < 0 || o.data_workers > 64) {
+    return absl::InvalidArgumentError("--data-workers must be in [0, 64]");
+  }
   return absl::OkStatus();
 }
 

@@ -50,7 +50,10 @@ absl::Status RankExecutor::RunStep(int64_t step, float lr, StepOutcome* out) {
   BeginStep(step);
   if (needs_data()) {
     if (loader == nullptr) {
-      loader = std::make_unique<DataLoader>(data, ctx->layout, replica, step);
+      // Only ranks holding the first or the last stage get here (needs_data): the others
+      // neither build batches nor touch the data's pages.
+      loader = std::make_unique<DataLoader>(data, ctx->layout, replica, step, /*prefetch=*/2,
+                                            ctx->options->data_workers);
     }
     Clock::time_point t = Clock::now();
     batch_ = loader->Next();

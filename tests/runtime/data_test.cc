@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
@@ -14,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "tests/test_util.h"
 
@@ -285,6 +287,209 @@ TEST(DataLoaderTest, DestructsWithBatchesQueued) {
   }
   { DataLoader never_used(d, l, 0, 3, 2); }
   SUCCEED();
+}
+
+// --- Token files -----------------------------------------------------------------------------
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+TEST_F(TextDataTest, PreparedTokenFileGivesTheTextFilesSamples) {
+  std::string text;
+  for (int i = 0; i < 50; ++i) text += "Now is the winter of our discontent " + std::to_string(i);
+  text += "\xff\x80";
+  const std::string txt = Write("corpus.txt", text), tok = Path("corpus.tokens");
+  auto info = PrepareByteTokenFile(txt, tok);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->tokens, static_cast<int64_t>(text.size()));
+  EXPECT_EQ(info->vocab_size, 256);
+  EXPECT_EQ(info->dtype(), "uint16");  // bytes fit uint16; there is no uint8 format
+  EXPECT_FALSE(fs::exists(tok + ".tmp"));
+  // The header, as a reader of the file sees it.
+  const std::string bytes = ReadAll(tok);
+  ASSERT_EQ(bytes.size(), kTokenFileHeaderBytes + 2 * text.size());
+  EXPECT_EQ(bytes.substr(0, 9), "PWTOKENS\n");
+  EXPECT_EQ(bytes[kTokenFileHeaderBytes - 1], '\n');
+  const std::string header = bytes.substr(0, kTokenFileHeaderBytes);
+  for (const char* field : {"\"format\":\"pipewright-tokens\"", "\"dtype\":\"uint16\"",
+                            "\"vocab_size\":256", "\"version\":1"}) {
+    EXPECT_NE(header.find(field), std::string::npos) << field << " in " << header;
+  }
+  EXPECT_NE(header.find("\"tokens\":" + std::to_string(text.size())), std::string::npos);
+  auto read = ReadTokenFileInfo(tok);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(read->tokens, info->tokens);
+  // Same windows as the text (Note [Memory-mapped data]: both draw positions alike).
+  const int64_t T = 16;
+  auto a = OpenDataset(txt, T, 5);
+  auto b = OpenDataset(tok, T, 5);
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
+  EXPECT_NE((*b)->Describe().find("tokens:"), std::string::npos) << (*b)->Describe();
+  EXPECT_EQ((*b)->vocab_size(), 256);
+  for (int64_t i = 0; i < 200; ++i) ASSERT_EQ(SampleOf(**a, i, T), SampleOf(**b, i, T)) << i;
+  EXPECT_TRUE(CheckVocabulary(**b, 256).ok());
+}
+
+TEST_F(TextDataTest, Uint32TokenFiles) {
+  std::vector<uint32_t> tokens;
+  for (uint32_t i = 0; i < 500; ++i) tokens.push_back(65000 + 3 * i);  // ascending, > 2^16
+  const std::string path = Path("big.tokens");
+  ASSERT_TRUE(WriteTokenFile(path, tokens, 70000).ok());
+  auto info = ReadTokenFileInfo(path);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->dtype(), "uint32");
+  EXPECT_EQ(info->vocab_size, 70000);
+  EXPECT_EQ(info->tokens, 500);
+  auto d = OpenDataset(path, 8, 1);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ((*d)->vocab_size(), 70000);
+  for (int64_t i = 0; i < 50; ++i) {
+    auto s = SampleOf(**d, i, 8);
+    ASSERT_GE(s[0], 65000);
+    ASSERT_EQ((s[0] - 65000) % 3, 0);
+    for (size_t t = 1; t < s.size(); ++t) ASSERT_EQ(s[t], s[t - 1] + 3) << "sample " << i;
+  }
+  // The byte-level presets cannot read it.
+  absl::Status v = CheckVocabulary(**d, 256);
+  EXPECT_EQ(v.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(v.message().find("70000"), std::string::npos) << v;
+  // A vocabulary that fits 16 bits is written as uint16.
+  ASSERT_TRUE(WriteTokenFile(path, {1, 2, 3, 65535}, 65536).ok());
+  EXPECT_EQ(ReadTokenFileInfo(path)->dtype(), "uint16");
+  EXPECT_FALSE(WriteTokenFile(path, {1, 256}, 256).ok());  // token >= vocabulary
+}
+
+TEST_F(TextDataTest, RejectsBadTokenFiles) {
+  std::vector<uint32_t> tokens(64);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = 'a' + i % 26;
+  const std::string good = Path("good.tokens");
+  ASSERT_TRUE(WriteTokenFile(good, tokens, 256).ok());
+  const std::string bytes = ReadAll(good);
+  ASSERT_TRUE(OpenDataset(good, 8, 1).ok());
+  auto expect_bad = [&](const std::string& name, const std::string& contents,
+                        const std::string& why) {
+    const std::string path = Write(name, contents);
+    auto d = OpenDataset(path, 8, 1);
+    ASSERT_FALSE(d.ok()) << name;
+    EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument) << d.status();
+    EXPECT_NE(d.status().message().find(path), std::string::npos) << d.status();
+    EXPECT_NE(d.status().message().find(why), std::string::npos) << d.status();
+  };
+  // A header that is not JSON, or lacks a field, or names another dtype.
+  std::string broken = bytes;
+  broken[9] = '#';
+  expect_bad("broken.tokens", broken, "malformed header");
+  std::string no_field = bytes;
+  no_field.replace(no_field.find("\"tokens\""), 8, "\"tokenz\"");
+  expect_bad("no_field.tokens", no_field, "malformed header");
+  std::string dtype = bytes;
+  dtype.replace(dtype.find("uint16"), 6, "int8xx");
+  expect_bad("dtype.tokens", dtype, "dtype 'int8xx'");
+  // The size disagrees with the header's count.
+  expect_bad("short.tokens", bytes.substr(0, bytes.size() - 2), "bytes; the header's 64");
+  expect_bad("long.tokens", bytes + "xy", "bytes; the header's 64");
+  expect_bad("tiny.tokens", "PWTOKENS\n{}", "shorter than the 256-byte header");
+  // A token at or above the vocabulary (token 10 := 256 + 1).
+  std::string high = bytes;
+  high[kTokenFileHeaderBytes + 2 * 10] = 1;
+  high[kTokenFileHeaderBytes + 2 * 10 + 1] = 1;
+  expect_bad("high.tokens", high, "token 10 is 257, not below the vocabulary size 256");
+  // A .tokens file without the header is not taken for text.
+  expect_bad("text.tokens", std::string(300, 'a'), "no PWTOKENS header");
+  // Too few tokens for one sample.
+  ASSERT_TRUE(WriteTokenFile(Path("few.tokens"), {1, 2, 3}, 256).ok());
+  auto few = OpenDataset(Path("few.tokens"), 8, 1);
+  EXPECT_EQ(few.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(ReadTokenFileInfo(Path("nope.tokens")).ok());
+  // prepare: a missing input is NotFound, and leaves no output behind.
+  auto missing = PrepareByteTokenFile(Path("nope.txt"), Path("out.tokens"));
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_FALSE(fs::exists(Path("out.tokens")));
+}
+
+TEST(DelayTest, SameTokensSlower) {
+  std::shared_ptr<const TokenDataset> base = SyntheticDataset(8, 3);
+  auto slow = WithSampleDelay(base, absl::Milliseconds(2));
+  EXPECT_NE(slow->Describe().find("benchmark delay"), std::string::npos);
+  const absl::Time start = absl::Now();
+  for (int64_t i = 0; i < 5; ++i) EXPECT_EQ(SampleOf(*slow, i, 8), SampleOf(*base, i, 8));
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(10));  // a lower bound: sleeps are >= asked
+}
+
+// --- Loader workers ----------------------------------------------------------------------------
+
+// Synthetic samples that take an index-dependent time (0-2 ms), so that concurrent workers finish
+// steps out of order, and that record which threads built them and how many were built.
+class JitterDataset final : public Dataset {
+ public:
+  std::string Describe() const override { return "jitter"; }
+  SampleSpec Spec() const override { return base_->Spec(); }
+  void Sample(int64_t index, void* input, void* target) const override {
+    absl::SleepFor(absl::Microseconds(1000 * ((index * 7 + index / 5) % 3)));
+    base_->Sample(index, input, target);
+    built.fetch_add(1);
+    absl::MutexLock lock(&mu_);
+    threads_.insert(std::this_thread::get_id());
+  }
+  std::set<std::thread::id> threads() const {
+    absl::MutexLock lock(&mu_);
+    return threads_;
+  }
+  mutable std::atomic<int64_t> built{0};
+
+ private:
+  std::unique_ptr<TokenDataset> base_ = SyntheticDataset(8, 11);
+  mutable absl::Mutex mu_;
+  mutable std::set<std::thread::id> threads_;
+};
+
+TEST(DataLoaderTest, SameBatchesInStepOrderForAnyWorkerCount) {
+  auto d = std::make_shared<JitterDataset>();
+  BatchLayout l{.micro_batches = 2, .micro_batch_size = 2, .seq_len = 8, .replicas = 2};
+  for (int workers : {0, 1, 2, 3, 5}) {
+    for (int prefetch : {1, 3}) {
+      DataLoader loader(d, l, /*replica=*/1, /*first_step=*/4, prefetch, workers);
+      for (int64_t step = 4; step < 14; ++step) {
+        StepBatch b = loader.Next();
+        ASSERT_EQ(b.step, step) << workers << " workers";
+        ExpectSameBatch(b, MakeStepBatch(*d, l, step, 1));
+      }
+    }
+  }
+}
+
+TEST(DataLoaderTest, ZeroWorkersBuildOnTheCallersThread) {
+  BatchLayout l{.micro_batches = 1, .micro_batch_size = 2, .seq_len = 8, .replicas = 1};
+  auto inline_data = std::make_shared<JitterDataset>();
+  {
+    DataLoader loader(inline_data, l, 0, 0, /*prefetch=*/2, /*workers=*/0);
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(loader.Next().step, i);
+    EXPECT_GT(loader.wait_time(), absl::ZeroDuration());  // building is all waiting
+  }
+  EXPECT_EQ(inline_data->threads(), std::set<std::thread::id>{std::this_thread::get_id()});
+  EXPECT_EQ(inline_data->built.load(), 3 * 2);  // nothing built ahead
+  auto worker_data = std::make_shared<JitterDataset>();
+  {
+    DataLoader loader(worker_data, l, 0, 0, /*prefetch=*/2, /*workers=*/2);
+    for (int i = 0; i < 6; ++i) EXPECT_EQ(loader.Next().step, i);
+  }
+  EXPECT_EQ(worker_data->threads().count(std::this_thread::get_id()), 0u);
+}
+
+TEST(DataLoaderTest, WorkersStayWithinTheBound) {
+  BatchLayout l{.micro_batches = 2, .micro_batch_size = 2, .seq_len = 8, .replicas = 1};
+  for (int workers : {1, 3, 6}) {
+    auto d = std::make_shared<JitterDataset>();
+    DataLoader loader(d, l, 0, 0, /*prefetch=*/2, workers);
+    const int64_t capacity = std::max(2, workers), per_step = 4;
+    EXPECT_EQ(loader.Next().step, 0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(60));  // let the workers run ahead
+    // Steps 1..capacity at most: step 0 was taken; claims stop `capacity` steps ahead of it.
+    EXPECT_LE(d->built.load(), per_step * (1 + capacity)) << workers << " workers";
+    EXPECT_EQ(loader.Next().step, 1);
+  }
 }
 
 }  // namespace

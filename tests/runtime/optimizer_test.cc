@@ -126,7 +126,8 @@ TEST(OptimizerTest, ParseKinds) {
   EXPECT_FALSE(ParseOptimizerKind("adam").ok());
   EXPECT_EQ(*ParseLrScaling("none"), LrScaling::kNone);
   EXPECT_EQ(*ParseLrScaling("linear"), LrScaling::kLinear);
-  EXPECT_FALSE(ParseLrScaling("sqrt").ok());
+  EXPECT_EQ(*ParseLrScaling("sqrt"), LrScaling::kSqrt);
+  EXPECT_FALSE(ParseLrScaling("cubic").ok());
 }
 
 TEST(LrScheduleTest, LinearWarmup) {
@@ -160,6 +161,13 @@ TEST(LrScalingTest, LinearRule) {
   EXPECT_FLOAT_EQ(ScaleLearningRate(1e-3f, 16, 32, LrScaling::kLinear), 5e-4f);
   EXPECT_FLOAT_EQ(ScaleLearningRate(1e-3f, 64, 32, LrScaling::kNone), 1e-3f);
   EXPECT_FLOAT_EQ(ScaleLearningRate(1e-3f, 32, 32, LrScaling::kLinear), 1e-3f);
+}
+
+TEST(LrScalingTest, SquareRootRule) {
+  EXPECT_FLOAT_EQ(ScaleLearningRate(1e-3f, 128, 32, LrScaling::kSqrt), 2e-3f);
+  EXPECT_FLOAT_EQ(ScaleLearningRate(1e-3f, 8, 32, LrScaling::kSqrt), 5e-4f);
+  EXPECT_FLOAT_EQ(ScaleLearningRate(1e-3f, 64, 32, LrScaling::kSqrt), 1e-3f * std::sqrt(2.0f));
+  EXPECT_FLOAT_EQ(ScaleLearningRate(1e-3f, 32, 32, LrScaling::kSqrt), 1e-3f);
 }
 
 TEST(ClipTest, ClipScaleAndGradHelpers) {

@@ -275,6 +275,71 @@ TEST(Cli, TrainsOnTextFile) {
   EXPECT_EQ(Losses(JsonLines(r.out)).size(), 5u);
 }
 
+// `data prepare` writes a token file whose samples are the text's, so training on either gives
+// the same losses; so does any --data-workers, and a pp=2 run whose middle ranks load nothing.
+TEST(Cli, PreparedTokenFileTrainsLikeItsText) {
+  const std::string text = TempPath("prep.txt"), tokens = TempPath("prep.tokens");
+  {
+    std::ofstream f(text);
+    for (int i = 0; i < 300; ++i)
+      f << "Friends, Romans, countrymen, lend me your ears " << i << ". ";
+  }
+  Result p = RunCli("data prepare --input " + text + " --output " + tokens + " --json");
+  ASSERT_EQ(p.exit_code, 0) << p.err;
+  auto info = nlohmann::json::parse(p.out);
+  EXPECT_EQ(info["dtype"], "uint16");
+  EXPECT_EQ(info["vocab_size"], 256);
+  EXPECT_EQ(info["tokens"].get<int64_t>(), static_cast<int64_t>(std::filesystem::file_size(text)));
+  const std::string base =
+      "train --preset gpt-tiny --steps 3 --seed 4 --micro-batch-size 2 --json ";
+  Result ref = RunCli(base + "--data " + text);
+  ASSERT_EQ(ref.exit_code, 0) << ref.err;
+  std::vector<double> want = Losses(ref);
+  ASSERT_EQ(want.size(), 3u);
+  for (const std::string& args :
+       {"--data " + tokens, "--data " + tokens + " --data-workers 0",
+        "--data " + tokens + " --data-workers 3", "--data " + text + " --data-workers 2 --pp 4"}) {
+    Result r = RunCli(base + args);
+    ASSERT_EQ(r.exit_code, 0) << args << ": " << r.err;
+    EXPECT_EQ(Losses(r), want) << args;
+  }
+  Result e = RunCli("eval --checkpoint /no/such/dir --data " + tokens);
+  EXPECT_EQ(e.exit_code, 2);
+}
+
+TEST(Cli, BadDataIsAUsageError) {
+  const std::string bad = TempPath("bad.tokens");
+  std::ofstream(bad) << "PWTOKENS\n{\"format\": 3}" << std::string(300, ' ');
+  for (const std::string& args : {std::string("train --steps 1 --data ") + bad,
+                                  std::string("data prepare --input /no/such "
+                                              "--output ") +
+                                      TempPath("o.tokens"),
+                                  std::string("data prepare --input x"), std::string("data"),
+                                  std::string("train --steps 1 --data-workers -1"),
+                                  std::string("train --lr-scaling cubic")}) {
+    Result r = RunCli(args);
+    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.err;
+    EXPECT_FALSE(r.err.empty()) << args;
+  }
+  Result r = RunCli(std::string("train --steps 1 --data ") + bad);
+  EXPECT_NE(r.err.find(bad), std::string::npos) << r.err;
+}
+
+TEST(Cli, SqrtLrScaling) {
+  // Global batch 4 x 8 = 32 against --base-batch 8: sqrt scales the peak lr by 2.
+  const std::string base =
+      "train --preset gpt-tiny --steps 2 --warmup 0 --micro-batches 4 --micro-batch-size 8 "
+      "--base-batch 8 --lr 0.001 --json --lr-scaling ";
+  Result r = RunCli(base + "sqrt");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto lines = JsonLines(r.out);
+  ASSERT_GE(lines.size(), 1u);
+  EXPECT_NEAR(lines[0]["lr"].get<double>(), 0.002, 1e-6);
+  r = RunCli(base + "linear");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NEAR(JsonLines(r.out)[0]["lr"].get<double>(), 0.004, 1e-6);
+}
+
 }  // namespace
 
 namespace {
