@@ -176,6 +176,8 @@ absl::StatusOr<std::vector<RankEndpoint>> World::Connect(const Topology& topolog
 
 bool StartedByLauncher() { return LaunchedByMpi(); }
 
+void NoteFailedExit(int exit_code) { NoteMpiFailure(exit_code); }
+
 absl::StatusOr<World> Launch(const WorldOptions& options) {
   PW_RETURN_IF_ERROR(CheckTimeout(options));
   if (!StartedByLauncher()) return World::InProcess(options);

@@ -2,6 +2,7 @@
 #include <cstdio>
 
 #include "pipewright/cpu.h"
+#include "pipewright/launch.h"
 #include "tools/commands.h"
 
 namespace pipewright::tools {
@@ -49,5 +50,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "run 'pipewright --help' for usage\n");
     return 2;
   }
+  // Under mpirun a failed process must not wait for its peers without bound at exit (a stopped
+  // peer never comes): MPI_Finalize then gives way to MPI_Abort after a grace period.
+  if (exit_code != 0) pipewright::NoteFailedExit(exit_code);
   return exit_code;
 }

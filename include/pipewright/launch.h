@@ -108,6 +108,14 @@ inline absl::StatusOr<World> Launch(Device device, absl::Duration timeout) {
   return Launch(o);
 }
 
+// Tells the launcher machinery that this process is about to exit after a failure, with
+// `exit_code` (non-zero). Under a launcher, the exit then waits at most a few seconds
+// (kMpiExitGrace, 5 s) for the other processes to finish too, and if some never do (stopped,
+// hung), names them and ends the whole job with MPI_Abort(exit_code) instead of waiting for them
+// forever in MPI_Finalize (docs/cluster.md, "Errors"). A failure that aborted the MPI world has
+// the same effect; this also covers failures that did not (NCCL, set-up). No-op otherwise.
+void NoteFailedExit(int exit_code);
+
 }  // namespace pipewright
 
 #endif  // PIPEWRIGHT_LAUNCH_H_

@@ -66,8 +66,27 @@ absl::StatusOr<MpiProcess> InitMpi();
 
 // Closes every live MPI communicator of this process (their pending operations fail with
 // FailedPrecondition, later calls on them too), stops the progress thread and, when pipewright
-// initialised MPI, calls MPI_Finalize. Idempotent; safe at exit and without InitMpi.
+// initialised MPI, takes the exit roll call and calls MPI_Finalize. Idempotent; safe at exit and
+// without InitMpi.
+//
+// The roll call (Note [Leaving after a failure] in mpi_process.cc): every process tells every
+// other one that it reached FinalizeMpi, so MPI_Finalize, which waits for every process, is only
+// entered once all of them are there. A process that did not fail waits for the others as long as
+// it takes. A process that failed (NoteMpiFailure, or any of its MPI worlds was aborted) waits at
+// most kMpiExitGrace; if some process has not come by then (stopped, hung, deadlocked), it prints
+// which ones ("rank 1 did not reach the end of the run ...") and calls MPI_Abort with its exit
+// code, so the launcher ends the whole job instead of every survivor waiting in MPI_Finalize.
 void FinalizeMpi();
+
+// How long a failed process waits for the others at exit before MPI_Abort (FinalizeMpi).
+inline constexpr absl::Duration kMpiExitGrace = absl::Seconds(5);
+
+// Marks this process as failed, to exit with `exit_code`: FinalizeMpi then bounds its wait for
+// the other processes by kMpiExitGrace and uses the code for MPI_Abort. 0 means "failed, no
+// particular code": it keeps a code set before, else 1. Aborting an MPI world or an NCCL world
+// marks the process failed too (as with 0). Callable in any process; it matters only where
+// pipewright initialised MPI. No-op in a build without MPI.
+void NoteMpiFailure(int exit_code);
 
 // Knobs of one MPI world; the defaults are right for normal use, the others exist mostly for
 // tests. Every process must pass the same values.

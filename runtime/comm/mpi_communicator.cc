@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -34,6 +35,40 @@ using comm_internal::CollectiveArgs;
 // The reference semantics (CommCapabilities' defaults): tagged P2P, eager sends (Send copies),
 // host tensors only, the local backend's rank-order sum.
 constexpr CommCapabilities kMpiCapabilities{};
+
+// True when group ranks are world ranks (the world's group, or a split that kept every rank in
+// order); otherwise errors name peers by both, so a timeout names the process that went silent
+// as mpirun numbers it.
+bool RanksAreWorldRanks(const Group& g) {
+  for (int r = 0; r < static_cast<int>(g.mpi_ranks.size()); ++r) {
+    if (g.mpi_ranks[r] != r) return false;
+  }
+  return true;
+}
+
+std::string SendDescription(const Group& g, int peer, int64_t tag) {
+  if (RanksAreWorldRanks(g) || peer < 0 || peer >= g.size) {
+    return comm_internal::SendDescription(peer, tag);
+  }
+  return absl::StrCat("Send to rank ", peer, " (world rank ", g.mpi_ranks[peer], ", tag ", tag,
+                      ")");
+}
+
+std::string RecvDescription(const Group& g, int peer, int64_t tag) {
+  if (RanksAreWorldRanks(g) || peer < 0 || peer >= g.size) {
+    return comm_internal::RecvDescription(peer, tag);
+  }
+  return absl::StrCat("Recv from rank ", peer, " (world rank ", g.mpi_ranks[peer], ", tag ", tag,
+                      ")");
+}
+
+// "; waiting for ranks 0 (world rank 1), 2 (world rank 5)" (see RanksAreWorldRanks).
+std::string WaitingFor(const Group& g, const std::vector<int>& missing) {
+  if (RanksAreWorldRanks(g) || missing.empty()) return comm_internal::WaitingForRanks(missing);
+  std::vector<std::string> names;
+  for (int r : missing) names.push_back(absl::StrCat(r, " (world rank ", g.mpi_ranks[r], ")"));
+  return absl::StrCat("; waiting for ranks ", absl::StrJoin(names, ", "));
+}
 
 absl::Status WaitOp(Group& g, Op& op, absl::Duration timeout) {
   const absl::Time start = absl::Now();
@@ -57,7 +92,7 @@ absl::Status WaitOp(Group& g, Op& op, absl::Duration timeout) {
         }
       }
       return comm_internal::TimedOut(absl::StrCat(op.label, ": ", op.description), timeout,
-                                     comm_internal::WaitingForRanks(missing));
+                                     WaitingFor(g, missing));
     }
     // Like MPI_Wait, spin (yielding the core) while data is moving, and for the first 50 us,
     // when an answer is likely to come soon; sleep with a growing backoff otherwise.
@@ -121,7 +156,7 @@ class MpiCommunicator final : public Communicator {
   CommCapabilities capabilities() const override { return kMpiCapabilities; }
 
   std::unique_ptr<Work> Send(const Tensor& t, int peer, int64_t tag) override {
-    std::shared_ptr<Op> op = NewOp(comm_internal::SendDescription(peer, tag));
+    std::shared_ptr<Op> op = NewOp(SendDescription(*g_, peer, tag));
     absl::Status valid = CheckP2P(t, peer, tag, *op);
     std::shared_ptr<Buffer> packet;
     if (valid.ok()) {  // copy outside the lock
@@ -151,7 +186,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   std::unique_ptr<Work> Recv(Tensor& t, int peer, int64_t tag) override {
-    std::shared_ptr<Op> op = NewOp(comm_internal::RecvDescription(peer, tag));
+    std::shared_ptr<Op> op = NewOp(RecvDescription(*g_, peer, tag));
     absl::Status valid = CheckP2P(t, peer, tag, *op);
     absl::MutexLock lock(&Proc().mu);
     if (absl::Status s = RefusedLocked(valid); !s.ok()) {

@@ -260,7 +260,10 @@ struct ProcessState {
   MpiProcess info;
   absl::Status init_error;
   bool we_initialized = false;
-  bool finalized = false;                      // MPI_Finalize was called by FinalizeMpi
+  bool finalized = false;  // MPI_Finalize was called by FinalizeMpi
+  // Non-zero once this process failed (NoteMpiFailure, or a world aborted): FinalizeMpi's roll
+  // call is then bounded, and this is MPI_Abort's error code (Note [Leaving after a failure]).
+  int failure_exit_code = 0;
   std::vector<std::shared_ptr<World>> worlds;  // open worlds
   std::thread progress;
   uint64_t progress_generation = 0;

@@ -4,6 +4,7 @@
 #ifdef __linux__
 #include <sys/prctl.h>
 #endif
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
@@ -19,6 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -159,6 +161,66 @@ const char* ThreadLevelName(int level) {
       return "MPI_THREAD_MULTIPLE";
   }
   return "an unknown thread level";
+}
+
+// Note [Leaving after a failure]
+// MPI_Finalize waits for every process of the job: Open MPI's ends in a fence that completes only
+// when all of them have entered it. After a failure some may never come. A stopped (SIGSTOP) or
+// hung process is not dead, so the launcher sees nothing wrong, and the ranks that had reported the
+// failure waited in MPI_Finalize forever (observed: three ranks and mpirun still alive ten minutes
+// after one rank of four was stopped). So FinalizeMpi first takes a roll call: every process sends
+// every other one a zero-byte message on MPI_COMM_WORLD (tag kRollCallTag; the backend's traffic
+// is on duplicated communicators, so nothing else can match it) and receives theirs, all
+// non-blocking. Only when every process has answered is MPI_Finalize entered, and then it cannot
+// block for long. A process that failed (a world aborted, or NoteMpiFailure) waits at most
+// kMpiExitGrace, then names the processes that did not answer and calls MPI_Abort with its exit
+// code: the launcher ends the whole job, the silent process included. A process that did not fail
+// waits without bound, as MPI_Finalize would have: the others may still be writing outputs, and
+// if one of them has failed, that one ends the job. When every process fails together (an abort
+// notice reaches all of them, a wrong -np) they all answer within the grace and exit normally,
+// each with its own code.
+constexpr int kRollCallTag = 32767;  // every MPI allows tags up to at least 32767 (MPI_TAG_UB)
+
+// The roll call over MPI_COMM_WORLD; returns the ranks that had not answered, or not taken this
+// process's message, by `deadline` (or whose requests failed). Releases the mutex while waiting.
+std::vector<int> RollCallLocked(absl::Time deadline) {
+  ProcessState& p = Proc();
+  int rank = 0, size = 1;
+  if (MPI_Comm_rank(MPI_COMM_WORLD, &rank) != MPI_SUCCESS ||
+      MPI_Comm_size(MPI_COMM_WORLD, &size) != MPI_SUCCESS) {
+    return {-1};
+  }
+  std::vector<MPI_Request> recvs(size, MPI_REQUEST_NULL), sends(size, MPI_REQUEST_NULL);
+  std::vector<char> broken(size, 0);
+  for (int r = 0; r < size; ++r) {
+    if (r == rank) continue;
+    broken[r] |=
+        MPI_Irecv(nullptr, 0, MPI_BYTE, r, kRollCallTag, MPI_COMM_WORLD, &recvs[r]) != MPI_SUCCESS;
+    broken[r] |=
+        MPI_Isend(nullptr, 0, MPI_BYTE, r, kRollCallTag, MPI_COMM_WORLD, &sends[r]) != MPI_SUCCESS;
+  }
+  auto test = [&](int r, MPI_Request* req) {
+    int flag = 0;
+    if (*req == MPI_REQUEST_NULL || broken[r]) return false;
+    if (MPI_Test(req, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS) broken[r] = 1;
+    return *req != MPI_REQUEST_NULL && !broken[r];
+  };
+  while (true) {
+    bool left = false;
+    for (int r = 0; r < size; ++r) {
+      left |= test(r, &recvs[r]);
+      left |= test(r, &sends[r]);
+    }
+    if (!left || absl::Now() >= deadline) break;
+    p.cv.WaitWithTimeout(&p.mu, absl::Milliseconds(1));
+  }
+  std::vector<int> missing;
+  for (int r = 0; r < size; ++r) {
+    if (broken[r] || recvs[r] != MPI_REQUEST_NULL || sends[r] != MPI_REQUEST_NULL) {
+      missing.push_back(r);
+    }
+  }
+  return missing;
 }
 
 bool EnvSet(const char* name) {
@@ -338,6 +400,7 @@ using mpi_internal::EnvSet;
 using mpi_internal::Group;
 using mpi_internal::Proc;
 using mpi_internal::ProcessState;
+using mpi_internal::RollCallLocked;
 using mpi_internal::SetErrorsReturn;
 using mpi_internal::StopProgressThreadLocked;
 using mpi_internal::ThreadLevelName;
@@ -438,9 +501,43 @@ void FinalizeMpi() {
   if (p.we_initialized && !p.finalized) {
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (!finalized) MPI_Finalize();
+    if (!finalized) {
+      // Note [Leaving after a failure].
+      const int code = p.failure_exit_code;
+      const std::vector<int> missing =
+          RollCallLocked(code != 0 ? absl::Now() + kMpiExitGrace : absl::InfiniteFuture());
+      if (!missing.empty()) {
+        int rank = -1;
+        MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+        const std::string who =
+            absl::StrCat(missing.size() == 1 ? "rank " : "ranks ", absl::StrJoin(missing, ", "));
+        const std::string what =
+            code != 0 ? absl::StrCat(who, " did not reach the end of the run within ",
+                                     absl::FormatDuration(kMpiExitGrace),
+                                     " after this process failed (stopped, hung or still busy)")
+                      : absl::StrCat("the exit roll call with ", who, " failed in MPI");
+        std::fprintf(stderr,
+                     "pipewright: rank %d: %s; calling MPI_Abort so that the launcher ends the "
+                     "job\n",
+                     rank, what.c_str());
+        std::fflush(stderr);
+        MPI_Abort(MPI_COMM_WORLD, code != 0 ? code : 1);
+        _exit(code != 0 ? code : 1);  // MPI_Abort does not return; in case it does
+      }
+      MPI_Finalize();
+    }
     p.finalized = true;
     p.have_info = false;
+  }
+}
+
+void NoteMpiFailure(int exit_code) {
+  ProcessState& p = Proc();
+  absl::MutexLock lock(&p.mu);
+  if (exit_code != 0) {
+    p.failure_exit_code = exit_code;
+  } else if (p.failure_exit_code == 0) {
+    p.failure_exit_code = 1;
   }
 }
 

@@ -155,6 +155,8 @@ void AbortLocked(World& w, const absl::Status& status, bool notify) {
   if (w.aborted || w.closed) return;
   w.aborted = true;
   w.abort_status = status;
+  // The process failed: at exit it must not wait on its peers without bound (FinalizeMpi).
+  if (Proc().failure_exit_code == 0) Proc().failure_exit_code = 1;
   for (const std::shared_ptr<Group>& g : w.groups) {
     ParkActiveReceives(*g);
     g->direct_pending.clear();

@@ -26,6 +26,7 @@
 #include "kernels/cuda/cuda_check.cuh"
 #include "pipewright/device.h"
 #include "runtime/comm/comm_core.h"
+#include "runtime/comm/mpi.h"
 #include "runtime/comm/nccl_check.h"
 
 namespace pipewright::nccl_internal {
@@ -79,6 +80,9 @@ void NcclWorld::Abort(const absl::Status& status) {
       if (std::shared_ptr<NcclHandle> h = w.lock()) handles.push_back(std::move(h));
     }
   }
+  // Under a launcher this process failed: its exit must not wait for its peers without bound in
+  // MPI_Finalize (Note [Leaving after a failure] in mpi_process.cc).
+  NoteMpiFailure(0);
   for (const std::shared_ptr<NcclHandle>& h : handles) h->AbortOnce();
 }
 

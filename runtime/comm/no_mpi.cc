@@ -22,6 +22,8 @@ absl::StatusOr<MpiProcess> InitMpi() { return BuiltWithoutMpi("InitMpi"); }
 
 void FinalizeMpi() {}
 
+void NoteMpiFailure(int) {}
+
 absl::StatusOr<std::unique_ptr<Communicator>> CreateMpiWorld(const MpiWorldOptions&) {
   return BuiltWithoutMpi("CreateMpiWorld");
 }

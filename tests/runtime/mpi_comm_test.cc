@@ -703,6 +703,34 @@ TEST_F(MpiCommTest, RecvTimeoutNamesPeerAndTagAndDoesNotAbort) {
   EXPECT_EQ(t.ToVector()[0], static_cast<float>(peer));
 }
 
+// In a split group the ranks are not mpirun's: a timeout also names the world rank, so the error
+// points at the process that went silent (issue 16: "waiting for ranks 0" named a group rank).
+TEST_F(MpiCommTest, SplitGroupTimeoutsNameWorldRanks) {
+  if (size_ < 2) GTEST_SKIP() << "needs 2 ranks";
+  // One group, in reverse order: group rank g is world rank size - 1 - g.
+  absl::StatusOr<std::unique_ptr<Communicator>> sub = world_->Split(0, size_ - rank_, kWait);
+  ASSERT_TRUE(sub.ok()) << sub.status();
+  Communicator& g = **sub;
+  ASSERT_EQ(g.rank(), size_ - 1 - rank_);
+  Sync();
+  if (rank_ == size_ - 1) SleepMs(500);
+  Tensor t = Scalar1(1);
+  auto w = g.AllReduce(t);
+  if (rank_ == 0) {
+    absl::Status s = w->Wait(absl::Milliseconds(100));
+    EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+    EXPECT_TRUE(EndsWith(s, absl::StrCat("waiting for ranks 0 (world rank ", size_ - 1, ")"))) << s;
+    // Point to point: the group peer 0 is world rank size - 1.
+    Tensor r = Scalar1(0);
+    s = g.Recv(r, 0, 17)->Wait(absl::Milliseconds(50));
+    EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+    EXPECT_TRUE(Contains(s, absl::StrCat("Recv from rank 0 (world rank ", size_ - 1, ", tag 17)")))
+        << s;
+  }
+  ASSERT_TRUE(w->Wait(kWait).ok());
+  EXPECT_EQ(t.ToVector()[0], static_cast<float>(size_));
+}
+
 TEST_F(MpiCommTest, CollectiveTimeoutNamesMissingRanks) {
   for (const bool gather : {false, true}) {
     SCOPED_TRACE(gather ? "AllGather" : "AllReduce");

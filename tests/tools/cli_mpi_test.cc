@@ -75,6 +75,10 @@ TEST(CliMpi, ARankFailingMidStepEndsTheJobWithItsError) {
   EXPECT_NE(r.err.find("injected failure"), std::string::npos) << r.err;
   // The steps before the failure were reported by rank 0, the failed one was not.
   EXPECT_EQ(Losses(r).size(), 2u) << r.out;
+  // Every rank learned of the failure and reached the end, so they finalised MPI normally: the
+  // MPI_Abort for a silent peer (Note [Leaving after a failure]) was not needed.
+  EXPECT_EQ(r.err.find("did not reach the end of the run"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("MPI_ABORT was invoked"), std::string::npos) << r.err;
 }
 
 // A process that dies (SIGKILL, no chance to say goodbye) must not leave the others waiting
