@@ -1,9 +1,27 @@
 // The single-stage Trainer: the Engine with one rank running a one-stage 1F1B program
 // (train.h).
+#include "absl/strings/str_cat.h"
 #include "pipewright/engine.h"
 #include "pipewright/train.h"
 
 namespace pipewright {
+
+const char* GradCompressionName(GradCompression c) {
+  switch (c) {
+    case GradCompression::kNone:
+      return "none";
+    case GradCompression::kBf16:
+      return "bf16";
+  }
+  return "?";
+}
+
+absl::StatusOr<GradCompression> ParseGradCompression(absl::string_view name) {
+  if (name == "none") return GradCompression::kNone;
+  if (name == "bf16") return GradCompression::kBf16;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown gradient compression '", name, "' (none, bf16)"));
+}
 
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const LayerGraph& graph,
                                                          int64_t micro_batches,

@@ -48,6 +48,7 @@ struct TrainFlags {
   float lr = 3e-3f, clip = 1.0f, weight_decay = 0.1f, min_lr_ratio = 0.1f;
   std::string lr_scaling = "none", optimizer = "adamw", data = "synthetic";
   std::string device = "cpu", precision = "fp32", save, resume, comm = "auto";
+  std::string grad_compression = "none";
   float loss_scale = 65536.0f;
   std::string inject_failure;  // "RANK:STEP", tests of failure handling
   int64_t loss_scale_window = 1000;
@@ -79,6 +80,20 @@ absl::Status CheckFlags(const TrainFlags& f) {
   if (f.data_delay_us < 0) return absl::InvalidArgumentError("--data-delay-us must be >= 0");
   if (f.loss_scale_window < 1) {
     return absl::InvalidArgumentError("--loss-scale-window must be >= 1");
+  }
+  PW_ASSIGN_OR_RETURN(const GradCompression compression, ParseGradCompression(f.grad_compression));
+  if (compression != GradCompression::kNone) {
+    // (dp = 1 from a --plan is refused by the engine, which knows the plan's dp.)
+    if (f.plan.empty() && f.dp < 2) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--grad-compression ", f.grad_compression,
+          " needs data parallelism (--dp >= 2): with dp = 1 no gradients are exchanged"));
+    }
+    if (!f.save.empty() || !f.resume.empty()) {
+      return absl::UnimplementedError(absl::StrCat(
+          !f.save.empty() ? "--save" : "--resume", " with --grad-compression ", f.grad_compression,
+          " is not supported yet (the error-feedback buffers are not checkpointed)"));
+    }
   }
   // What a plan or a program fixes may not be given beside it.
   auto conflicts = [&](const std::string& source, std::initializer_list<const char*> flags,
@@ -120,6 +135,7 @@ absl::StatusOr<TrainOptions> OptionsFromFlags(const TrainFlags& f) {
   PW_ASSIGN_OR_RETURN(o.lr_scaling, ParseLrScaling(f.lr_scaling));
   PW_ASSIGN_OR_RETURN(o.optimizer.kind, ParseOptimizerKind(f.optimizer));
   o.bucket_bytes = static_cast<int64_t>(f.bucket_mb * 1048576.0);
+  PW_ASSIGN_OR_RETURN(o.grad_compression, ParseGradCompression(f.grad_compression));
   o.threads_per_rank = f.threads_per_rank;
   o.data_workers = f.data_workers;
   if (!f.inject_failure.empty()) {
@@ -305,6 +321,7 @@ absl::Status RunTrain(const TrainFlags& f) {
   in.trace = f.trace;
   in.svg = f.svg;
   in.checkpoint = f.save;
+  in.grad_compression = options.grad_compression;
   PrintSummary(in, f.json);
   return absl::OkStatus();
 }
@@ -374,6 +391,9 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
   cmd->add_option("--timeout", f->timeout_s,
                   "Seconds a receive or collective may wait before the run fails");
   cmd->add_option("--bucket-mb", f->bucket_mb, "Gradient all-reduce bucket size (MiB)");
+  cmd->add_option("--grad-compression", f->grad_compression,
+                  "Gradients between replicas: none (fp32 all-reduce) or bf16 (half the bytes, "
+                  "fp32 sums, error feedback); needs --dp >= 2");
   cmd->add_option("--threads-per-rank", f->threads_per_rank,
                   "Threads each CPU rank runs its kernels on (0: automatic, the usable cores "
                   "divided among the ranks)");

@@ -33,7 +33,9 @@ json RankJson(const RankTimes& t) {
           {"stage_weight_s", t.stage_w},
           {"peak_memory_bytes", t.peak_memory_bytes},
           {"peak_activation_bytes", t.peak_activation_bytes},
-          {"static_memory_bytes", t.static_memory_bytes}};
+          {"static_memory_bytes", t.static_memory_bytes},
+          {"grad_bytes_sent", t.grad_bytes_sent},
+          {"grad_bytes_uncompressed", t.grad_bytes_uncompressed}};
 }
 
 void PrintRankTable(const RunSummary& s) {
@@ -144,12 +146,19 @@ void PrintSummary(const ReportInput& in, bool as_json) {
   const double flops_per_step =
       (cost.forward_flops + cost.backward_flops) * run.micro_batches() * run.data_parallel;
   const double per_s = rec.total_time > 0 ? steps_run / rec.total_time : 0.0;
-  int64_t peak = 0;
+  int64_t peak = 0, grad_sent = 0, grad_fp32 = 0;
   json ranks = json::array();
   for (const RankTimes& rt : rs.ranks) {
     peak = std::max(peak, rt.peak_memory_bytes);
+    grad_sent += rt.grad_bytes_sent;
+    grad_fp32 += rt.grad_bytes_uncompressed;
     ranks.push_back(RankJson(rt));
   }
+  // Gradient bytes per rank per step (mean over the ranks; each rank's own are in `ranks`).
+  const double rank_steps = static_cast<double>(std::max<size_t>(1, rs.ranks.size())) *
+                            static_cast<double>(std::max<int64_t>(1, steps_run));
+  const double grad_ratio =
+      grad_sent > 0 ? static_cast<double>(grad_fp32) / static_cast<double>(grad_sent) : 1.0;
   json summary = {{"model", graph.name()},
                   {"parameters", cost.params},
                   {"pipeline_parallel", run.pipeline_parallel()},
@@ -158,6 +167,10 @@ void PrintSummary(const ReportInput& in, bool as_json) {
                   {"chunks", run.schedule.spec.chunks},
                   {"recompute", run.RecomputeSummary()},
                   {"precision", PrecisionName(in.precision)},
+                  {"grad_compression", GradCompressionName(in.grad_compression)},
+                  {"grad_bytes_sent_per_rank_step", grad_sent / rank_steps},
+                  {"grad_bytes_uncompressed_per_rank_step", grad_fp32 / rank_steps},
+                  {"grad_compression_ratio", grad_ratio},
                   {"skipped_steps", rec.skipped_steps},
                   {"stage_boundaries", run.boundaries},
                   {"steps", steps_run},
@@ -204,6 +217,13 @@ void PrintSummary(const ReportInput& in, bool as_json) {
       t.threads_per_rank() == 1 ? "" : "s", peak / 1048576.0, rec.data_wait,
       in.checkpoint.empty() ? "" : absl::StrCat(", saved to ", in.checkpoint).c_str());
   if (steps_run > 0) PrintRankTable(rs);
+  if (steps_run > 0 && grad_sent > 0) {
+    std::printf(
+        "  gradients: %s, %.3f MiB sent per rank per step (fp32 all-reduce: %.3f MiB), "
+        "compression ratio %.2fx\n",
+        GradCompressionName(in.grad_compression), grad_sent / rank_steps / 1048576.0,
+        grad_fp32 / rank_steps / 1048576.0, grad_ratio);
+  }
   if (!plan_rows.is_null()) {
     PrintPlanComparison(plan_rows, in.plan->predicted.step_time_s, rs.measured_step_s);
   }

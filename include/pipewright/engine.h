@@ -73,6 +73,10 @@ struct RankTimes {
   int64_t static_memory_bytes = 0;                // weights + gradients + optimizer state
   std::vector<int> stages;                        // virtual stages on this rank
   std::vector<double> stage_f, stage_b, stage_w;  // mean seconds per micro-batch, per stage
+  // Gradient bytes this rank handed to its data-parallel collectives (the payload it
+  // contributed, docs/runtime.md "Gradient compression"), and what fp32 would have needed; the
+  // ratio is the compression ratio. Zero with dp = 1.
+  int64_t grad_bytes_sent = 0, grad_bytes_uncompressed = 0;
 };
 
 struct StepReport {

@@ -8,12 +8,22 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "pipewright/data.h"
 #include "pipewright/model.h"
 #include "pipewright/optimizer.h"
 #include "pipewright/precision.h"
 
 namespace pipewright {
+
+// How the data-parallel replicas of a stage exchange their gradients (docs/runtime.md, "Gradient
+// compression"). kNone: an fp32 all-reduce. kBf16: each replica sends its gradients rounded to
+// bf16 (half the bytes), every receiver sums them in fp32 in replica order, and the rounding
+// error is carried into the replica's next step (error feedback).
+enum class GradCompression { kNone, kBf16 };
+const char* GradCompressionName(GradCompression c);  // "none", "bf16"
+// The inverse of GradCompressionName; InvalidArgument naming the allowed values otherwise.
+absl::StatusOr<GradCompression> ParseGradCompression(absl::string_view name);
 
 struct TrainOptions {
   int64_t steps = 60;  // the run's length: the LR schedule's warm-up and cosine decay span it
@@ -28,6 +38,8 @@ struct TrainOptions {
   Precision precision = Precision::kFp32;   // mixed precision: precision.h
   LossScaleOptions loss_scale;              // fp16 only
   int64_t bucket_bytes = int64_t{1} << 20;  // gradient all-reduce bucket size
+  // Needs dp > 1 and fp32 or bf16 precision; not checkpointed yet (Save and Resume refuse it).
+  GradCompression grad_compression = GradCompression::kNone;
   // Threads each CPU rank runs its kernels on (its own thread included): matrix products and
   // the row-parallel kernels split their work over them. 0 = automatic: the CPU cores this
   // process may use, divided among the ranks it runs (and, under a launcher, among the

@@ -42,6 +42,14 @@ absl::Status CheckTrainOptions(const TrainOptions& o) {
   }
   if (o.precision == Precision::kFp16) PW_RETURN_IF_ERROR(LossScaler::Validate(o.loss_scale));
   if (o.bucket_bytes < 1) return absl::InvalidArgumentError("the bucket size must be positive");
+  if (o.grad_compression != GradCompression::kNone && o.precision == Precision::kFp16) {
+    // A skipped (overflowing) step would leave infinities in the error buffers, and a change of
+    // loss scale would leave them in the wrong units.
+    return absl::InvalidArgumentError(
+        absl::StrCat("--grad-compression ", GradCompressionName(o.grad_compression),
+                     " does not support --precision fp16 (loss-scaled gradients); use fp32 or "
+                     "bf16"));
+  }
   if (o.threads_per_rank < 0 || o.threads_per_rank > kMaxThreadsPerRank) {
     return absl::InvalidArgumentError(
         absl::StrCat("--threads-per-rank must be in [0, ", kMaxThreadsPerRank, "] (0: automatic)"));
@@ -199,7 +207,8 @@ absl::Status ConnectReplicas(Engine::Impl& m) {
   const absl::Duration timeout = m.ctx.timeout;
   const int dp = m.run.data_parallel;
   const int64_t bucket_bytes = m.options.bucket_bytes;
-  return m.OnEveryRank([timeout, dp, bucket_bytes](RankExecutor& r) -> absl::Status {
+  const GradCompression compression = m.options.grad_compression;
+  return m.OnEveryRank([timeout, dp, bucket_bytes, compression](RankExecutor& r) -> absl::Status {
     if (dp > 1) {
       PW_ASSIGN_OR_RETURN(r.dp_comm, r.world->Split(r.pipe, r.replica, timeout));
     }
@@ -211,8 +220,8 @@ absl::Status ConnectReplicas(Engine::Impl& m) {
       }
       stages.push_back(std::move(gs));
     }
-    r.grad_sync =
-        internal::CreateBucketedAllReduce(r.SyncContext(), std::move(stages), bucket_bytes);
+    r.grad_sync = internal::CreateBucketedAllReduce(r.SyncContext(), std::move(stages),
+                                                    bucket_bytes, compression);
     return absl::OkStatus();
   });
 }
@@ -225,6 +234,11 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const LayerGraph& graph, 
                                                        World world) {
   PW_RETURN_IF_ERROR(CheckTrainOptions(options));
   PW_RETURN_IF_ERROR(CheckRunSpec(run, graph.num_layers()));
+  if (options.grad_compression != GradCompression::kNone && run.data_parallel < 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--grad-compression ", GradCompressionName(options.grad_compression),
+                     " needs data parallelism (dp >= 2): with dp = 1 no gradients are exchanged"));
+  }
   if (data == nullptr) return absl::InvalidArgumentError("Engine::Create: no dataset");
   PW_RETURN_IF_ERROR(CheckData(*data, graph));
   auto impl = std::make_unique<Impl>();
@@ -382,6 +396,13 @@ NamedTensors Engine::Weights() const {
 
 absl::Status Engine::Save(const std::string& dir) const {
   const Impl& m = *impl_;
+  if (m.options.grad_compression != GradCompression::kNone) {
+    // The replicas' error buffers are per-replica state a checkpoint does not hold yet;
+    // refusing beats resuming with the carried rounding errors silently dropped.
+    return absl::UnimplementedError(absl::StrCat(
+        "--save with --grad-compression ", GradCompressionName(m.options.grad_compression),
+        " is not supported yet (the error-feedback buffers are not checkpointed)"));
+  }
   if (m.world->multi_process()) {
     return absl::UnimplementedError(
         "--save in a multi-process run is not supported yet: the weights live in different "
@@ -415,6 +436,13 @@ absl::Status Engine::Save(const std::string& dir) const {
 
 absl::Status Engine::Resume(const std::string& dir) {
   Impl& m = *impl_;
+  if (m.options.grad_compression != GradCompression::kNone) {
+    // The replicas' error buffers are per-replica state a checkpoint does not hold yet;
+    // refusing beats resuming with the carried rounding errors silently dropped.
+    return absl::UnimplementedError(absl::StrCat(
+        "--resume with --grad-compression ", GradCompressionName(m.options.grad_compression),
+        " is not supported yet (the error-feedback buffers are not checkpointed)"));
+  }
   PW_ASSIGN_OR_RETURN(Checkpoint ck, ReadCheckpoint(dir));
   PW_ASSIGN_OR_RETURN(internal::ResumePoint at,
                       internal::CheckManifest(dir, ck.manifest_json, m.graph, m.ctx.layout,

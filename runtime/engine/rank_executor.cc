@@ -157,6 +157,9 @@ void RankExecutor::EndStep(Clock::time_point t0, int64_t start_bytes) {
   t.peak_memory_bytes = alloc->peak_bytes();
   t.peak_activation_bytes = alloc->peak_bytes() - start_bytes;
   t.static_memory_bytes = static_bytes;
+  const GradSyncBytes bytes = grad_sync->StepBytes();
+  t.grad_bytes_sent = bytes.sent;
+  t.grad_bytes_uncompressed = bytes.uncompressed;
   const double used =
       t.compute + t.recompute + t.p2p_wait + t.all_reduce + t.optimizer + t.data_wait;
   t.idle = std::max(0.0, t.wall - used);
@@ -168,6 +171,8 @@ void RankExecutor::EndStep(Clock::time_point t0, int64_t start_bytes) {
   total.data_wait += t.data_wait;
   total.idle += t.idle;
   total.wall += t.wall;
+  total.grad_bytes_sent += t.grad_bytes_sent;
+  total.grad_bytes_uncompressed += t.grad_bytes_uncompressed;
   total.peak_memory_bytes = std::max(total.peak_memory_bytes, t.peak_memory_bytes);
   total.peak_activation_bytes = std::max(total.peak_activation_bytes, t.peak_activation_bytes);
 }

@@ -29,6 +29,8 @@ json TimesToJson(const RankTimes& t) {
           {"peak_memory_bytes", t.peak_memory_bytes},
           {"peak_activation_bytes", t.peak_activation_bytes},
           {"static_memory_bytes", t.static_memory_bytes},
+          {"grad_bytes_sent", t.grad_bytes_sent},
+          {"grad_bytes_uncompressed", t.grad_bytes_uncompressed},
           {"stages", t.stages},
           {"stage_f", t.stage_f},
           {"stage_b", t.stage_b},
@@ -52,6 +54,8 @@ RankTimes TimesFromJson(const json& j) {
   t.peak_memory_bytes = j.at("peak_memory_bytes").get<int64_t>();
   t.peak_activation_bytes = j.at("peak_activation_bytes").get<int64_t>();
   t.static_memory_bytes = j.at("static_memory_bytes").get<int64_t>();
+  t.grad_bytes_sent = j.at("grad_bytes_sent").get<int64_t>();
+  t.grad_bytes_uncompressed = j.at("grad_bytes_uncompressed").get<int64_t>();
   t.stages = j.at("stages").get<std::vector<int>>();
   t.stage_f = j.at("stage_f").get<std::vector<double>>();
   t.stage_b = j.at("stage_b").get<std::vector<double>>();

@@ -6,6 +6,23 @@
 // same stage, so the k-th all-reduce of every replica's data-parallel group is the same bucket
 // (collectives match by call order). A bucket is launched by its last layer's LayerReady, or by
 // the stage's REDUCE_GRADS when a schedule finishes its weights some other way.
+//
+// Note [Bucket codecs]. Gradient compression (--grad-compression) changes what a bucket puts on
+// the wire, not when: the buckets, their order and their launch points stay the ones above, so a
+// compressed bucket overlaps the backward exactly as an fp32 one does. It is therefore a codec of
+// this one mechanism (EncodeAndLaunch / DecodeSum below) rather than a second GradSync.
+//  - none: the fp32 bucket is summed in place by AllReduce.
+//  - bf16: the replica adds its error buffer (the rounding error it kept from its last step) to
+//    the bucket, rounds the result to bf16 (nearest even) and keeps the new rounding error,
+//    which is exact in fp32 (error feedback: nothing the replica computed is ever dropped, only
+//    delayed by a step). The bf16 buckets are all-gathered, not all-reduced: a reduction in
+//    bf16 would round every partial sum, while the gathered raw 16-bit values are converted and
+//    summed in fp32 in replica order ((x0 + x1) + x2 ...) on every receiver. The bytes each
+//    replica contributes halve, every replica computes bit-identical sums from identical
+//    inputs on any backend (an all-gather moves bytes, never rounds them), and the sum is
+//    deterministic run to run.
+// A per-tensor low-rank scheme (PowerSGD) does not fit buckets (two dependent rounds per matrix)
+// and would be a GradSync of its own.
 #include <memory>
 #include <vector>
 
@@ -21,7 +38,9 @@ struct Bucket {
   int layers = 0;   // layers with parameters in this bucket
   int pending = 0;  // of which the step has not finished yet
   int64_t numel = 0;
-  Tensor flat;
+  Tensor flat;      // none: the bucket summed in place; bf16: this replica's bf16 values
+  Tensor gathered;  // bf16: every replica's bf16 values, in replica order
+  Tensor error;     // bf16: the rounding error carried into the next step (fp32, persistent)
   std::unique_ptr<Work> work;
 };
 
@@ -34,8 +53,8 @@ struct StageBuckets {
 class BucketedAllReduce final : public GradSync {
  public:
   BucketedAllReduce(const GradSyncContext& ctx, std::vector<GradSyncStage> stages,
-                    int64_t bucket_bytes)
-      : ctx_(ctx) {
+                    int64_t bucket_bytes, GradCompression compression)
+      : ctx_(ctx), compression_(compression) {
     for (GradSyncStage& s : stages) {
       StageBuckets sb;
       sb.index = s.index;
@@ -66,8 +85,10 @@ class BucketedAllReduce final : public GradSync {
         b.pending = b.layers;
         b.work.reset();
         b.flat = Tensor();
+        b.gathered = Tensor();
       }
     }
+    bytes_ = GradSyncBytes{};
   }
 
   absl::Status LayerReady(int stage, int layer) override {
@@ -94,17 +115,21 @@ class BucketedAllReduce final : public GradSync {
         if (b.work == nullptr) continue;
         PW_RETURN_IF_ERROR(ctx_.wait(
             *b.work, absl::StrCat("gradient all-reduce of stage ", s.index, " across replicas")));
+        PW_ASSIGN_OR_RETURN(Tensor sum, DecodeSum(b));
         int64_t offset = 0;
         for (Parameter* p : b.params) {
-          PW_RETURN_IF_ERROR(ops::CopyRange(e, b.flat, offset, p->grad, 0, p->grad.numel()));
+          PW_RETURN_IF_ERROR(ops::CopyRange(e, sum, offset, p->grad, 0, p->grad.numel()));
           offset += p->grad.numel();
         }
         b.flat = Tensor();
+        b.gathered = Tensor();
         b.work.reset();
       }
     }
     return absl::OkStatus();
   }
+
+  GradSyncBytes StepBytes() const override { return bytes_; }
 
  private:
   absl::Status Launch(Bucket& b) {
@@ -115,23 +140,63 @@ class BucketedAllReduce final : public GradSync {
       PW_RETURN_IF_ERROR(ops::CopyRange(e, p->grad, 0, b.flat, offset, p->grad.numel()));
       offset += p->grad.numel();
     }
-    // A stream-ordered backend (NCCL) orders the all-reduce after the copies on the GPU; any
+    return EncodeAndLaunch(b);
+  }
+
+  // Posts the bucket's collective, `b.flat` holding this replica's fp32 gradients.
+  absl::Status EncodeAndLaunch(Bucket& b) {
+    const ops::Exec e{ctx_.alloc};
+    bytes_.uncompressed += b.numel * static_cast<int64_t>(sizeof(float));
+    if (compression_ == GradCompression::kBf16) {
+      if (b.error.numel() == 0) b.error = Tensor::Zeros({b.numel}, DType::kF32, ctx_.alloc);
+      PW_RETURN_IF_ERROR(ops::AddInPlace(e, b.flat, b.error));
+      PW_ASSIGN_OR_RETURN(Tensor q, ops::Cast(e, b.flat, DType::kBF16));
+      PW_ASSIGN_OR_RETURN(Tensor back, ops::Cast(e, q, DType::kF32));
+      PW_RETURN_IF_ERROR(ops::Scale(e, back, -1.0f));
+      PW_RETURN_IF_ERROR(ops::AddInPlace(e, b.flat, back));  // flat - bf16(flat), exact
+      b.error = std::move(b.flat);
+      b.flat = std::move(q);
+      b.gathered = Tensor::Empty({ctx_.dp->size() * b.numel}, DType::kBF16, ctx_.alloc);
+      bytes_.sent += b.numel * 2;
+    } else {
+      bytes_.sent += b.numel * static_cast<int64_t>(sizeof(float));
+    }
+    // A stream-ordered backend (NCCL) orders the collective after the copies on the GPU; any
     // other may read the buffer from another thread at once, so the copies must be done.
     if (!ctx_.dp->capabilities().stream_ordered) PW_RETURN_IF_ERROR(ctx_.sync_device());
-    b.work = ctx_.dp->AllReduce(b.flat);
+    b.work = compression_ == GradCompression::kBf16 ? ctx_.dp->AllGather(b.flat, b.gathered)
+                                                    : ctx_.dp->AllReduce(b.flat);
     return absl::OkStatus();
   }
 
+  // The bucket's fp32 sum over the replicas, once its collective has completed.
+  absl::StatusOr<Tensor> DecodeSum(Bucket& b) {
+    if (compression_ == GradCompression::kNone) return b.flat;
+    const ops::Exec e{ctx_.alloc};
+    PW_ASSIGN_OR_RETURN(Tensor all, ops::Cast(e, b.gathered, DType::kF32));
+    Tensor sum = Tensor::Empty({b.numel}, DType::kF32, ctx_.alloc);
+    PW_RETURN_IF_ERROR(ops::CopyRange(e, all, 0, sum, 0, b.numel));
+    Tensor part = Tensor::Empty({b.numel}, DType::kF32, ctx_.alloc);
+    for (int r = 1; r < ctx_.dp->size(); ++r) {
+      PW_RETURN_IF_ERROR(ops::CopyRange(e, all, r * b.numel, part, 0, b.numel));
+      PW_RETURN_IF_ERROR(ops::AddInPlace(e, sum, part));
+    }
+    return sum;
+  }
+
   GradSyncContext ctx_;
+  GradCompression compression_;
   std::vector<StageBuckets> stages_;
+  GradSyncBytes bytes_;
 };
 
 }  // namespace
 
 std::unique_ptr<GradSync> CreateBucketedAllReduce(const GradSyncContext& ctx,
                                                   std::vector<GradSyncStage> stages,
-                                                  int64_t bucket_bytes) {
-  return std::make_unique<BucketedAllReduce>(ctx, std::move(stages), bucket_bytes);
+                                                  int64_t bucket_bytes,
+                                                  GradCompression compression) {
+  return std::make_unique<BucketedAllReduce>(ctx, std::move(stages), bucket_bytes, compression);
 }
 
 }  // namespace pipewright::internal

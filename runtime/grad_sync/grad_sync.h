@@ -23,6 +23,7 @@
 #include "absl/status/status.h"
 #include "pipewright/comm.h"
 #include "pipewright/layer.h"
+#include "pipewright/train.h"
 
 namespace pipewright::internal {
 
@@ -44,6 +45,15 @@ struct GradSyncStage {
   std::vector<std::vector<Parameter*>> layers;
 };
 
+// Gradient bytes this rank handed to the data-parallel collectives in a step: what it sent,
+// and what an uncompressed fp32 all-reduce of the same gradients would have sent. Counted as
+// the payload each rank contributes (its buffer's size), not the transport's wire traffic,
+// which depends on the backend's algorithm (a ring all-reduce moves about twice its buffer).
+struct GradSyncBytes {
+  int64_t sent = 0;
+  int64_t uncompressed = 0;
+};
+
 class GradSync {
  public:
   virtual ~GradSync() = default;
@@ -51,15 +61,21 @@ class GradSync {
   virtual absl::Status LayerReady(int stage, int layer) = 0;
   virtual absl::Status StageReady(int stage) = 0;
   virtual absl::Status Finish() = 0;
+  // The step's bytes (all zero with dp = 1); valid after Finish.
+  virtual GradSyncBytes StepBytes() const = 0;
 };
 
 // Bucketed all-reduce (the default): each stage's parameters are packed, last layer first, into
 // buckets of about `bucket_bytes`; a bucket's in-place sum over the replicas starts as soon as
 // its last layer is ready, so it overlaps the rest of the backward, and Finish copies the sums
-// back. With ctx.dp null every call is a no-op.
+// back. With ctx.dp null every call is a no-op. `compression` picks the buckets' wire format
+// (Note [Bucket codecs] in bucketed_all_reduce.cc): kBf16 all-gathers each bucket rounded to
+// bf16 and sums it in fp32 in replica order, keeping each replica's rounding error for its
+// next step.
 std::unique_ptr<GradSync> CreateBucketedAllReduce(const GradSyncContext& ctx,
                                                   std::vector<GradSyncStage> stages,
-                                                  int64_t bucket_bytes);
+                                                  int64_t bucket_bytes,
+                                                  GradCompression compression);
 
 }  // namespace pipewright::internal
 

@@ -1,0 +1,61 @@
+// `pipewright train --grad-compression` from the command line.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "tests/tools/cli_util.h"
+
+namespace {
+
+using namespace pipewright::cli_test;
+
+TEST(CliGradCompression, Bf16HalvesTheGradientBytesAndReportsThem) {
+  const std::string base =
+      "train --preset gpt-tiny --steps 3 --seed 7 --micro-batch-size 2 --pp 2 --dp 2 --json ";
+  Result ref = RunCli(base);
+  ASSERT_EQ(ref.exit_code, 0) << ref.err;
+  Result r = RunCli(base + "--grad-compression bf16");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json* s = nullptr;
+  std::vector<nlohmann::json> lines = JsonLines(r.out);
+  for (const auto& l : lines) {
+    if (l.contains("summary")) s = &l["summary"];
+  }
+  ASSERT_NE(s, nullptr);
+  EXPECT_EQ((*s)["grad_compression"], "bf16");
+  EXPECT_DOUBLE_EQ((*s)["grad_compression_ratio"].get<double>(), 2.0);
+  EXPECT_GT((*s)["grad_bytes_sent_per_rank_step"].get<double>(), 0.0);
+  for (const auto& rank : (*s)["ranks"]) {
+    EXPECT_EQ(rank["grad_bytes_uncompressed"].get<int64_t>(),
+              2 * rank["grad_bytes_sent"].get<int64_t>());
+  }
+  std::vector<double> want = Losses(ref), got = Losses(r);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], 0.01 * want[i]);
+
+  Result text = RunCli(
+      "train --preset gpt-tiny --steps 1 --micro-batch-size 2 --dp 2 --grad-compression bf16");
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find("compression ratio 2.00x"), std::string::npos) << text.out;
+}
+
+TEST(CliGradCompression, BadCombinationsAreUsageErrors) {
+  const std::string base = "train --preset gpt-tiny --steps 1 --micro-batch-size 2 ";
+  Result one = RunCli(base + "--grad-compression bf16");
+  EXPECT_EQ(one.exit_code, 2);
+  EXPECT_NE(one.err.find("--dp >= 2"), std::string::npos) << one.err;
+  Result name = RunCli(base + "--dp 2 --grad-compression fp8");
+  EXPECT_EQ(name.exit_code, 2);
+  EXPECT_NE(name.err.find("unknown gradient compression 'fp8'"), std::string::npos) << name.err;
+  Result fp16 = RunCli(base + "--dp 2 --grad-compression bf16 --precision fp16");
+  EXPECT_EQ(fp16.exit_code, 2);
+  EXPECT_NE(fp16.err.find("fp16"), std::string::npos) << fp16.err;
+  Result save =
+      RunCli(base + "--dp 2 --grad-compression bf16 --save " + ::testing::TempDir() + "/gc_save");
+  EXPECT_EQ(save.exit_code, 2);
+  EXPECT_NE(save.err.find("not supported yet"), std::string::npos) << save.err;
+}
+
+}  // namespace
