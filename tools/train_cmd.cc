@@ -316,7 +316,12 @@ absl::Status RunTrain(const TrainFlags& f) {
   if (t.multi_process() && rec.failure.ok()) PW_RETURN_IF_ERROR(t.GatherReports());
   if (!root) return rec.failure;
   PW_RETURN_IF_ERROR(WriteOutputs(t, f, rec));
-  ReportInput in{&model.graph, &t, model.plan ? &*model.plan : nullptr, &rec, options.precision};
+  ReportInput in;
+  in.graph = &model.graph;
+  in.engine = &t;
+  in.plan = model.plan ? &*model.plan : nullptr;
+  in.record = &rec;
+  in.precision = options.precision;
   in.plan_file = f.plan;
   in.trace = f.trace;
   in.svg = f.svg;

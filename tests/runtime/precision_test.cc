@@ -318,7 +318,9 @@ TEST(LossScaling, OverflowSkipsTheStepBacksOffThenTrainsAndGrows) {
       first_applied = i;
       break;
     }
-    if (i > 0) EXPECT_EQ(run[i].loss_scale, run[i - 1].loss_scale / 2);
+    if (i > 0) {
+      EXPECT_EQ(run[i].loss_scale, run[i - 1].loss_scale / 2);
+    }
   }
   ASSERT_GT(first_applied, 0) << "never overflowed or never recovered";
   // Two finite steps in a row double the scale (growth_interval = 2) unless it overflows again.
