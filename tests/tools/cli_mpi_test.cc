@@ -41,6 +41,23 @@ TEST(CliMpi, FourProcessesPp2Dp2MatchTheInProcessRunBitForBit) {
   EXPECT_EQ(JsonLines(mpi.out).size(), 5u) << mpi.out;
 }
 
+// bf16 gradient compression over MPI (all-gather of the bf16 buckets, fp32 sum in replica order
+// on every receiver): the same losses as the in-process run, and half the gradient bytes.
+TEST(CliMpi, Bf16GradCompressionMatchesTheInProcessRun) {
+  const std::string layout =
+      "--pp 2 --dp 2 --schedule 1f1b --micro-batches 4 --grad-compression bf16";
+  Result local = RunCli(kBase + layout);
+  ASSERT_EQ(local.exit_code, 0) << local.err;
+  Result mpi = RunMpi(4, kBase + layout);
+  ASSERT_EQ(mpi.exit_code, 0) << mpi.err;
+  ASSERT_EQ(Losses(local).size(), 4u);
+  EXPECT_EQ(Losses(mpi), Losses(local));
+  std::vector<nlohmann::json> lines = JsonLines(mpi.out);
+  ASSERT_FALSE(lines.empty());
+  ASSERT_TRUE(lines.back().contains("summary")) << mpi.out;
+  EXPECT_EQ(lines.back()["summary"]["grad_compression_ratio"].get<double>(), 2.0) << mpi.out;
+}
+
 TEST(CliMpi, FourProcessPipelineAndTwoProcessZeroBubbleMatch) {
   for (auto [np, layout] : {std::pair{4, "--pp 4 --schedule 1f1b --micro-batches 8"},
                             std::pair{2, "--pp 2 --schedule zb-h1 --micro-batches 8"}}) {
