@@ -50,6 +50,25 @@ int GemmParts(int m, int n, int k) {
   return parts;
 }
 
+// For our own GEMMs, whose bits do not depend on the part of C a call computes: block(m0, m1,
+// n0, n1) over the rank's threads, C cut along its longer side however the threads divide it,
+// each part worth at least ~kMinPartMacs.
+template <typename Block>
+void OnAnySplit(int m, int n, int k, Block block) {
+  const bool by_rows = m >= n;
+  const int64_t across = int64_t{by_rows ? n : m} * std::max(k, 1);
+  const int64_t grain = std::max<int64_t>(
+      kSplitAlign, (kMinPartMacs / across + kSplitAlign - 1) / kSplitAlign * kSplitAlign);
+  ParallelFor(by_rows ? m : n, grain, [&](int64_t lo, int64_t hi) {
+    const int l = static_cast<int>(lo), h = static_cast<int>(hi);
+    if (by_rows) {
+      block(l, h, 0, n);
+    } else {
+      block(0, m, l, h);
+    }
+  });
+}
+
 void BlasGemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda,
               const float* b, int ldb, float beta, float* c, int ldc) {
   cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
@@ -82,14 +101,8 @@ void Gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const fl
     return HaveGemmHalfAvx512() && v != nullptr && std::string(v) == "own";
   }();
   if (own) {
-    const bool by_rows = m >= n;
-    const int64_t across = int64_t{by_rows ? n : m} * std::max(k, 1);
-    const int64_t grain = std::max<int64_t>(
-        kSplitAlign, (kMinPartMacs / across + kSplitAlign - 1) / kSplitAlign * kSplitAlign);
-    ParallelFor(by_rows ? m : n, grain, [&](int64_t lo, int64_t hi) {
-      const int l = static_cast<int>(lo), h = static_cast<int>(hi);
-      GemmF32Block(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, by_rows ? l : 0,
-                   by_rows ? h : m, by_rows ? 0 : l, by_rows ? n : h);
+    OnAnySplit(m, n, k, [&](int m0, int m1, int n0, int n1) {
+      GemmF32Block(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, m0, m1, n0, n1);
     });
     return;
   }
@@ -144,17 +157,11 @@ void GemmHalf(bool is_bf16, bool trans_a, bool trans_b, int m, int n, int k, flo
               Isa isa) {
   if (m <= 0 || n <= 0) return;
   if (isa == Isa::kAvx512) {
-    // Its bits do not depend on the part of C a call computes (Note [16-bit GEMM]), so the
-    // rank's threads take any cut: blocks along the longer side of C, each worth ~kMinPartMacs.
+    // Its bits do not depend on the part of C a call computes (Note [16-bit GEMM]).
     const HalfGemmKernel kernel = is_bf16 ? Bf16GemmKernel() : HalfGemmKernel::kFma;
-    const bool by_rows = m >= n;
-    const int64_t across = int64_t{by_rows ? n : m} * std::max(k, 1);
-    const int64_t grain = std::max<int64_t>(
-        kSplitAlign, (kMinPartMacs / across + kSplitAlign - 1) / kSplitAlign * kSplitAlign);
-    ParallelFor(by_rows ? m : n, grain, [&](int64_t lo, int64_t hi) {
-      const int l = static_cast<int>(lo), h = static_cast<int>(hi);
-      GemmHalfBlock(is_bf16, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc,
-                    by_rows ? l : 0, by_rows ? h : m, by_rows ? 0 : l, by_rows ? n : h, kernel);
+    OnAnySplit(m, n, k, [&](int m0, int m1, int n0, int n1) {
+      GemmHalfBlock(is_bf16, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, m0, m1,
+                    n0, n1, kernel);
     });
     return;
   }

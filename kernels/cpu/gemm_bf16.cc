@@ -348,50 +348,77 @@ struct Operands {
   int ldc;
 };
 
-// Rows [m0, m1) x columns [n0, n1) of C; k > 0 and alpha != 0.
-PW_TARGET_AVX512 void GemmHalfAvx512(const Operands& g, int m0, int m1, int n0, int n1,
-                                     HalfGemmKernel kernel) {
-  FlushDenormals flush;
+// The blocking both GEMMs share (Note [16-bit GEMM], Note [fp32 GEMM]) over rows [m0, m1) x
+// columns [n0, n1) of C, with k > 0 and alpha != 0. k runs in equal blocks of at most kc_limit
+// (rounded up to even when `even_blocks`, so that every block starts a k pair); per k block, A is
+// packed by pack_a(pc, ic, mc, kc, ap) in row blocks of up to kPackedABytes and B one micro-panel
+// at a time by pack_b(pc, jc, nr, kc, bp); a k block of kc is steps_of(kc) packed steps. Between
+// k blocks the running sums are stored in C itself.
+template <typename StepsOf, typename PackA, typename PackB>
+PW_TARGET_AVX512 void BlockedGemm(int k, float alpha, float beta, float* c, int ldc, int m0, int m1,
+                                  int n0, int n1, int kc_limit, bool even_blocks,
+                                  MicroKernelFn micro, StepsOf steps_of, PackA pack_a,
+                                  PackB pack_b) {
   thread_local std::vector<Line> a_buf, b_buf;
-  const bool dot = kernel == HalfGemmKernel::kBf16Dot;
-  const MicroKernelFn micro = dot ? MicroKernel<kMr, kNv, HalfGemmKernel::kBf16Dot>
-                                  : MicroKernel<kMr, kNv, HalfGemmKernel::kFma>;
   // alpha != 1 with beta != 0 combines the finished sum with c's old value: one k block.
-  const bool one_block = g.alpha != 1.0f && g.beta != 0.0f;
-  // k in equal blocks of at most kKc, each even so that every block starts at an even k.
-  const int kc_limit = one_block ? g.k : dot ? kKcDot : kKcFma;
-  const int blocks = (g.k + kc_limit - 1) / kc_limit;
-  int kc_max = (g.k + blocks - 1) / blocks;
-  kc_max += kc_max & 1;
-  const int steps_max = PackedSteps(kernel, kc_max);
+  if (alpha != 1.0f && beta != 0.0f) kc_limit = k;
+  const int blocks = (k + kc_limit - 1) / kc_limit;
+  int kc_max = (k + blocks - 1) / blocks;
+  if (even_blocks) kc_max += kc_max & 1;
+  const int steps_max = steps_of(kc_max);
   // Rows of A in equal blocks (whole micro-panels) of at most kPackedABytes.
   const int rows_l2 = std::max(kMr, kPackedABytes / (4 * steps_max) / kMr * kMr);
   const int m_blocks = (m1 - m0 + rows_l2 - 1) / rows_l2;
   const int mc_max = ((m1 - m0 + m_blocks - 1) / m_blocks + kMr - 1) / kMr * kMr;
   uint32_t* ap = Scratch(a_buf, static_cast<size_t>(mc_max) * steps_max);
   uint32_t* bp = Scratch(b_buf, static_cast<size_t>(kNr) * steps_max);
-  for (int pc = 0; pc < g.k; pc += kc_max) {
-    const int kc = std::min(kc_max, g.k - pc), steps = PackedSteps(kernel, kc);
-    const bool first = pc == 0, last = pc + kc == g.k;
+  for (int pc = 0; pc < k; pc += kc_max) {
+    const int kc = std::min(kc_max, k - pc), steps = steps_of(kc);
+    const bool first = pc == 0, last = pc + kc == k;
     Init init = Init::kLoad;  // a later block continues the running sum stored in C
     if (first) {
-      init = g.alpha != 1.0f || g.beta == 0.0f ? Init::kZero
-             : g.beta == 1.0f                  ? Init::kLoad
-                                               : Init::kLoadScaled;
+      init = alpha != 1.0f || beta == 0.0f ? Init::kZero
+             : beta == 1.0f                ? Init::kLoad
+                                           : Init::kLoadScaled;
     }
     Store store = Store::kPlain;
-    if (last && g.alpha != 1.0f) store = g.beta == 0.0f ? Store::kScaled : Store::kScaledPlusBeta;
+    if (last && alpha != 1.0f) store = beta == 0.0f ? Store::kScaled : Store::kScaledPlusBeta;
     for (int ic = m0; ic < m1; ic += mc_max) {
       const int mc = std::min(mc_max, m1 - ic);
-      if (g.trans_a) {  // stored k x m
-        PackColumnPairs<kMr>(kernel, g.is_bf16, g.a + static_cast<size_t>(pc) * g.lda + ic, g.lda,
-                             mc, kc, ap);
-      } else {  // stored m x k
-        PackRowPairs<kMr>(kernel, g.is_bf16, g.a + static_cast<size_t>(ic) * g.lda + pc, g.lda, mc,
-                          kc, ap);
-      }
+      pack_a(pc, ic, mc, kc, ap);
       for (int jc = n0; jc < n1; jc += kNr) {
         const int nr = std::min(kNr, n1 - jc);
+        pack_b(pc, jc, nr, kc, bp);
+        for (int ir = 0; ir < mc; ir += kMr) {
+          micro(steps, ap + static_cast<size_t>(ir) * steps, bp,
+                c + static_cast<size_t>(ic + ir) * ldc + jc, ldc, std::min(kMr, mc - ir), nr, alpha,
+                beta, init, store);
+        }
+      }
+    }
+  }
+}
+
+// Rows [m0, m1) x columns [n0, n1) of C; k > 0 and alpha != 0.
+PW_TARGET_AVX512 void GemmHalfAvx512(const Operands& g, int m0, int m1, int n0, int n1,
+                                     HalfGemmKernel kernel) {
+  FlushDenormals flush;
+  const bool dot = kernel == HalfGemmKernel::kBf16Dot;
+  const MicroKernelFn micro = dot ? MicroKernel<kMr, kNv, HalfGemmKernel::kBf16Dot>
+                                  : MicroKernel<kMr, kNv, HalfGemmKernel::kFma>;
+  BlockedGemm(
+      g.k, g.alpha, g.beta, g.c, g.ldc, m0, m1, n0, n1, dot ? kKcDot : kKcFma,
+      /*even_blocks=*/true, micro, [&](int kc) { return PackedSteps(kernel, kc); },
+      [&](int pc, int ic, int mc, int kc, uint32_t* ap) {
+        if (g.trans_a) {  // stored k x m
+          PackColumnPairs<kMr>(kernel, g.is_bf16, g.a + static_cast<size_t>(pc) * g.lda + ic, g.lda,
+                               mc, kc, ap);
+        } else {  // stored m x k
+          PackRowPairs<kMr>(kernel, g.is_bf16, g.a + static_cast<size_t>(ic) * g.lda + pc, g.lda,
+                            mc, kc, ap);
+        }
+      },
+      [&](int pc, int jc, int nr, int kc, uint32_t* bp) {
         if (g.trans_b) {  // stored n x k
           PackRowPairs<kNr>(kernel, g.is_bf16, g.b + static_cast<size_t>(jc) * g.ldb + pc, g.ldb,
                             nr, kc, bp);
@@ -399,14 +426,7 @@ PW_TARGET_AVX512 void GemmHalfAvx512(const Operands& g, int m0, int m1, int n0, 
           PackColumnPairs<kNr>(kernel, g.is_bf16, g.b + static_cast<size_t>(pc) * g.ldb + jc, g.ldb,
                                nr, kc, bp);
         }
-        for (int ir = 0; ir < mc; ir += kMr) {
-          micro(steps, ap + static_cast<size_t>(ir) * steps, bp,
-                g.c + static_cast<size_t>(ic + ir) * g.ldc + jc, g.ldc, std::min(kMr, mc - ir), nr,
-                g.alpha, g.beta, init, store);
-        }
-      }
-    }
-  }
+      });
 }
 
 struct OperandsF32 {
@@ -425,50 +445,23 @@ struct OperandsF32 {
 // Rows [m0, m1) x columns [n0, n1) of C; k > 0 and alpha != 0. The blocking of GemmHalfAvx512
 // with natural k order and no denormal flushing.
 PW_TARGET_AVX512 void GemmF32Avx512(const OperandsF32& g, int m0, int m1, int n0, int n1) {
-  thread_local std::vector<Line> a_buf, b_buf;
-  const MicroKernelFn micro = MicroKernel<kMr, kNv, HalfGemmKernel::kFma>;
-  const bool one_block = g.alpha != 1.0f && g.beta != 0.0f;
-  const int kc_limit = one_block ? g.k : kKcFma;
-  const int blocks = (g.k + kc_limit - 1) / kc_limit;
-  const int kc_max = (g.k + blocks - 1) / blocks;
-  const int rows_l2 = std::max(kMr, kPackedABytes / (4 * kc_max) / kMr * kMr);
-  const int m_blocks = (m1 - m0 + rows_l2 - 1) / rows_l2;
-  const int mc_max = ((m1 - m0 + m_blocks - 1) / m_blocks + kMr - 1) / kMr * kMr;
-  uint32_t* ap = Scratch(a_buf, static_cast<size_t>(mc_max) * kc_max);
-  uint32_t* bp = Scratch(b_buf, static_cast<size_t>(kNr) * kc_max);
-  for (int pc = 0; pc < g.k; pc += kc_max) {
-    const int kc = std::min(kc_max, g.k - pc);
-    const bool first = pc == 0, last = pc + kc == g.k;
-    Init init = Init::kLoad;
-    if (first) {
-      init = g.alpha != 1.0f || g.beta == 0.0f ? Init::kZero
-             : g.beta == 1.0f                  ? Init::kLoad
-                                               : Init::kLoadScaled;
-    }
-    Store store = Store::kPlain;
-    if (last && g.alpha != 1.0f) store = g.beta == 0.0f ? Store::kScaled : Store::kScaledPlusBeta;
-    for (int ic = m0; ic < m1; ic += mc_max) {
-      const int mc = std::min(mc_max, m1 - ic);
-      if (g.trans_a) {
-        PackColumnsF32<kMr>(g.a + static_cast<size_t>(pc) * g.lda + ic, g.lda, mc, kc, ap);
-      } else {
-        PackRowsF32<kMr>(g.a + static_cast<size_t>(ic) * g.lda + pc, g.lda, mc, kc, ap);
-      }
-      for (int jc = n0; jc < n1; jc += kNr) {
-        const int nr = std::min(kNr, n1 - jc);
+  BlockedGemm(
+      g.k, g.alpha, g.beta, g.c, g.ldc, m0, m1, n0, n1, kKcFma, /*even_blocks=*/false,
+      MicroKernel<kMr, kNv, HalfGemmKernel::kFma>, [](int kc) { return kc; },
+      [&](int pc, int ic, int mc, int kc, uint32_t* ap) {
+        if (g.trans_a) {
+          PackColumnsF32<kMr>(g.a + static_cast<size_t>(pc) * g.lda + ic, g.lda, mc, kc, ap);
+        } else {
+          PackRowsF32<kMr>(g.a + static_cast<size_t>(ic) * g.lda + pc, g.lda, mc, kc, ap);
+        }
+      },
+      [&](int pc, int jc, int nr, int kc, uint32_t* bp) {
         if (g.trans_b) {
           PackRowsF32<kNr>(g.b + static_cast<size_t>(jc) * g.ldb + pc, g.ldb, nr, kc, bp);
         } else {
           PackColumnsF32<kNr>(g.b + static_cast<size_t>(pc) * g.ldb + jc, g.ldb, nr, kc, bp);
         }
-        for (int ir = 0; ir < mc; ir += kMr) {
-          micro(kc, ap + static_cast<size_t>(ir) * kc, bp,
-                g.c + static_cast<size_t>(ic + ir) * g.ldc + jc, g.ldc, std::min(kMr, mc - ir), nr,
-                g.alpha, g.beta, init, store);
-        }
-      }
-    }
-  }
+      });
 }
 
 // Seconds of this thread's CPU time (not wall time: a preempted probe is not slower).
