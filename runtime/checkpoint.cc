@@ -421,7 +421,8 @@ absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path, Allocat
 }
 
 absl::Status WriteCheckpoint(const std::string& dir, const std::string& manifest_json,
-                             const NamedTensors& model, const NamedTensors& optimizer) {
+                             const NamedTensors& model, const NamedTensors& optimizer,
+                             const NamedTensors& grad_sync) {
   static std::atomic<uint64_t> counter{0};
   const fs::path target = NormalizeDir(dir);
   const std::string target_str = target.string();
@@ -446,6 +447,9 @@ absl::Status WriteCheckpoint(const std::string& dir, const std::string& manifest
         WriteFileSynced(tmp + "/manifest.json", {{manifest_json.data(), manifest_json.size()}}));
     PW_RETURN_IF_ERROR(WriteSafetensors(tmp + "/model.safetensors", model));
     PW_RETURN_IF_ERROR(WriteSafetensors(tmp + "/optimizer.safetensors", optimizer));
+    if (!grad_sync.empty()) {
+      PW_RETURN_IF_ERROR(WriteSafetensors(tmp + "/grad_sync.safetensors", grad_sync));
+    }
     PW_RETURN_IF_ERROR(FsyncDir(tmp));
     return absl::OkStatus();
   };
@@ -500,6 +504,11 @@ absl::StatusOr<Checkpoint> ReadCheckpoint(const std::string& dir, Allocator* all
   if (fs::exists(opt_path, ec)) {
     PW_ASSIGN_OR_RETURN(SafetensorsFile opt, ReadSafetensors(opt_path, allocator));
     ckpt.optimizer = std::move(opt.tensors);
+  }
+  const std::string sync_path = (root / "grad_sync.safetensors").string();
+  if (fs::exists(sync_path, ec)) {
+    PW_ASSIGN_OR_RETURN(SafetensorsFile sync, ReadSafetensors(sync_path, allocator));
+    ckpt.grad_sync = std::move(sync.tensors);
   }
   return ckpt;
 }

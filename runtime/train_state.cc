@@ -58,6 +58,10 @@ std::string BuildManifest(const ManifestInfo& info) {
                                     {"good_steps", info.scaler->good_steps()},
                                     {"skipped_steps", info.scaler->skipped_steps()}};
   }
+  if (options.grad_compression.enabled()) {
+    m["grad_sync"] = {{"compression", GradCompressionName(options.grad_compression)},
+                      {"data_parallel", info.dp}};
+  }
   m["data"] = {{"source", info.data_source},
                {"next_step", info.step},
                {"next_sample", info.step * info.layout.global_batch()}};
@@ -112,6 +116,15 @@ absl::StatusOr<ResumePoint> CheckManifest(const std::string& dir, const std::str
     r.loss_scale = ls["scale"].get<float>();
     r.loss_scale_good_steps = ls["good_steps"].get<int64_t>();
     r.skipped_steps = ls["skipped_steps"].get<int64_t>();
+  }
+  if (m.contains("grad_sync")) {
+    const json& gs = m["grad_sync"];
+    if (!gs.is_object() || !gs.contains("compression") || !gs["compression"].is_string() ||
+        !gs.contains("data_parallel") || !gs["data_parallel"].is_number_integer()) {
+      return bad("grad_sync needs a compression name and an integer data_parallel");
+    }
+    r.grad_compression = gs["compression"].get<std::string>();
+    r.grad_sync_dp = gs["data_parallel"].get<int>();
   }
   return r;
 }

@@ -26,6 +26,8 @@ struct ManifestInfo {
   int64_t optimizer_step = 0;  // optimizer updates applied
   LrSchedule lr;
   const LossScaler* scaler = nullptr;  // recorded when enabled (fp16)
+  // Written as "grad_sync" when options->grad_compression is enabled: the compression and dp
+  // the checkpoint's grad_sync.safetensors (every replica's state) belongs to.
 };
 // The manifest's JSON text (docs/checkpoint.md). model.preset is written only when the graph is
 // exactly that preset's (same name and fingerprint), so a custom model is never mistaken for a
@@ -39,6 +41,10 @@ struct ResumePoint {
   bool has_loss_scale = false;
   float loss_scale = 1.0f;
   int64_t loss_scale_good_steps = 0, skipped_steps = 0;
+  // "grad_sync": the gradient compression whose per-replica state the checkpoint holds ("" when
+  // none), and the replica count it was written with.
+  std::string grad_compression;
+  int grad_sync_dp = 0;
 };
 // Restores `scaler` from `at` when both use loss scaling (a checkpoint from an fp32/bf16 run
 // starts fp16 at the configured initial scale, and vice versa the state is ignored).

@@ -1,26 +1,45 @@
 // The single-stage Trainer: the Engine with one rank running a one-stage 1F1B program
 // (train.h).
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "pipewright/engine.h"
 #include "pipewright/train.h"
 
 namespace pipewright {
+namespace {
+constexpr int kMaxPowerSgdRank = 1024;
+}  // namespace
 
-const char* GradCompressionName(GradCompression c) {
-  switch (c) {
-    case GradCompression::kNone:
+std::string GradCompressionName(const GradCompression& c) {
+  switch (c.kind) {
+    case GradCompression::Kind::kNone:
       return "none";
-    case GradCompression::kBf16:
+    case GradCompression::Kind::kBf16:
       return "bf16";
+    case GradCompression::Kind::kPowerSgd:
+      return absl::StrCat("powersgd:", c.rank);
   }
   return "?";
 }
 
 absl::StatusOr<GradCompression> ParseGradCompression(absl::string_view name) {
-  if (name == "none") return GradCompression::kNone;
-  if (name == "bf16") return GradCompression::kBf16;
+  if (name == "none") return GradCompression::None();
+  if (name == "bf16") return GradCompression::Bf16();
+  constexpr absl::string_view kPowerSgd = "powersgd:";
+  if (absl::StartsWith(name, kPowerSgd)) {
+    const absl::string_view digits = name.substr(kPowerSgd.size());
+    int rank = 0;
+    if (!absl::SimpleAtoi(digits, &rank) || rank < 1 || rank > kMaxPowerSgdRank) {
+      return absl::InvalidArgumentError(absl::StrCat("--grad-compression ", name,
+                                                     ": the PowerSGD rank must be an integer in "
+                                                     "[1, ",
+                                                     kMaxPowerSgdRank, "] (e.g. powersgd:4)"));
+    }
+    return GradCompression::PowerSgd(rank);
+  }
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown gradient compression '", name, "' (none, bf16)"));
+      absl::StrCat("unknown gradient compression '", name, "' (none, bf16, powersgd:R)"));
 }
 
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const LayerGraph& graph,

@@ -82,17 +82,12 @@ absl::Status CheckFlags(const TrainFlags& f) {
     return absl::InvalidArgumentError("--loss-scale-window must be >= 1");
   }
   PW_ASSIGN_OR_RETURN(const GradCompression compression, ParseGradCompression(f.grad_compression));
-  if (compression != GradCompression::kNone) {
+  if (compression.enabled()) {
     // (dp = 1 from a --plan is refused by the engine, which knows the plan's dp.)
     if (f.plan.empty() && f.dp < 2) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--grad-compression ", f.grad_compression,
           " needs data parallelism (--dp >= 2): with dp = 1 no gradients are exchanged"));
-    }
-    if (!f.save.empty() || !f.resume.empty()) {
-      return absl::UnimplementedError(absl::StrCat(
-          !f.save.empty() ? "--save" : "--resume", " with --grad-compression ", f.grad_compression,
-          " is not supported yet (the error-feedback buffers are not checkpointed)"));
     }
   }
   // What a plan or a program fixes may not be given beside it.
@@ -397,8 +392,9 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
                   "Seconds a receive or collective may wait before the run fails");
   cmd->add_option("--bucket-mb", f->bucket_mb, "Gradient all-reduce bucket size (MiB)");
   cmd->add_option("--grad-compression", f->grad_compression,
-                  "Gradients between replicas: none (fp32 all-reduce) or bf16 (half the bytes, "
-                  "fp32 sums, error feedback); needs --dp >= 2");
+                  "Gradients between replicas: none (fp32 all-reduce), bf16 (half the bytes, "
+                  "fp32 sums, error feedback) or powersgd:R (rank-R factors of every matrix, "
+                  "error feedback); needs --dp >= 2");
   cmd->add_option("--threads-per-rank", f->threads_per_rank,
                   "Threads each CPU rank runs its kernels on (0: automatic, the usable cores "
                   "divided among the ranks)");

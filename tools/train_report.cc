@@ -221,7 +221,7 @@ void PrintSummary(const ReportInput& in, bool as_json) {
     std::printf(
         "  gradients: %s, %.3f MiB sent per rank per step (fp32 all-reduce: %.3f MiB), "
         "compression ratio %.2fx\n",
-        GradCompressionName(in.grad_compression), grad_sent / rank_steps / 1048576.0,
+        GradCompressionName(in.grad_compression).c_str(), grad_sent / rank_steps / 1048576.0,
         grad_fp32 / rank_steps / 1048576.0, grad_ratio);
   }
   if (!plan_rows.is_null()) {

@@ -35,7 +35,7 @@ struct ReportInput {
   const Plan* plan = nullptr;  // when the run came from a plan
   const RunRecord* record = nullptr;
   Precision precision = Precision::kFp32;
-  GradCompression grad_compression = GradCompression::kNone;
+  GradCompression grad_compression;
   std::string plan_file, trace, svg, checkpoint;
 };
 // The final summary: `{"summary": ...}` with --json, else a paragraph and the rank table.

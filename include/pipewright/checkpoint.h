@@ -42,11 +42,14 @@ struct Checkpoint {
   std::string manifest_json;  // the text of manifest.json
   std::map<std::string, Tensor> model;
   std::map<std::string, Tensor> optimizer;
+  // Every replica's gradient-compression state (grad_sync.safetensors; empty without it).
+  std::map<std::string, Tensor> grad_sync;
 };
 
 // Atomically writes DIR (replacing an existing checkpoint there).
 absl::Status WriteCheckpoint(const std::string& dir, const std::string& manifest_json,
-                             const NamedTensors& model, const NamedTensors& optimizer);
+                             const NamedTensors& model, const NamedTensors& optimizer,
+                             const NamedTensors& grad_sync = {});
 // Reads DIR; NotFound when DIR or manifest.json is missing.
 absl::StatusOr<Checkpoint> ReadCheckpoint(const std::string& dir, Allocator* allocator = nullptr);
 

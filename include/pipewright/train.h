@@ -19,10 +19,24 @@ namespace pipewright {
 // How the data-parallel replicas of a stage exchange their gradients (docs/runtime.md, "Gradient
 // compression"). kNone: an fp32 all-reduce. kBf16: each replica sends its gradients rounded to
 // bf16 (half the bytes), every receiver sums them in fp32 in replica order, and the rounding
-// error is carried into the replica's next step (error feedback).
-enum class GradCompression { kNone, kBf16 };
-const char* GradCompressionName(GradCompression c);  // "none", "bf16"
-// The inverse of GradCompressionName; InvalidArgument naming the allowed values otherwise.
+// error is carried into the replica's next step (error feedback). kPowerSgd: every 2-D gradient
+// is sent as rank-`rank` factors (PowerSGD, Vogels et al. 2019) with error feedback and a
+// warm-started Q; 1-D gradients go uncompressed.
+struct GradCompression {
+  enum class Kind { kNone, kBf16, kPowerSgd };
+  Kind kind = Kind::kNone;
+  int rank = 0;  // kPowerSgd: the factors' rank, >= 1
+
+  static GradCompression None() { return {}; }
+  static GradCompression Bf16() { return {Kind::kBf16, 0}; }
+  static GradCompression PowerSgd(int rank) { return {Kind::kPowerSgd, rank}; }
+  bool enabled() const { return kind != Kind::kNone; }
+  bool operator==(const GradCompression&) const = default;
+};
+// "none", "bf16", "powersgd:4".
+std::string GradCompressionName(const GradCompression& c);
+// The inverse of GradCompressionName; InvalidArgument naming the allowed values otherwise (a
+// PowerSGD rank must be an integer in [1, 1024]).
 absl::StatusOr<GradCompression> ParseGradCompression(absl::string_view name);
 
 struct TrainOptions {
@@ -38,8 +52,8 @@ struct TrainOptions {
   Precision precision = Precision::kFp32;   // mixed precision: precision.h
   LossScaleOptions loss_scale;              // fp16 only
   int64_t bucket_bytes = int64_t{1} << 20;  // gradient all-reduce bucket size
-  // Needs dp > 1 and fp32 or bf16 precision; not checkpointed yet (Save and Resume refuse it).
-  GradCompression grad_compression = GradCompression::kNone;
+  // Needs dp > 1 and fp32 or bf16 precision; every replica's state is checkpointed.
+  GradCompression grad_compression;
   // Threads each CPU rank runs its kernels on (its own thread included): matrix products and
   // the row-parallel kernels split their work over them. 0 = automatic: the CPU cores this
   // process may use, divided among the ranks it runs (and, under a launcher, among the

@@ -42,7 +42,7 @@ absl::Status CheckTrainOptions(const TrainOptions& o) {
   }
   if (o.precision == Precision::kFp16) PW_RETURN_IF_ERROR(LossScaler::Validate(o.loss_scale));
   if (o.bucket_bytes < 1) return absl::InvalidArgumentError("the bucket size must be positive");
-  if (o.grad_compression != GradCompression::kNone && o.precision == Precision::kFp16) {
+  if (o.grad_compression.enabled() && o.precision == Precision::kFp16) {
     // A skipped (overflowing) step would leave infinities in the error buffers, and a change of
     // loss scale would leave them in the wrong units.
     return absl::InvalidArgumentError(
@@ -220,8 +220,13 @@ absl::Status ConnectReplicas(Engine::Impl& m) {
       }
       stages.push_back(std::move(gs));
     }
-    r.grad_sync = internal::CreateBucketedAllReduce(r.SyncContext(), std::move(stages),
-                                                    bucket_bytes, compression);
+    if (compression.kind == GradCompression::Kind::kPowerSgd) {
+      r.grad_sync = internal::CreatePowerSgd(r.SyncContext(), std::move(stages), bucket_bytes,
+                                             compression.rank);
+    } else {
+      r.grad_sync = internal::CreateBucketedAllReduce(r.SyncContext(), std::move(stages),
+                                                      bucket_bytes, compression);
+    }
     return absl::OkStatus();
   });
 }
@@ -234,7 +239,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const LayerGraph& graph, 
                                                        World world) {
   PW_RETURN_IF_ERROR(CheckTrainOptions(options));
   PW_RETURN_IF_ERROR(CheckRunSpec(run, graph.num_layers()));
-  if (options.grad_compression != GradCompression::kNone && run.data_parallel < 2) {
+  if (options.grad_compression.enabled() && run.data_parallel < 2) {
     return absl::InvalidArgumentError(
         absl::StrCat("--grad-compression ", GradCompressionName(options.grad_compression),
                      " needs data parallelism (dp >= 2): with dp = 1 no gradients are exchanged"));
@@ -394,15 +399,27 @@ NamedTensors Engine::Weights() const {
   return out;
 }
 
+namespace {
+
+// A checkpoint's gradient-compression state resumes only into the same compression and replica
+// count; a checkpoint without any starts a compressed run from fresh state (nothing is lost).
+absl::Status CheckGradSyncResume(const std::string& dir, const internal::ResumePoint& at,
+                                 const GradCompression& run, int dp) {
+  if (at.grad_compression.empty()) return absl::OkStatus();
+  const std::string name = GradCompressionName(run);
+  if (at.grad_compression != name || at.grad_sync_dp != dp) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        dir, "/manifest.json: the checkpoint holds the error-feedback state of --grad-compression ",
+        at.grad_compression, " at dp = ", at.grad_sync_dp, "; this run uses --grad-compression ",
+        name, " at dp = ", dp, ", which would drop it (resume with the same compression and dp)"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status Engine::Save(const std::string& dir) const {
   const Impl& m = *impl_;
-  if (m.options.grad_compression != GradCompression::kNone) {
-    // The replicas' error buffers are per-replica state a checkpoint does not hold yet;
-    // refusing beats resuming with the carried rounding errors silently dropped.
-    return absl::UnimplementedError(absl::StrCat(
-        "--save with --grad-compression ", GradCompressionName(m.options.grad_compression),
-        " is not supported yet (the error-feedback buffers are not checkpointed)"));
-  }
   if (m.world->multi_process()) {
     return absl::UnimplementedError(
         "--save in a multi-process run is not supported yet: the weights live in different "
@@ -431,27 +448,37 @@ absl::Status Engine::Save(const std::string& dir) const {
       opt.emplace_back(name, std::move(h));
     }
   }
-  return WriteCheckpoint(dir, internal::BuildManifest(info), model, opt);
+  // Every replica's compression state (its own error buffers), under "replica<R>/".
+  NamedTensors sync;
+  for (const auto& r : m.ranks) {
+    PW_RETURN_IF_ERROR(r->BindDevice());
+    PW_ASSIGN_OR_RETURN(NamedTensors state, r->grad_sync->SaveState());
+    for (auto& [name, t] : state) {
+      sync.emplace_back(absl::StrCat("replica", r->replica, "/", name), std::move(t));
+    }
+  }
+  return WriteCheckpoint(dir, internal::BuildManifest(info), model, opt, sync);
 }
 
 absl::Status Engine::Resume(const std::string& dir) {
   Impl& m = *impl_;
-  if (m.options.grad_compression != GradCompression::kNone) {
-    // The replicas' error buffers are per-replica state a checkpoint does not hold yet;
-    // refusing beats resuming with the carried rounding errors silently dropped.
-    return absl::UnimplementedError(absl::StrCat(
-        "--resume with --grad-compression ", GradCompressionName(m.options.grad_compression),
-        " is not supported yet (the error-feedback buffers are not checkpointed)"));
-  }
   PW_ASSIGN_OR_RETURN(Checkpoint ck, ReadCheckpoint(dir));
   PW_ASSIGN_OR_RETURN(internal::ResumePoint at,
                       internal::CheckManifest(dir, ck.manifest_json, m.graph, m.ctx.layout,
                                               m.options.optimizer.kind));
+  PW_RETURN_IF_ERROR(CheckGradSyncResume(dir, at, m.options.grad_compression, m.ctx.topo.dp));
   // Validate every tensor of every rank before touching any weight or optimizer state.
   for (auto& r : m.ranks) PW_RETURN_IF_ERROR(internal::CheckParameters(dir, ck.model, r->params));
   for (auto& r : m.ranks) {
     PW_RETURN_IF_ERROR(r->BindDevice());
     PW_RETURN_IF_ERROR(r->optimizer->LoadState(ck.optimizer, at.optimizer_step));
+    if (!at.grad_compression.empty()) {
+      absl::Status s =
+          r->grad_sync->LoadState(ck.grad_sync, absl::StrCat("replica", r->replica, "/"));
+      if (!s.ok()) {
+        return absl::Status(s.code(), absl::StrCat(dir, "/grad_sync.safetensors: ", s.message()));
+      }
+    }
   }
   for (auto& r : m.ranks) {
     PW_RETURN_IF_ERROR(r->BindDevice());

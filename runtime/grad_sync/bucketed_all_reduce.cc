@@ -21,8 +21,8 @@
 //    replica contributes halve, every replica computes bit-identical sums from identical
 //    inputs on any backend (an all-gather moves bytes, never rounds them), and the sum is
 //    deterministic run to run.
-// A per-tensor low-rank scheme (PowerSGD) does not fit buckets (two dependent rounds per matrix)
-// and would be a GradSync of its own.
+// A per-tensor low-rank scheme (PowerSGD) does not fit this codec (two dependent rounds per
+// matrix, state per tensor): it is a GradSync of its own on the same buckets (powersgd.cc).
 #include <memory>
 #include <vector>
 
@@ -35,8 +35,6 @@ namespace {
 
 struct Bucket {
   std::vector<Parameter*> params;
-  int layers = 0;   // layers with parameters in this bucket
-  int pending = 0;  // of which the step has not finished yet
   int64_t numel = 0;
   Tensor flat;      // none: the bucket summed in place; bf16: this replica's bf16 values
   Tensor gathered;  // bf16: every replica's bf16 values, in replica order
@@ -44,73 +42,30 @@ struct Bucket {
   std::unique_ptr<Work> work;
 };
 
-struct StageBuckets {
-  int index = 0;                  // virtual stage
-  std::vector<int> layer_bucket;  // per layer: bucket index, or -1 without parameters
+struct Stage {
+  int index = 0;  // virtual stage
   std::vector<Bucket> buckets;
 };
 
-class BucketedAllReduce final : public GradSync {
+class BucketedAllReduce final : public BucketLauncher {
  public:
   BucketedAllReduce(const GradSyncContext& ctx, std::vector<GradSyncStage> stages,
                     int64_t bucket_bytes, GradCompression compression)
-      : ctx_(ctx), compression_(compression) {
-    for (GradSyncStage& s : stages) {
-      StageBuckets sb;
-      sb.index = s.index;
-      sb.layer_bucket.assign(s.layers.size(), -1);
-      int64_t bytes = 0;
-      for (size_t i = s.layers.size(); i-- > 0;) {
-        if (s.layers[i].empty()) continue;
-        if (sb.buckets.empty() || bytes >= bucket_bytes) {
-          sb.buckets.emplace_back();
-          bytes = 0;
-        }
-        Bucket& b = sb.buckets.back();
-        for (Parameter* p : s.layers[i]) {
-          b.params.push_back(p);
-          b.numel += p->grad.numel();
-          bytes += static_cast<int64_t>(p->grad.nbytes());
-        }
-        ++b.layers;
-        sb.layer_bucket[i] = static_cast<int>(sb.buckets.size()) - 1;
-      }
-      stages_.push_back(std::move(sb));
-    }
-  }
-
-  void BeginStep() override {
-    for (StageBuckets& s : stages_) {
-      for (Bucket& b : s.buckets) {
-        b.pending = b.layers;
-        b.work.reset();
-        b.flat = Tensor();
-        b.gathered = Tensor();
+      : BucketLauncher(ctx.dp, stages, bucket_bytes), ctx_(ctx), compression_(compression) {
+    for (size_t s = 0; s < stages.size(); ++s) {
+      Stage& st = stages_.emplace_back();
+      st.index = stages[s].index;
+      for (const std::vector<Parameter*>& params : groupings()[s].params) {
+        Bucket& bucket = st.buckets.emplace_back();
+        bucket.params = params;
+        for (Parameter* p : bucket.params) bucket.numel += p->grad.numel();
       }
     }
-    bytes_ = GradSyncBytes{};
-  }
-
-  absl::Status LayerReady(int stage, int layer) override {
-    if (ctx_.dp == nullptr) return absl::OkStatus();
-    const int b = stages_[stage].layer_bucket[layer];
-    if (b < 0) return absl::OkStatus();
-    Bucket& bucket = stages_[stage].buckets[b];
-    if (--bucket.pending == 0) return Launch(bucket);
-    return absl::OkStatus();
-  }
-
-  absl::Status StageReady(int stage) override {
-    if (ctx_.dp == nullptr) return absl::OkStatus();
-    for (Bucket& b : stages_[stage].buckets) {
-      if (b.work == nullptr) PW_RETURN_IF_ERROR(Launch(b));
-    }
-    return absl::OkStatus();
   }
 
   absl::Status Finish() override {
     const ops::Exec e{ctx_.alloc};
-    for (StageBuckets& s : stages_) {
+    for (Stage& s : stages_) {
       for (Bucket& b : s.buckets) {
         if (b.work == nullptr) continue;
         PW_RETURN_IF_ERROR(ctx_.wait(
@@ -131,8 +86,47 @@ class BucketedAllReduce final : public GradSync {
 
   GradSyncBytes StepBytes() const override { return bytes_; }
 
+  // bf16: each bucket's error buffer, per parameter ("error.<param>"); none: nothing.
+  absl::StatusOr<NamedTensors> SaveState() override {
+    NamedTensors out;
+    if (compression_.kind != GradCompression::Kind::kBf16) return out;
+    for (Stage& s : stages_) {
+      for (Bucket& b : s.buckets) PW_RETURN_IF_ERROR(SaveFlat(b.error, b.params, "error", &out));
+    }
+    return out;
+  }
+
+  absl::Status LoadState(const std::map<std::string, Tensor>& state,
+                         const std::string& prefix) override {
+    if (compression_.kind != GradCompression::Kind::kBf16) return absl::OkStatus();
+    std::vector<Tensor> errors;  // every bucket's, checked before any is replaced
+    for (Stage& s : stages_) {
+      for (Bucket& b : s.buckets) {
+        PW_RETURN_IF_ERROR(
+            LoadFlat(state, prefix, "error", b.params, ctx_.alloc, &errors.emplace_back()));
+      }
+    }
+    size_t i = 0;
+    for (Stage& s : stages_) {
+      for (Bucket& b : s.buckets) b.error = std::move(errors[i++]);
+    }
+    return absl::OkStatus();
+  }
+
  private:
-  absl::Status Launch(Bucket& b) {
+  void ResetStep() override {
+    for (Stage& s : stages_) {
+      for (Bucket& b : s.buckets) {
+        b.work.reset();
+        b.flat = Tensor();
+        b.gathered = Tensor();
+      }
+    }
+    bytes_ = GradSyncBytes{};
+  }
+
+  absl::Status LaunchBucket(int stage, int bucket) override {
+    Bucket& b = stages_[stage].buckets[bucket];
     const ops::Exec e{ctx_.alloc};
     b.flat = Tensor::Empty({b.numel}, DType::kF32, ctx_.alloc);
     int64_t offset = 0;
@@ -147,7 +141,7 @@ class BucketedAllReduce final : public GradSync {
   absl::Status EncodeAndLaunch(Bucket& b) {
     const ops::Exec e{ctx_.alloc};
     bytes_.uncompressed += b.numel * static_cast<int64_t>(sizeof(float));
-    if (compression_ == GradCompression::kBf16) {
+    if (compression_.kind == GradCompression::Kind::kBf16) {
       if (b.error.numel() == 0) b.error = Tensor::Zeros({b.numel}, DType::kF32, ctx_.alloc);
       PW_RETURN_IF_ERROR(ops::AddInPlace(e, b.flat, b.error));
       PW_ASSIGN_OR_RETURN(Tensor q, ops::Cast(e, b.flat, DType::kBF16));
@@ -164,14 +158,15 @@ class BucketedAllReduce final : public GradSync {
     // A stream-ordered backend (NCCL) orders the collective after the copies on the GPU; any
     // other may read the buffer from another thread at once, so the copies must be done.
     if (!ctx_.dp->capabilities().stream_ordered) PW_RETURN_IF_ERROR(ctx_.sync_device());
-    b.work = compression_ == GradCompression::kBf16 ? ctx_.dp->AllGather(b.flat, b.gathered)
-                                                    : ctx_.dp->AllReduce(b.flat);
+    b.work = compression_.kind == GradCompression::Kind::kBf16
+                 ? ctx_.dp->AllGather(b.flat, b.gathered)
+                 : ctx_.dp->AllReduce(b.flat);
     return absl::OkStatus();
   }
 
   // The bucket's fp32 sum over the replicas, once its collective has completed.
   absl::StatusOr<Tensor> DecodeSum(Bucket& b) {
-    if (compression_ == GradCompression::kNone) return b.flat;
+    if (compression_.kind == GradCompression::Kind::kNone) return b.flat;
     const ops::Exec e{ctx_.alloc};
     PW_ASSIGN_OR_RETURN(Tensor all, ops::Cast(e, b.gathered, DType::kF32));
     Tensor sum = Tensor::Empty({b.numel}, DType::kF32, ctx_.alloc);
@@ -186,7 +181,7 @@ class BucketedAllReduce final : public GradSync {
 
   GradSyncContext ctx_;
   GradCompression compression_;
-  std::vector<StageBuckets> stages_;
+  std::vector<Stage> stages_;
   GradSyncBytes bytes_;
 };
 

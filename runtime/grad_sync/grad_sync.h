@@ -16,11 +16,13 @@
 #define PIPEWRIGHT_RUNTIME_GRAD_SYNC_GRAD_SYNC_H_
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "pipewright/checkpoint.h"
 #include "pipewright/comm.h"
 #include "pipewright/layer.h"
 #include "pipewright/train.h"
@@ -54,6 +56,17 @@ struct GradSyncBytes {
   int64_t uncompressed = 0;
 };
 
+// A stage's layers grouped into buckets of about `bucket_bytes` of gradients, last layer first
+// (Note [Bucket order] in bucketed_all_reduce.cc): every replica builds the same buckets, so the
+// k-th collective of each replica's group is the same bucket's. A mode that launches work per
+// bucket as the backward finishes it uses this grouping.
+struct StageBuckets {
+  std::vector<int> layer_bucket;                // per layer: its bucket, -1 without parameters
+  std::vector<std::vector<Parameter*>> params;  // per bucket: its parameters, in bucket order
+  std::vector<int> layers;                      // per bucket: its layers with parameters
+};
+StageBuckets BucketLayers(const GradSyncStage& stage, int64_t bucket_bytes);
+
 class GradSync {
  public:
   virtual ~GradSync() = default;
@@ -63,7 +76,56 @@ class GradSync {
   virtual absl::Status Finish() = 0;
   // The step's bytes (all zero with dp = 1); valid after Finish.
   virtual GradSyncBytes StepBytes() const = 0;
+  // The state this replica carries from step to step (error-feedback buffers, PowerSGD's Q), as
+  // host copies named "<what>.<parameter>", between steps; empty for a mode without any. State
+  // not made yet (no step has run) is saved as it would start.
+  virtual absl::StatusOr<NamedTensors> SaveState() = 0;
+  // Restores what SaveState wrote, each name looked up as `prefix` + name in `state`; checks
+  // every tensor (present, f32, its shape) before changing anything, and names what is wrong.
+  virtual absl::Status LoadState(const std::map<std::string, Tensor>& state,
+                                 const std::string& prefix) = 0;
 };
+
+// The launch points both bucketed modes share (Note [Bucket order]): each bucket of each stage
+// (BucketLayers) is launched once per step, by its last layer's LayerReady or, if that has not
+// happened, by its stage's StageReady. With no data-parallel group nothing is launched. A mode
+// implements ResetStep (forget the last step's work) and LaunchBucket.
+class BucketLauncher : public GradSync {
+ public:
+  void BeginStep() final;
+  absl::Status LayerReady(int stage, int layer) final;
+  absl::Status StageReady(int stage) final;
+
+ protected:
+  BucketLauncher(Communicator* dp, const std::vector<GradSyncStage>& stages, int64_t bucket_bytes);
+  // Per stage slot: its grouping (params per bucket, in bucket order).
+  const std::vector<StageBuckets>& groupings() const { return groupings_; }
+  bool launched(int stage, int bucket) const { return launched_[stage][bucket] != 0; }
+  virtual void ResetStep() = 0;
+  virtual absl::Status LaunchBucket(int stage, int bucket) = 0;
+
+ private:
+  absl::Status Launch(int stage, int bucket);
+
+  Communicator* dp_;
+  std::vector<StageBuckets> groupings_;
+  std::vector<std::vector<int>> pending_;  // per stage, per bucket: layers not ready yet
+  std::vector<std::vector<char>> launched_;
+};
+
+// For SaveState / LoadState: copies of `params`' slices of a flat fp32 tensor as host tensors
+// named `what` + "." + parameter name (in `params` order, from offset 0), and back. LoadFlat
+// checks every tensor before it copies any.
+absl::Status SaveFlat(const Tensor& flat, const std::vector<Parameter*>& params,
+                      const std::string& what, NamedTensors* out);
+absl::Status LoadFlat(const std::map<std::string, Tensor>& state, const std::string& prefix,
+                      const std::string& what, const std::vector<Parameter*>& params,
+                      Allocator* alloc, Tensor* flat);
+// Looks up `prefix` + `name` in `state`: NotFound or InvalidArgument naming it unless present as
+// an f32 tensor of `shape`.
+absl::StatusOr<const Tensor*> FindState(const std::map<std::string, Tensor>& state,
+                                        const std::string& prefix, const std::string& name,
+                                        const std::vector<int64_t>& shape);
 
 // Bucketed all-reduce (the default): each stage's parameters are packed, last layer first, into
 // buckets of about `bucket_bytes`; a bucket's in-place sum over the replicas starts as soon as
@@ -76,6 +138,20 @@ std::unique_ptr<GradSync> CreateBucketedAllReduce(const GradSyncContext& ctx,
                                                   std::vector<GradSyncStage> stages,
                                                   int64_t bucket_bytes,
                                                   GradCompression compression);
+
+// PowerSGD (Note [PowerSGD] in powersgd.cc): each bucket's 2-D gradients go out as rank-R
+// factors P = M Q and Q = M^T orth(P) (M: the gradient plus this replica's error feedback), each
+// all-gathered and summed in replica order, so every replica applies the same orth(P) Q^T; the
+// bucket's other gradients are all-reduced in fp32. The first round starts when the bucket's
+// last layer is ready; the second runs in Finish. Q is warm-started from the last step.
+// PowerSGD's orthogonalisation (exposed for tests): the r columns of the rows x r row-major `p`
+// made orthonormal in place by Gram-Schmidt with double-precision dot products; a column that is
+// zero or dependent on the earlier ones becomes zero.
+void OrthonormalizeColumns(float* p, int64_t rows, int r);
+
+std::unique_ptr<GradSync> CreatePowerSgd(const GradSyncContext& ctx,
+                                         std::vector<GradSyncStage> stages, int64_t bucket_bytes,
+                                         int rank);
 
 }  // namespace pipewright::internal
 

@@ -11,6 +11,15 @@ namespace {
 
 using namespace pipewright::cli_test;
 
+// The run's --json summary object (null when it printed none).
+nlohmann::json Summary(const Result& r) {
+  nlohmann::json summary;
+  for (const auto& l : JsonLines(r.out)) {
+    if (l.contains("summary")) summary = l["summary"];
+  }
+  return summary;
+}
+
 TEST(CliGradCompression, Bf16HalvesTheGradientBytesAndReportsThem) {
   const std::string base =
       "train --preset gpt-tiny --steps 3 --seed 7 --micro-batch-size 2 --pp 2 --dp 2 --json ";
@@ -18,12 +27,9 @@ TEST(CliGradCompression, Bf16HalvesTheGradientBytesAndReportsThem) {
   ASSERT_EQ(ref.exit_code, 0) << ref.err;
   Result r = RunCli(base + "--grad-compression bf16");
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  const nlohmann::json* s = nullptr;
-  std::vector<nlohmann::json> lines = JsonLines(r.out);
-  for (const auto& l : lines) {
-    if (l.contains("summary")) s = &l["summary"];
-  }
-  ASSERT_NE(s, nullptr);
+  const nlohmann::json summary = Summary(r);
+  ASSERT_FALSE(summary.is_null()) << r.out;
+  const nlohmann::json* s = &summary;
   EXPECT_EQ((*s)["grad_compression"], "bf16");
   EXPECT_DOUBLE_EQ((*s)["grad_compression_ratio"].get<double>(), 2.0);
   EXPECT_GT((*s)["grad_bytes_sent_per_rank_step"].get<double>(), 0.0);
@@ -41,6 +47,30 @@ TEST(CliGradCompression, Bf16HalvesTheGradientBytesAndReportsThem) {
   EXPECT_NE(text.out.find("compression ratio 2.00x"), std::string::npos) << text.out;
 }
 
+// PowerSGD: every matrix sent as rank-R factors; the summary names it and its ratio, the loss
+// falls, and a malformed rank is a usage error.
+TEST(CliGradCompression, PowerSgdSendsFactorsAndReportsThem) {
+  Result r = RunCli(
+      "train --preset gpt-tiny --steps 4 --seed 7 --micro-batch-size 2 --pp 2 --dp 2 --json "
+      "--grad-compression powersgd:2");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json summary = Summary(r);
+  ASSERT_FALSE(summary.is_null()) << r.out;
+  const nlohmann::json* s = &summary;
+  EXPECT_EQ((*s)["grad_compression"], "powersgd:2");
+  EXPECT_GT((*s)["grad_compression_ratio"].get<double>(), 4.0);
+  std::vector<double> losses = Losses(r);
+  ASSERT_EQ(losses.size(), 4u);
+  EXPECT_LT(losses.back(), losses.front());
+  for (const char* bad : {"powersgd:0", "powersgd:two", "powersgd"}) {
+    Result b = RunCli(std::string("train --preset gpt-tiny --steps 1 --micro-batch-size 2 --dp 2 "
+                                  "--grad-compression ") +
+                      bad);
+    EXPECT_EQ(b.exit_code, 2) << bad;
+    EXPECT_NE(b.err.find("powersgd"), std::string::npos) << b.err;
+  }
+}
+
 TEST(CliGradCompression, BadCombinationsAreUsageErrors) {
   const std::string base = "train --preset gpt-tiny --steps 1 --micro-batch-size 2 ";
   Result one = RunCli(base + "--grad-compression bf16");
@@ -52,10 +82,25 @@ TEST(CliGradCompression, BadCombinationsAreUsageErrors) {
   Result fp16 = RunCli(base + "--dp 2 --grad-compression bf16 --precision fp16");
   EXPECT_EQ(fp16.exit_code, 2);
   EXPECT_NE(fp16.err.find("fp16"), std::string::npos) << fp16.err;
-  Result save =
-      RunCli(base + "--dp 2 --grad-compression bf16 --save " + ::testing::TempDir() + "/gc_save");
-  EXPECT_EQ(save.exit_code, 2);
-  EXPECT_NE(save.err.find("not supported yet"), std::string::npos) << save.err;
+}
+
+// A compressed run checkpoints its error-feedback state and resumes it; a resume under another
+// compression is refused with the reason.
+TEST(CliGradCompression, SaveAndResumeCarryTheState) {
+  const std::string dir = ::testing::TempDir() + "/cli_gc_save";
+  const std::string base =
+      "train --preset gpt-tiny --micro-batch-size 2 --dp 2 --seed 7 --grad-compression "
+      "powersgd:2 ";
+  Result save = RunCli(base + "--steps 2 --save " + dir);
+  ASSERT_EQ(save.exit_code, 0) << save.err;
+  Result resume = RunCli(base + "--steps 4 --resume " + dir);
+  EXPECT_EQ(resume.exit_code, 0) << resume.err;
+  Result other = RunCli(
+      "train --preset gpt-tiny --micro-batch-size 2 --dp 2 --seed 7 --grad-compression bf16 "
+      "--steps 4 --resume " +
+      dir);
+  EXPECT_NE(other.exit_code, 0);
+  EXPECT_NE(other.err.find("powersgd:2"), std::string::npos) << other.err;
 }
 
 }  // namespace

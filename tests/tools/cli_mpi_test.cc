@@ -41,21 +41,26 @@ TEST(CliMpi, FourProcessesPp2Dp2MatchTheInProcessRunBitForBit) {
   EXPECT_EQ(JsonLines(mpi.out).size(), 5u) << mpi.out;
 }
 
-// bf16 gradient compression over MPI (all-gather of the bf16 buckets, fp32 sum in replica order
-// on every receiver): the same losses as the in-process run, and half the gradient bytes.
-TEST(CliMpi, Bf16GradCompressionMatchesTheInProcessRun) {
-  const std::string layout =
-      "--pp 2 --dp 2 --schedule 1f1b --micro-batches 4 --grad-compression bf16";
-  Result local = RunCli(kBase + layout);
-  ASSERT_EQ(local.exit_code, 0) << local.err;
-  Result mpi = RunMpi(4, kBase + layout);
-  ASSERT_EQ(mpi.exit_code, 0) << mpi.err;
-  ASSERT_EQ(Losses(local).size(), 4u);
-  EXPECT_EQ(Losses(mpi), Losses(local));
-  std::vector<nlohmann::json> lines = JsonLines(mpi.out);
-  ASSERT_FALSE(lines.empty());
-  ASSERT_TRUE(lines.back().contains("summary")) << mpi.out;
-  EXPECT_EQ(lines.back()["summary"]["grad_compression_ratio"].get<double>(), 2.0) << mpi.out;
+// Gradient compression over MPI: bf16 (all-gather of the bf16 buckets, fp32 sum in replica
+// order on every receiver) and PowerSGD (all-gathered factors summed in replica order) give the
+// in-process run's losses bit for bit, with the same byte counts.
+TEST(CliMpi, GradCompressionMatchesTheInProcessRun) {
+  for (const char* c : {"bf16", "powersgd:2"}) {
+    const std::string layout =
+        std::string("--pp 2 --dp 2 --schedule 1f1b --micro-batches 4 --grad-compression ") + c;
+    Result local = RunCli(kBase + layout);
+    ASSERT_EQ(local.exit_code, 0) << local.err;
+    Result mpi = RunMpi(4, kBase + layout);
+    ASSERT_EQ(mpi.exit_code, 0) << c << ": " << mpi.err;
+    ASSERT_EQ(Losses(local).size(), 4u);
+    EXPECT_EQ(Losses(mpi), Losses(local)) << c;
+    std::vector<nlohmann::json> lines = JsonLines(mpi.out), local_lines = JsonLines(local.out);
+    ASSERT_FALSE(lines.empty());
+    ASSERT_TRUE(lines.back().contains("summary")) << mpi.out;
+    const double ratio = lines.back()["summary"]["grad_compression_ratio"].get<double>();
+    EXPECT_EQ(ratio, local_lines.back()["summary"]["grad_compression_ratio"].get<double>()) << c;
+    if (std::string(c) == "bf16") EXPECT_EQ(ratio, 2.0) << mpi.out;
+  }
 }
 
 TEST(CliMpi, FourProcessPipelineAndTwoProcessZeroBubbleMatch) {
