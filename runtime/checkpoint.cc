@@ -16,8 +16,10 @@
 #include <set>
 #include <system_error>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "runtime/sha256.h"
 
 namespace pipewright {
 namespace {
@@ -251,8 +253,18 @@ absl::StatusOr<std::string> ReadTextFile(const std::string& path) {
 
 }  // namespace
 
-absl::Status WriteSafetensors(const std::string& path, const NamedTensors& tensors,
-                              const std::map<std::string, std::string>& metadata) {
+namespace {
+
+// A file written by WriteCheckpoint, as its manifest records it.
+struct FileDigest {
+  uint64_t bytes = 0;
+  std::string sha256;
+};
+
+// WriteSafetensors, returning the digest of the bytes written when `digest` is not null.
+absl::Status WriteSafetensorsFile(const std::string& path, const NamedTensors& tensors,
+                                  const std::map<std::string, std::string>& metadata,
+                                  FileDigest* digest) {
   PW_ASSIGN_OR_RETURN(std::string header, BuildHeader(path, tensors, metadata));
   unsigned char len_bytes[8];
   uint64_t n = header.size();
@@ -264,7 +276,44 @@ absl::Status WriteSafetensors(const std::string& path, const NamedTensors& tenso
   for (const auto& [name, t] : tensors) {
     if (t.nbytes() > 0) chunks.emplace_back(t.raw(), t.nbytes());
   }
+  if (digest != nullptr) {
+    Sha256 h;
+    digest->bytes = 0;
+    for (const auto& [data, size] : chunks) {
+      h.Update(data, size);
+      digest->bytes += size;
+    }
+    digest->sha256 = h.HexDigest();
+  }
   return WriteFileSynced(path, chunks);
+}
+
+// The SHA-256 and size of the file at `path`, read in 1 MiB pieces.
+absl::StatusOr<FileDigest> DigestFile(const std::string& path) {
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) return ErrnoStatus(errno, "cannot open", path);
+  std::vector<char> buf(1 << 20);
+  Sha256 h;
+  FileDigest d;
+  while (true) {
+    const ssize_t n = ::read(fd.get(), buf.data(), buf.size());
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(errno, "cannot read", path);
+    }
+    if (n == 0) break;
+    h.Update(buf.data(), static_cast<size_t>(n));
+    d.bytes += static_cast<uint64_t>(n);
+  }
+  d.sha256 = h.HexDigest();
+  return d;
+}
+
+}  // namespace
+
+absl::Status WriteSafetensors(const std::string& path, const NamedTensors& tensors,
+                              const std::map<std::string, std::string>& metadata) {
+  return WriteSafetensorsFile(path, tensors, metadata, nullptr);
 }
 
 absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path, Allocator* allocator) {
@@ -442,14 +491,28 @@ absl::Status WriteCheckpoint(const std::string& dir, const std::string& manifest
   fs::remove_all(tmp, ec);
   if (::mkdir(tmp.c_str(), 0755) != 0) return ErrnoStatus(errno, "cannot create directory", tmp);
 
+  // The tensor files first, then the manifest with their digests (Note [Checkpoint digests]),
+  // then the manifest's own digest.
   auto write_all = [&]() -> absl::Status {
-    PW_RETURN_IF_ERROR(
-        WriteFileSynced(tmp + "/manifest.json", {{manifest_json.data(), manifest_json.size()}}));
-    PW_RETURN_IF_ERROR(WriteSafetensors(tmp + "/model.safetensors", model));
-    PW_RETURN_IF_ERROR(WriteSafetensors(tmp + "/optimizer.safetensors", optimizer));
-    if (!grad_sync.empty()) {
-      PW_RETURN_IF_ERROR(WriteSafetensors(tmp + "/grad_sync.safetensors", grad_sync));
+    json manifest = json::parse(manifest_json, nullptr, false);
+    if (manifest.is_discarded() || !manifest.is_object()) {
+      return absl::InvalidArgumentError("WriteCheckpoint: the manifest is not a JSON object");
     }
+    std::vector<std::pair<std::string, const NamedTensors*>> files = {
+        {"model.safetensors", &model}, {"optimizer.safetensors", &optimizer}};
+    if (!grad_sync.empty()) files.emplace_back("grad_sync.safetensors", &grad_sync);
+    json digests = json::object();
+    for (const auto& [name, tensors] : files) {
+      FileDigest d;
+      PW_RETURN_IF_ERROR(WriteSafetensorsFile(tmp + "/" + name, *tensors, {}, &d));
+      digests[name] = {{"bytes", d.bytes}, {"sha256", d.sha256}};
+    }
+    manifest["files"] = std::move(digests);
+    const std::string text = manifest.dump(2);
+    PW_RETURN_IF_ERROR(WriteFileSynced(tmp + "/manifest.json", {{text.data(), text.size()}}));
+    const std::string line = absl::StrCat(Sha256Hex(text), "  manifest.json\n");
+    PW_RETURN_IF_ERROR(
+        WriteFileSynced(tmp + "/manifest.json.sha256", {{line.data(), line.size()}}));
     PW_RETURN_IF_ERROR(FsyncDir(tmp));
     return absl::OkStatus();
   };
@@ -485,18 +548,76 @@ absl::Status WriteCheckpoint(const std::string& dir, const std::string& manifest
   return absl::OkStatus();
 }
 
-absl::StatusOr<Checkpoint> ReadCheckpoint(const std::string& dir, Allocator* allocator) {
+namespace {
+
+constexpr char kStepPrefix[] = "step-";
+constexpr size_t kStepPrefixLen = sizeof(kStepPrefix) - 1;
+constexpr char kLatest[] = "latest";
+
+// Note [Checkpoint digests]. WriteCheckpoint records each tensor file's size and SHA-256 in the
+// manifest ("files") and the manifest's own SHA-256 in manifest.json.sha256 (sha256sum's
+// format, so `sha256sum -c` checks it too). Reading verifies both before any tensor is used: a
+// flipped byte anywhere in a checkpoint is a DataLoss error naming the file, both digests
+// included. A checkpoint written before digests existed has neither and is read unverified.
+absl::Status VerifyDigests(const fs::path& root, const std::string& manifest_text) {
   std::error_code ec;
-  const fs::path root = NormalizeDir(dir);
-  if (!fs::is_directory(root, ec)) {
-    return absl::NotFoundError(absl::StrCat("checkpoint directory '", dir, "' not found"));
+  const std::string sums = (root / "manifest.json.sha256").string();
+  if (fs::exists(sums, ec)) {
+    PW_ASSIGN_OR_RETURN(std::string line, ReadTextFile(sums));
+    const std::string actual = Sha256Hex(manifest_text);
+    if (line.size() < 64 || line.compare(0, 64, actual) != 0) {
+      return absl::DataLossError(absl::StrCat(
+          (root / "manifest.json").string(), ": SHA-256 mismatch (manifest.json.sha256 records ",
+          line.substr(0, std::min<size_t>(64, line.size())), ", the file hashes to ", actual, ")"));
+    }
+    if (line != absl::StrCat(actual, "  manifest.json\n")) {
+      return absl::DataLossError(
+          absl::StrCat(sums, ": not the line \"<sha256>  manifest.json\" WriteCheckpoint writes"));
+    }
   }
+  json m = json::parse(manifest_text, nullptr, false);
+  if (m.is_discarded() || !m.is_object() || !m.contains("files")) return absl::OkStatus();
+  if (!m["files"].is_object()) {
+    return absl::DataLossError(
+        absl::StrCat((root / "manifest.json").string(), ": \"files\" is not an object"));
+  }
+  for (const auto& [name, d] : m["files"].items()) {
+    const std::string path = (root / name).string();
+    if (name.empty() || name.find('/') != std::string::npos || name == "." || name == ".." ||
+        !d.is_object() || !d.contains("sha256") || !d["sha256"].is_string() ||
+        !d.contains("bytes") || !d["bytes"].is_number_unsigned()) {
+      return absl::DataLossError(absl::StrCat((root / "manifest.json").string(), ": files[\"", name,
+                                              "\"] is not {bytes, sha256} of a file here"));
+    }
+    if (!fs::exists(path, ec)) {
+      return absl::DataLossError(absl::StrCat(path, ": listed in the manifest but missing"));
+    }
+    PW_ASSIGN_OR_RETURN(FileDigest actual, DigestFile(path));
+    const uint64_t bytes = d["bytes"].get<uint64_t>();
+    const std::string sha = d["sha256"].get<std::string>();
+    if (actual.bytes != bytes) {
+      return absl::DataLossError(
+          absl::StrCat(path, ": ", actual.bytes, " bytes, the manifest records ", bytes));
+    }
+    if (actual.sha256 != sha) {
+      return absl::DataLossError(absl::StrCat(path, ": SHA-256 mismatch (the manifest records ",
+                                              sha, ", the file hashes to ", actual.sha256, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// One checkpoint directory (manifest.json and its tensor files), verified.
+absl::StatusOr<Checkpoint> ReadOneCheckpoint(const fs::path& root, Allocator* allocator) {
+  std::error_code ec;
   const std::string manifest_path = (root / "manifest.json").string();
   if (!fs::exists(manifest_path, ec)) {
     return absl::NotFoundError(absl::StrCat("'", manifest_path, "' not found"));
   }
   Checkpoint ckpt;
+  ckpt.path = root.string();
   PW_ASSIGN_OR_RETURN(ckpt.manifest_json, ReadTextFile(manifest_path));
+  PW_RETURN_IF_ERROR(VerifyDigests(root, ckpt.manifest_json));
   PW_ASSIGN_OR_RETURN(SafetensorsFile model,
                       ReadSafetensors((root / "model.safetensors").string(), allocator));
   ckpt.model = std::move(model.tensors);
@@ -511,6 +632,190 @@ absl::StatusOr<Checkpoint> ReadCheckpoint(const std::string& dir, Allocator* all
     ckpt.grad_sync = std::move(sync.tensors);
   }
   return ckpt;
+}
+
+// The step of a "step-NNNNNN" name, or -1.
+int64_t StepOf(const std::string& name) {
+  if (name.size() <= kStepPrefixLen || name.compare(0, kStepPrefixLen, kStepPrefix) != 0) {
+    return -1;
+  }
+  int64_t step = 0;
+  for (size_t i = kStepPrefixLen; i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9' || step > (int64_t{1} << 50)) return -1;
+    step = step * 10 + (name[i] - '0');
+  }
+  return step;
+}
+
+// The step checkpoints in a checkpoint directory, newest first.
+std::vector<std::pair<int64_t, fs::path>> StepCheckpoints(const fs::path& root) {
+  std::vector<std::pair<int64_t, fs::path>> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(root, ec)) {
+    const int64_t step = StepOf(e.path().filename().string());
+    if (step >= 0 && e.is_directory(ec)) out.emplace_back(step, e.path());
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  return out;
+}
+
+// What DIR/latest names ("" when it is missing or does not name a step checkpoint).
+std::string LatestName(const fs::path& root) {
+  absl::StatusOr<std::string> text = ReadTextFile((root / kLatest).string());
+  if (!text.ok()) return "";
+  std::string name = *text;
+  while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+  return StepOf(name) >= 0 ? name : "";
+}
+
+}  // namespace
+
+std::string StepCheckpointName(int64_t step) {
+  std::string digits = std::to_string(step);
+  if (digits.size() < 6) digits.insert(0, 6 - digits.size(), '0');
+  return absl::StrCat(kStepPrefix, digits);
+}
+
+namespace {
+
+// The checkpoints DIR offers, in the order to try them: DIR itself when it has a manifest.json;
+// else the step checkpoint DIR/latest names, then every step checkpoint, newest first.
+absl::StatusOr<std::vector<fs::path>> CheckpointCandidates(const std::string& dir) {
+  std::error_code ec;
+  const fs::path root = NormalizeDir(dir);
+  if (!fs::is_directory(root, ec)) {
+    return absl::NotFoundError(absl::StrCat("checkpoint directory '", dir, "' not found"));
+  }
+  if (fs::exists(root / "manifest.json", ec)) return std::vector<fs::path>{root};
+  std::vector<fs::path> candidates;
+  if (const std::string latest = LatestName(root); !latest.empty()) {
+    candidates.push_back(root / latest);
+  }
+  for (const auto& [step, path] : StepCheckpoints(root)) {
+    if (candidates.empty() || path != candidates.front()) candidates.push_back(path);
+  }
+  if (candidates.empty()) {
+    return absl::NotFoundError(
+        absl::StrCat("'", (root / "manifest.json").string(),
+                     "' not found, and no step checkpoint (step-NNNNNN) in '", dir, "'"));
+  }
+  return candidates;
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> ResolveCheckpointDir(const std::string& dir) {
+  PW_ASSIGN_OR_RETURN(std::vector<fs::path> candidates, CheckpointCandidates(dir));
+  std::error_code ec;
+  for (const fs::path& c : candidates) {
+    if (fs::exists(c / "manifest.json", ec)) return c.string();
+  }
+  return absl::NotFoundError(absl::StrCat("no checkpoint in '", dir, "' has a manifest.json"));
+}
+
+absl::StatusOr<Checkpoint> ReadCheckpoint(const std::string& dir, Allocator* allocator) {
+  PW_ASSIGN_OR_RETURN(std::vector<fs::path> candidates, CheckpointCandidates(dir));
+  if (candidates.size() == 1 && candidates[0] == NormalizeDir(dir)) {
+    return ReadOneCheckpoint(candidates[0], allocator);
+  }
+  std::vector<std::string> failures;
+  for (const fs::path& c : candidates) {
+    absl::StatusOr<Checkpoint> ck = ReadOneCheckpoint(c, allocator);
+    if (!ck.ok()) {
+      failures.emplace_back(ck.status().message());
+      continue;
+    }
+    for (const std::string& f : failures) {
+      ck->warnings.push_back(
+          absl::StrCat("damaged checkpoint skipped: ", f, "; resuming from ", c.string()));
+    }
+    return ck;
+  }
+  std::string all;
+  for (const std::string& f : failures) absl::StrAppend(&all, all.empty() ? "" : "; ", f);
+  return absl::DataLossError(absl::StrCat("no usable checkpoint in '", dir, "': ", all));
+}
+
+absl::StatusOr<std::vector<std::string>> RemoveCheckpointDebris(const std::string& dir) {
+  std::vector<std::string> removed;
+  std::error_code ec;
+  const fs::path root = NormalizeDir(dir);
+  auto is_debris = [](const std::string& name, const std::string& base) {
+    return absl::StartsWith(name, base + ".tmp-") || absl::StartsWith(name, base + ".old-");
+  };
+  auto remove = [&](const fs::path& p) -> absl::Status {
+    fs::remove_all(p, ec);
+    if (ec) {
+      return absl::InternalError(absl::StrCat("cannot remove '", p.string(),
+                                              "' (left by an interrupted save): ", ec.message()));
+    }
+    removed.push_back(p.string());
+    return absl::OkStatus();
+  };
+  // Beside DIR: an interrupted WriteCheckpoint(DIR).
+  const fs::path parent = root.has_parent_path() ? root.parent_path() : fs::path(".");
+  const std::string base = root.filename().string();
+  for (const auto& e : fs::directory_iterator(parent, ec)) {
+    if (is_debris(e.path().filename().string(), base)) PW_RETURN_IF_ERROR(remove(e.path()));
+  }
+  // Inside DIR: interrupted step checkpoints and pointer updates.
+  if (fs::is_directory(root, ec)) {
+    for (const auto& e : fs::directory_iterator(root, ec)) {
+      const std::string name = e.path().filename().string();
+      const size_t dot = name.find('.');
+      const bool step_debris = dot != std::string::npos && StepOf(name.substr(0, dot)) >= 0 &&
+                               is_debris(name, name.substr(0, dot));
+      if (step_debris || absl::StartsWith(name, absl::StrCat(kLatest, ".tmp-"))) {
+        PW_RETURN_IF_ERROR(remove(e.path()));
+      }
+    }
+  }
+  return removed;
+}
+
+absl::Status SaveCheckpointStep(const std::string& dir, int64_t step, int keep,
+                                const std::function<absl::Status(const std::string&)>& write) {
+  std::error_code ec;
+  const fs::path root = NormalizeDir(dir);
+  if (fs::exists(root / "manifest.json", ec)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("'", dir,
+                     "' is a single checkpoint (it has a manifest.json), not a directory of step "
+                     "checkpoints: save into a new directory"));
+  }
+  fs::create_directories(root, ec);
+  if (ec) {
+    return absl::InternalError(
+        absl::StrCat("cannot create directory '", root.string(), "': ", ec.message()));
+  }
+  const std::string name = StepCheckpointName(step);
+  PW_RETURN_IF_ERROR(write((root / name).string()));
+  // The pointer: written beside, fsync'ed, renamed over (atomic), the directory fsync'ed.
+  const std::string latest = (root / kLatest).string();
+  const std::string tmp = absl::StrCat(latest, ".tmp-", static_cast<long>(::getpid()));
+  const std::string line = name + "\n";
+  PW_RETURN_IF_ERROR(WriteFileSynced(tmp, {{line.data(), line.size()}}));
+  if (::rename(tmp.c_str(), latest.c_str()) != 0) {
+    absl::Status s = ErrnoStatus(errno, "cannot rename the latest pointer into place", latest);
+    fs::remove(tmp, ec);
+    return s;
+  }
+  PW_RETURN_IF_ERROR(FsyncDir(root.string()));
+  if (keep <= 0) return absl::OkStatus();
+  // Only after the pointer names the new one: the newest `keep` stay, and never the one named.
+  int kept = 0;
+  for (const auto& [s, path] : StepCheckpoints(root)) {
+    if (path.filename() == name || kept < keep) {
+      ++kept;
+      continue;
+    }
+    fs::remove_all(path, ec);
+    if (ec) {
+      return absl::InternalError(absl::StrCat("checkpoint written, but cannot remove the old '",
+                                              path.string(), "': ", ec.message()));
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace pipewright

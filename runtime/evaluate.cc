@@ -14,7 +14,8 @@ namespace {
 using json = nlohmann::json;
 
 // The manifest alone (the tensors are not read).
-absl::StatusOr<json> ReadManifest(const std::string& dir) {
+absl::StatusOr<json> ReadManifest(const std::string& checkpoint) {
+  PW_ASSIGN_OR_RETURN(const std::string dir, ResolveCheckpointDir(checkpoint));
   std::ifstream in(dir + "/manifest.json");
   if (!in) return absl::NotFoundError(absl::StrCat(dir, "/manifest.json cannot be opened"));
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -55,8 +56,9 @@ absl::StatusOr<EvalResult> EvaluateCheckpoint(const LayerGraph& graph, const std
   json m = json::parse(ck.manifest_json, nullptr, false);
   if (m.is_discarded() || !m.contains("model") || !m["model"].is_object() ||
       m["model"].value("fingerprint", "") != graph.Fingerprint()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        dir, "/manifest.json: model.fingerprint does not match this model (", graph.name(), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(ck.path, "/manifest.json: model.fingerprint does not match this model (",
+                     graph.name(), ")"));
   }
   PW_ASSIGN_OR_RETURN(auto stage, graph.Instantiate(0, graph.num_layers(), 0));
   for (Parameter* p : stage->Parameters()) {
@@ -64,7 +66,7 @@ absl::StatusOr<EvalResult> EvaluateCheckpoint(const LayerGraph& graph, const std
     if (it == ck.model.end() || it->second.shape() != p->value.shape() ||
         it->second.dtype() != DType::kF32) {
       return absl::InvalidArgumentError(
-          absl::StrCat(dir, "/model.safetensors: tensor '", p->name, "' missing or misshapen"));
+          absl::StrCat(ck.path, "/model.safetensors: tensor '", p->name, "' missing or misshapen"));
     }
     std::copy_n(it->second.data<float>(), it->second.numel(), p->value.data<float>());
   }

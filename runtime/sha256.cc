@@ -1,8 +1,9 @@
 #include "runtime/sha256.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
-#include <vector>
+#include <cstring>
 
 namespace pipewright {
 namespace {
@@ -18,38 +19,65 @@ constexpr uint32_t kK[64] = {
 inline uint32_t Rotr(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
 }  // namespace
 
-std::string Sha256Hex(absl::string_view data) {
-  uint32_t h[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
-                   0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
-  std::vector<uint8_t> msg(data.begin(), data.end());
-  uint64_t bits = static_cast<uint64_t>(msg.size()) * 8;
-  msg.push_back(0x80);
-  while (msg.size() % 64 != 56) msg.push_back(0);
-  for (int i = 7; i >= 0; --i) msg.push_back(static_cast<uint8_t>(bits >> (8 * i)));
-  for (size_t off = 0; off < msg.size(); off += 64) {
-    uint32_t w[64];
-    for (int i = 0; i < 16; ++i) {
-      w[i] = (uint32_t{msg[off + 4 * i]} << 24) | (uint32_t{msg[off + 4 * i + 1]} << 16) |
-             (uint32_t{msg[off + 4 * i + 2]} << 8) | uint32_t{msg[off + 4 * i + 3]};
-    }
-    for (int i = 16; i < 64; ++i) {
-      uint32_t s0 = Rotr(w[i - 15], 7) ^ Rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
-      uint32_t s1 = Rotr(w[i - 2], 17) ^ Rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
-      w[i] = w[i - 16] + s0 + w[i - 7] + s1;
-    }
-    uint32_t a = h[0], b = h[1], c = h[2], d = h[3], e = h[4], f = h[5], g = h[6], hh = h[7];
-    for (int i = 0; i < 64; ++i) {
-      uint32_t t1 =
-          hh + (Rotr(e, 6) ^ Rotr(e, 11) ^ Rotr(e, 25)) + ((e & f) ^ (~e & g)) + kK[i] + w[i];
-      uint32_t t2 = (Rotr(a, 2) ^ Rotr(a, 13) ^ Rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
-      hh = g, g = f, f = e, e = d + t1, d = c, c = b, b = a, a = t1 + t2;
-    }
-    h[0] += a, h[1] += b, h[2] += c, h[3] += d, h[4] += e, h[5] += f, h[6] += g, h[7] += hh;
+Sha256::Sha256()
+    : h_{0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+         0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19} {}
+
+void Sha256::Block(const uint8_t* p) {
+  uint32_t w[64];
+  for (int i = 0; i < 16; ++i) {
+    w[i] = (uint32_t{p[4 * i]} << 24) | (uint32_t{p[4 * i + 1]} << 16) |
+           (uint32_t{p[4 * i + 2]} << 8) | uint32_t{p[4 * i + 3]};
   }
+  for (int i = 16; i < 64; ++i) {
+    uint32_t s0 = Rotr(w[i - 15], 7) ^ Rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
+    uint32_t s1 = Rotr(w[i - 2], 17) ^ Rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
+    w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+  }
+  uint32_t a = h_[0], b = h_[1], c = h_[2], d = h_[3], e = h_[4], f = h_[5], g = h_[6], hh = h_[7];
+  for (int i = 0; i < 64; ++i) {
+    uint32_t t1 =
+        hh + (Rotr(e, 6) ^ Rotr(e, 11) ^ Rotr(e, 25)) + ((e & f) ^ (~e & g)) + kK[i] + w[i];
+    uint32_t t2 = (Rotr(a, 2) ^ Rotr(a, 13) ^ Rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
+    hh = g, g = f, f = e, e = d + t1, d = c, c = b, b = a, a = t1 + t2;
+  }
+  h_[0] += a, h_[1] += b, h_[2] += c, h_[3] += d, h_[4] += e, h_[5] += f, h_[6] += g, h_[7] += hh;
+}
+
+void Sha256::Update(const void* data, size_t n) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  total_ += n;
+  if (buffered_ > 0) {
+    const size_t take = std::min(n, size_t{64} - buffered_);
+    std::memcpy(buffer_ + buffered_, p, take);
+    buffered_ += take, p += take, n -= take;
+    if (buffered_ < 64) return;
+    Block(buffer_);
+    buffered_ = 0;
+  }
+  for (; n >= 64; p += 64, n -= 64) Block(p);
+  std::memcpy(buffer_, p, n);
+  buffered_ = n;
+}
+
+std::string Sha256::HexDigest() {
+  const uint64_t bits = total_ * 8;
+  const uint8_t pad = 0x80, zero = 0;
+  Update(&pad, 1);
+  while (buffered_ != 56) Update(&zero, 1);
+  uint8_t length[8];
+  for (int i = 0; i < 8; ++i) length[i] = static_cast<uint8_t>(bits >> (8 * (7 - i)));
+  Update(length, 8);
   std::string out(64, '0');
-  for (int i = 0; i < 8; ++i) std::snprintf(&out[8 * i], 9, "%08x", h[i]);
+  for (int i = 0; i < 8; ++i) std::snprintf(&out[8 * i], 9, "%08x", h_[i]);
   out.resize(64);
   return out;
+}
+
+std::string Sha256Hex(absl::string_view data) {
+  Sha256 h;
+  h.Update(data.data(), data.size());
+  return h.HexDigest();
 }
 
 }  // namespace pipewright

@@ -1,5 +1,7 @@
 // The single-stage Trainer: the Engine with one rank running a one-stage 1F1B program
 // (train.h).
+#include <atomic>
+
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -9,7 +11,13 @@
 namespace pipewright {
 namespace {
 constexpr int kMaxPowerSgdRank = 1024;
+std::atomic<bool> stop_requested{false};
+static_assert(std::atomic<bool>::is_always_lock_free, "RequestStop must be async-signal-safe");
 }  // namespace
+
+void RequestStop() { stop_requested.store(true, std::memory_order_relaxed); }
+bool StopRequested() { return stop_requested.load(std::memory_order_relaxed); }
+void ClearStopRequest() { stop_requested.store(false, std::memory_order_relaxed); }
 
 std::string GradCompressionName(const GradCompression& c) {
   switch (c.kind) {

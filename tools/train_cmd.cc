@@ -1,6 +1,9 @@
 // `pipewright train` and `pipewright eval`: flags become the library's data — a RunSpec (from a
 // plan, a hand-written program or a schedule generator), TrainOptions, a Dataset and a World
 // from Launch — and the Engine runs them. Reports are in train_report.cc.
+#include <signal.h>
+#include <unistd.h>
+
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -12,6 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "pipewright/checkpoint.h"
 #include "pipewright/cpu.h"
 #include "pipewright/engine.h"
 #include "pipewright/launch.h"
@@ -44,6 +48,8 @@ struct TrainFlags {
   double timeout_s = 60, bucket_mb = 1;
   int64_t micro_batches = 4, micro_batch_size = 0, steps = 60, warmup = 5, base_batch = 32;
   int64_t stop_after = 0;
+  int64_t save_every = 0;  // steps between periodic checkpoints (0: only at the end)
+  int keep = 0;            // step checkpoints kept (0: all)
   uint64_t seed = 1;
   float lr = 3e-3f, clip = 1.0f, weight_decay = 0.1f, min_lr_ratio = 0.1f;
   std::string lr_scaling = "none", optimizer = "adamw", data = "synthetic";
@@ -80,6 +86,18 @@ absl::Status CheckFlags(const TrainFlags& f) {
   if (f.data_delay_us < 0) return absl::InvalidArgumentError("--data-delay-us must be >= 0");
   if (f.loss_scale_window < 1) {
     return absl::InvalidArgumentError("--loss-scale-window must be >= 1");
+  }
+  if (f.save_every < 0) return absl::InvalidArgumentError("--save-every must be >= 0");
+  if (f.keep < 0) return absl::InvalidArgumentError("--keep must be >= 0");
+  if (f.save.empty()) {
+    if (f.save_every > 0 || f.keep > 0) {
+      return absl::InvalidArgumentError(absl::StrCat(f.save_every > 0 ? "--save-every" : "--keep",
+                                                     " needs --save DIR (where to write)"));
+    }
+    if (f.resume == "auto") {
+      return absl::InvalidArgumentError(
+          "--resume auto needs --save DIR (it resumes from DIR's newest checkpoint, if any)");
+    }
   }
   PW_ASSIGN_OR_RETURN(const GradCompression compression, ParseGradCompression(f.grad_compression));
   if (compression.enabled()) {
@@ -215,7 +233,36 @@ absl::StatusOr<RunSpec> RunFromFlags(const TrainFlags& f, const LoadedModel& mod
   return run;
 }
 
-// Steps until --steps (or --stop-after more), printing one line per step on the root process.
+// The engine's checkpoint as DIR/step-NNNNNN of --save DIR, DIR/latest then naming it, and all
+// but the newest --keep removed (docs/checkpoint.md, "Checkpoint directories").
+absl::Status SaveStep(const Engine& t, const TrainFlags& f) {
+  return SaveCheckpointStep(f.save, t.step(), f.keep,
+                            [&](const std::string& path) { return t.Save(path); });
+}
+
+// Note [Preemption]. SIGTERM, SIGINT and SIGUSR1 (what Slurm and mpirun send before they kill a
+// job) ask the run to stop: the handler only sets the process-wide flag (RequestStop, an atomic
+// store) and says so on stderr with write(2). The flag travels in the next step agreement, so
+// every rank of every process stops after the same step; the run then saves its checkpoint
+// (with --save) and exits 0. A second signal exits at once with 128 + the signal's number.
+extern "C" void OnStopSignal(int sig) {
+  if (StopRequested()) _exit(128 + sig);
+  RequestStop();
+  static const char kMsg[] =
+      "pipewright: stop requested: finishing the current step, then saving (with --save) and "
+      "exiting; a second signal exits at once\n";
+  [[maybe_unused]] ssize_t n = ::write(STDERR_FILENO, kMsg, sizeof(kMsg) - 1);
+}
+
+void InstallStopSignals() {
+  struct sigaction sa = {};
+  sa.sa_handler = OnStopSignal;
+  sigemptyset(&sa.sa_mask);
+  for (int sig : {SIGTERM, SIGINT, SIGUSR1}) sigaction(sig, &sa, nullptr);
+}
+
+// Steps until --steps (or --stop-after more, or a stop request), printing one line per step on
+// the root process; saves every --save-every steps and when stopped.
 RunRecord RunSteps(Engine& t, const TrainFlags& f, bool root, const TrainOptions& options) {
   const Precision precision = options.precision;
   RunRecord rec;
@@ -231,7 +278,21 @@ RunRecord RunSteps(Engine& t, const TrainFlags& f, bool root, const TrainOptions
     }
     const StepResult& res = r->result;
     rec.Add(res);
-    if (!root) continue;  // only the root process prints; every process takes the same steps
+    const bool periodic = f.save_every > 0 && t.step() % f.save_every == 0;
+    if (!f.save.empty() && (periodic || res.stop_requested)) {
+      if (absl::Status s = SaveStep(t, f); !s.ok()) {
+        rec.failure = s;
+        break;
+      }
+      rec.saved_step = t.step();
+    }
+    if (res.stop_requested) rec.stopped = true;
+    // Only the root process prints; every process takes the same steps (and stops after the
+    // same one: the step agreement carries the stop request).
+    if (!root) {
+      if (rec.stopped) break;
+      continue;
+    }
     if (f.json) {
       json line = {{"step", res.step},
                    {"loss", res.loss},
@@ -249,6 +310,7 @@ RunRecord RunSteps(Engine& t, const TrainFlags& f, bool root, const TrainOptions
       bar.Update(res.step + 1, absl::StrFormat("loss %.4f lr %.2e %.0f samples/s", res.loss, res.lr,
                                                res.samples_per_s));
     }
+    if (rec.stopped) break;
   }
   bar.Finish();
   rec.wall_s = absl::ToDoubleSeconds(absl::Now() - start);
@@ -267,7 +329,7 @@ absl::Status WriteOutputs(const Engine& t, const TrainFlags& f, const RunRecord&
     SimResult measured = MeasuredTimeline(t.schedule(), t.topology(), t.Events(), t.step() - 1, 0);
     PW_RETURN_IF_ERROR(WriteFile(f.svg, ToSvg(t.schedule(), measured)));
   }
-  if (!f.save.empty()) PW_RETURN_IF_ERROR(t.Save(f.save));
+  if (!f.save.empty() && rec.saved_step != t.step()) PW_RETURN_IF_ERROR(SaveStep(t, f));
   return absl::OkStatus();
 }
 
@@ -280,6 +342,37 @@ absl::StatusOr<std::shared_ptr<const TokenDataset>> OpenTrainData(const TrainFla
   PW_RETURN_IF_ERROR(CheckVocabulary(*data, kByteVocabulary));
   if (f.data_delay_us > 0) data = WithSampleDelay(data, absl::Microseconds(f.data_delay_us));
   return data;
+}
+
+// --save DIR: what interrupted saves left there goes first. --resume DIR, or --resume auto: DIR
+// of --save when it holds a checkpoint (else a fresh start); damaged newer checkpoints skipped
+// on the way are reported on stderr.
+absl::Status ResumeFromFlags(Engine& t, const TrainFlags& f, bool root) {
+  if (!f.save.empty() && root) {
+    PW_ASSIGN_OR_RETURN(std::vector<std::string> removed, RemoveCheckpointDebris(f.save));
+    for (const std::string& p : removed) {
+      std::fprintf(stderr, "removed '%s', left by an interrupted save\n", p.c_str());
+    }
+  }
+  std::string from = f.resume;
+  if (from == "auto") {
+    absl::StatusOr<std::string> found = ResolveCheckpointDir(f.save);
+    if (!found.ok() && !absl::IsNotFound(found.status())) return found.status();
+    if (!found.ok()) {
+      if (root) {
+        std::fprintf(stderr, "no checkpoint in '%s' yet: starting at step 0\n", f.save.c_str());
+      }
+      return absl::OkStatus();
+    }
+    from = f.save;
+  }
+  if (from.empty()) return absl::OkStatus();
+  std::vector<std::string> warnings;
+  PW_RETURN_IF_ERROR(t.Resume(from, &warnings));
+  if (root) {
+    for (const std::string& w : warnings) std::fprintf(stderr, "warning: %s\n", w.c_str());
+  }
+  return absl::OkStatus();
 }
 
 absl::Status RunTrain(const TrainFlags& f) {
@@ -303,7 +396,8 @@ absl::Status RunTrain(const TrainFlags& f) {
   PW_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
                       Engine::Create(model.graph, std::move(run), options, data, std::move(world)));
   Engine& t = *engine;
-  if (!f.resume.empty()) PW_RETURN_IF_ERROR(t.Resume(f.resume));
+  PW_RETURN_IF_ERROR(ResumeFromFlags(t, f, root));
+  InstallStopSignals();
   if (!f.json && root) PrintHeader(model.graph, t, data->Describe());
   RunRecord rec = RunSteps(t, f, root, options);
   // Multi-process: every process joins in collecting the world's times and events, which the
@@ -311,6 +405,13 @@ absl::Status RunTrain(const TrainFlags& f) {
   if (t.multi_process() && rec.failure.ok()) PW_RETURN_IF_ERROR(t.GatherReports());
   if (!root) return rec.failure;
   PW_RETURN_IF_ERROR(WriteOutputs(t, f, rec));
+  if (rec.stopped) {
+    std::fprintf(
+        stderr, "stopped by request after step %lld%s\n", static_cast<long long>(t.step()),
+        f.save.empty()
+            ? " (no --save: nothing written)"
+            : absl::StrCat(", checkpoint ", f.save, "/", StepCheckpointName(t.step())).c_str());
+  }
   ReportInput in;
   in.graph = &model.graph;
   in.engine = &t;
@@ -398,8 +499,15 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
   cmd->add_option("--threads-per-rank", f->threads_per_rank,
                   "Threads each CPU rank runs its kernels on (0: automatic, the usable cores "
                   "divided among the ranks)");
-  cmd->add_option("--save", f->save, "Write a checkpoint directory at the end");
-  cmd->add_option("--resume", f->resume, "Continue from a checkpoint directory");
+  cmd->add_option("--save", f->save,
+                  "Checkpoint directory: DIR/step-NNNNNN per saved step and DIR/latest naming the "
+                  "newest; written at the end, every --save-every steps, and on SIGTERM/SIGINT/"
+                  "SIGUSR1");
+  cmd->add_option("--save-every", f->save_every, "Save a checkpoint every N steps (needs --save)");
+  cmd->add_option("--keep", f->keep, "Keep the newest K step checkpoints (0: all; needs --save)");
+  cmd->add_option("--resume", f->resume,
+                  "Continue from a checkpoint (or a checkpoint directory's newest verified one); "
+                  "'auto': from --save DIR when it holds one");
   cmd->add_flag("--json", f->json, "One JSON object per step and a final summary");
   cmd->callback([f, cmd, exit_code] {
     for (const CLI::Option* opt : cmd->get_options()) {

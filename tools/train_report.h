@@ -16,6 +16,8 @@ struct RunRecord {
   std::vector<double> losses;
   double total_time = 0, data_wait = 0, wall_s = 0;
   int64_t skipped_steps = 0, first_step = 0;
+  int64_t saved_step = -1;  // the last step a checkpoint was saved after (-1: none yet)
+  bool stopped = false;     // a stop request (a preemption signal) ended the run early
   float last_loss_scale = 0;
   absl::Status failure;
   void Add(const StepResult& r) {

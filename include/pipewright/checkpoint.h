@@ -9,6 +9,7 @@
 #ifndef PIPEWRIGHT_CHECKPOINT_H_
 #define PIPEWRIGHT_CHECKPOINT_H_
 
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -44,15 +45,39 @@ struct Checkpoint {
   std::map<std::string, Tensor> optimizer;
   // Every replica's gradient-compression state (grad_sync.safetensors; empty without it).
   std::map<std::string, Tensor> grad_sync;
+  std::string path;                   // the checkpoint directory read
+  std::vector<std::string> warnings;  // damaged newer checkpoints skipped to reach it
 };
 
 // Atomically writes DIR (replacing an existing checkpoint there).
 absl::Status WriteCheckpoint(const std::string& dir, const std::string& manifest_json,
                              const NamedTensors& model, const NamedTensors& optimizer,
                              const NamedTensors& grad_sync = {});
-// Reads DIR; NotFound when DIR or manifest.json is missing.
+// Reads a checkpoint: DIR itself when it has a manifest.json, else the newest checkpoint of the
+// checkpoint directory DIR (the one DIR/latest names, then DIR/step-NNNNNN newest first) that
+// verifies; each damaged one skipped adds a warning naming the file and the mismatch. Files are
+// verified against the manifest's SHA-256 digests before use (Note [Checkpoint digests]):
+// DataLoss names the file. NotFound when DIR holds no checkpoint at all.
 absl::StatusOr<Checkpoint> ReadCheckpoint(const std::string& dir, Allocator* allocator = nullptr);
 
+// ---- checkpoint directories (docs/checkpoint.md, "Periodic checkpoints") ----
+// DIR/step-NNNNNN/ (one checkpoint per saved step, six digits or more) and DIR/latest (a line
+// naming the newest complete one).
+std::string StepCheckpointName(int64_t step);  // "step-000120"
+// The directory ReadCheckpoint would try first: DIR itself, or the newest step checkpoint with a
+// manifest (not verified). NotFound when DIR holds no checkpoint.
+absl::StatusOr<std::string> ResolveCheckpointDir(const std::string& dir);
+// Writes step `step`'s checkpoint as DIR/step-NNNNNN with `write(path)` (which must write a
+// complete checkpoint there atomically, as WriteCheckpoint does), then points DIR/latest at it
+// (a temporary file, fsync'ed, renamed over, the directory fsync'ed), then removes all but the
+// newest `keep` step checkpoints (keep <= 0: none). At every moment DIR holds a complete,
+// loadable checkpoint once the first save has finished. FailedPrecondition when DIR is a single
+// checkpoint.
+absl::Status SaveCheckpointStep(const std::string& dir, int64_t step, int keep,
+                                const std::function<absl::Status(const std::string&)>& write);
+// Removes what interrupted saves left: DIR.tmp-* and DIR.old-* beside DIR, step-NNNNNN.tmp-*,
+// step-NNNNNN.old-* and latest.tmp-* inside it. Returns the paths removed.
+absl::StatusOr<std::vector<std::string>> RemoveCheckpointDebris(const std::string& dir);
 }  // namespace pipewright
 
 #endif  // PIPEWRIGHT_CHECKPOINT_H_

@@ -141,7 +141,9 @@ class Engine {
 
   // Checkpoint with global tensor names (docs/checkpoint.md): any plan can resume it.
   absl::Status Save(const std::string& dir) const;
-  absl::Status Resume(const std::string& dir);
+  // Resumes a checkpoint, or the newest verified one of a checkpoint directory (ReadCheckpoint);
+  // `warnings` (when not null) receives one line per damaged checkpoint skipped.
+  absl::Status Resume(const std::string& dir, std::vector<std::string>* warnings = nullptr);
 
   // Multi-process: collects every process's rank times and events (Communicator::AllGather)
   // so that Summary and Events describe the whole world on every process. Collective; a no-op

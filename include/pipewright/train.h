@@ -83,7 +83,17 @@ struct StepResult {
   // gradient was not finite on some rank (weights and optimizer state unchanged).
   float loss_scale = 1.0f;
   bool skipped = false;
+  // Some process of the run had RequestStop() called before this step's agreement: every rank
+  // sees it after the same step, so a launcher's processes stop together.
+  bool stop_requested = false;
 };
+
+// Process-wide preemption request: the CLI's SIGTERM / SIGINT / SIGUSR1 handler calls
+// RequestStop (async-signal-safe: it sets an atomic flag); the next step agreement carries it to
+// every rank (StepResult::stop_requested). ClearStopRequest resets it (tests).
+void RequestStop();
+bool StopRequested();
+void ClearStopRequest();
 
 // pp = dp = 1 on the CPU: the Engine with a one-stage 1F1B program over `micro_batches`
 // micro-batches, in this thread's process.

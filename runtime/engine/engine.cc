@@ -336,6 +336,7 @@ absl::StatusOr<StepReport> Engine::Step() {
   rep.result.grad_norm = outcomes[0].grad_norm;
   rep.result.loss_scale = outcomes[0].loss_scale;
   rep.result.skipped = outcomes[0].skipped;
+  rep.result.stop_requested = outcomes[0].stop_requested;
   rep.result.lr = lr;
   rep.result.step_time_s = internal::Seconds(t0, Clock::now());
   rep.result.samples_per_s =
@@ -460,15 +461,18 @@ absl::Status Engine::Save(const std::string& dir) const {
   return WriteCheckpoint(dir, internal::BuildManifest(info), model, opt, sync);
 }
 
-absl::Status Engine::Resume(const std::string& dir) {
+absl::Status Engine::Resume(const std::string& dir, std::vector<std::string>* warnings) {
   Impl& m = *impl_;
   PW_ASSIGN_OR_RETURN(Checkpoint ck, ReadCheckpoint(dir));
+  if (warnings != nullptr) *warnings = ck.warnings;
   PW_ASSIGN_OR_RETURN(internal::ResumePoint at,
-                      internal::CheckManifest(dir, ck.manifest_json, m.graph, m.ctx.layout,
+                      internal::CheckManifest(ck.path, ck.manifest_json, m.graph, m.ctx.layout,
                                               m.options.optimizer.kind));
-  PW_RETURN_IF_ERROR(CheckGradSyncResume(dir, at, m.options.grad_compression, m.ctx.topo.dp));
+  PW_RETURN_IF_ERROR(CheckGradSyncResume(ck.path, at, m.options.grad_compression, m.ctx.topo.dp));
   // Validate every tensor of every rank before touching any weight or optimizer state.
-  for (auto& r : m.ranks) PW_RETURN_IF_ERROR(internal::CheckParameters(dir, ck.model, r->params));
+  for (auto& r : m.ranks) {
+    PW_RETURN_IF_ERROR(internal::CheckParameters(ck.path, ck.model, r->params));
+  }
   for (auto& r : m.ranks) {
     PW_RETURN_IF_ERROR(r->BindDevice());
     PW_RETURN_IF_ERROR(r->optimizer->LoadState(ck.optimizer, at.optimizer_step));
@@ -476,7 +480,8 @@ absl::Status Engine::Resume(const std::string& dir) {
       absl::Status s =
           r->grad_sync->LoadState(ck.grad_sync, absl::StrCat("replica", r->replica, "/"));
       if (!s.ok()) {
-        return absl::Status(s.code(), absl::StrCat(dir, "/grad_sync.safetensors: ", s.message()));
+        return absl::Status(s.code(),
+                            absl::StrCat(ck.path, "/grad_sync.safetensors: ", s.message()));
       }
     }
   }

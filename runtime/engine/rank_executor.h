@@ -54,6 +54,7 @@ struct StepOutcome {
   double loss = 0, grad_norm = 0;
   float loss_scale = 1.0f;
   bool skipped = false;
+  bool stop_requested = false;  // some rank's process had StopRequested() (train.h)
 };
 
 // Read-only state shared by every rank of one engine.

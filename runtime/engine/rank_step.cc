@@ -303,9 +303,9 @@ absl::Status RankExecutor::WeightBackward(StageRt& st, const Action& a, int inde
 // Note [Step agreement]. Every replica's micro-batch losses and every layer's squared gradient
 // norm go into one vector, each entry written by exactly one rank (zeros elsewhere, so the sum
 // is exact), summed over the world in a fixed order. Every rank then sees the same sums and
-// takes the same decision — clip by the same factor, step or skip — and keeps the same
-// loss-scaler state. The per-layer grouping of the norm is the one a single stage uses, so the
-// norm is bit-identical at any pipeline depth.
+// takes the same decision — clip by the same factor, step or skip, stop after this step or go
+// on — and keeps the same loss-scaler state. The per-layer grouping of the norm is the one a single
+// stage uses, so the norm is bit-identical at any pipeline depth.
 absl::Status RankExecutor::Agree(int64_t step, float lr, StepOutcome* out) {
   const Action a{ActionKind::kOptimizerStep, 0, 0};
   Clock::time_point t = Clock::now();
@@ -313,7 +313,8 @@ absl::Status RankExecutor::Agree(int64_t step, float lr, StepOutcome* out) {
   PW_RETURN_IF_ERROR(grad_sync->Finish());
   const int64_t M = ctx->layout.micro_batches, R = ctx->layout.replicas;
   const int64_t L = ctx->graph->num_layers();
-  Tensor v = Tensor::Zeros({R * M + L}, DType::kF64, host.get());
+  // The last entry counts the ranks whose process was asked to stop (train.h, RequestStop).
+  Tensor v = Tensor::Zeros({R * M + L + 1}, DType::kF64, host.get());
   double* d = v.data<double>();
   for (StageRt& st : stages) {
     if (st.last) {
@@ -326,8 +327,10 @@ absl::Status RankExecutor::Agree(int64_t step, float lr, StepOutcome* out) {
       }
     }
   }
+  d[R * M + L] = StopRequested() ? 1.0 : 0.0;
   PW_RETURN_IF_ERROR(AllReduceHost(v, "step agreement all-reduce"));
   Record(EventKind::kAllReduce, a, t);
+  out->stop_requested = d[R * M + L] > 0;
   double loss = 0, norm2 = 0;
   for (int64_t i = 0; i < R * M; ++i) loss += d[i];
   for (int64_t i = 0; i < L; ++i) norm2 += d[R * M + i];

@@ -239,6 +239,9 @@ def read_safetensors(torch, path):
 def load_checkpoint(torch, model, ckpt_dir, whole):
     """Copies the checkpoint's tensors into `model`; names and shapes must match exactly (and,
     for the whole model, the checkpoint may hold no other tensor)."""
+    if not os.path.exists(os.path.join(ckpt_dir, "manifest.json")):  # a checkpoint directory
+        with open(os.path.join(ckpt_dir, "latest")) as f:
+            ckpt_dir = os.path.join(ckpt_dir, f.read().strip())
     tensors = read_safetensors(torch, os.path.join(ckpt_dir, "model.safetensors"))
     own = dict(model.named_parameters())
     if whole and sorted(tensors) != sorted(own):

@@ -45,8 +45,16 @@ def pipewright_run(path, skip):
             "global_batch": G, "summary_samples_per_s": summary["samples_per_s"]}
 
 
+def checkpoint_dir(ckpt):
+    """A checkpoint, or the one a checkpoint directory's `latest` names (docs/checkpoint.md)."""
+    if not os.path.exists(os.path.join(ckpt, "manifest.json")):
+        with open(os.path.join(ckpt, "latest")) as f:
+            return os.path.join(ckpt, f.read().strip())
+    return ckpt
+
+
 def checkpoint_names(ckpt):
-    path = os.path.join(ckpt, "model.safetensors")
+    path = os.path.join(checkpoint_dir(ckpt), "model.safetensors")
     with open(path, "rb") as f:
         n = struct.unpack("<Q", f.read(8))[0]
         header = json.loads(f.read(n))

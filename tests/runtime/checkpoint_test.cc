@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -13,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/sha256.h"
 #include "tests/test_util.h"
 
 namespace pipewright {
@@ -245,7 +247,19 @@ TEST_F(CheckpointTest, CheckpointRoundTrip) {
 
   auto ckpt = ReadCheckpoint(dir);
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
-  EXPECT_EQ(ckpt->manifest_json, manifest);
+  // The manifest as given, plus each tensor file's size and SHA-256 (Note [Checkpoint digests]).
+  nlohmann::json m = nlohmann::json::parse(ckpt->manifest_json);
+  EXPECT_EQ(m["format"], "pipewright.checkpoint/v1");
+  EXPECT_EQ(m["step"], 7);
+  for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
+    ASSERT_TRUE(m["files"].contains(f)) << m.dump();
+    EXPECT_EQ(m["files"][f]["bytes"].get<uint64_t>(), fs::file_size(dir + "/" + f));
+    EXPECT_EQ(m["files"][f]["sha256"], Sha256Hex(ReadBytes(dir + "/" + f)));
+  }
+  EXPECT_EQ(ReadBytes(dir + "/manifest.json.sha256"),
+            Sha256Hex(ReadBytes(dir + "/manifest.json")) + "  manifest.json\n");
+  EXPECT_EQ(ckpt->path, dir);
+  EXPECT_TRUE(ckpt->warnings.empty());
   ASSERT_EQ(ckpt->model.size(), model.size());
   for (const auto& [name, t] : model) EXPECT_TRUE(SameBytes(t, ckpt->model.at(name))) << name;
   ASSERT_EQ(ckpt->optimizer.size(), opt.size());
@@ -257,6 +271,15 @@ TEST_F(CheckpointTest, MissingOptimizerFileGivesEmptyMap) {
   ASSERT_TRUE(
       WriteCheckpoint(dir, "{}", SampleTensors(), {{"m", Tensor::FromVector({1}, {1})}}).ok());
   fs::remove(dir + "/optimizer.safetensors");
+  // The manifest lists the file: its absence is damage, named.
+  auto damaged = ReadCheckpoint(dir);
+  EXPECT_EQ(damaged.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(damaged.status().message().find("optimizer.safetensors: listed in the manifest"),
+            std::string::npos)
+      << damaged.status();
+  // A checkpoint from before digests (no "files", no manifest.json.sha256) is read as it is.
+  WriteBytes(dir + "/manifest.json", "{}");
+  fs::remove(dir + "/manifest.json.sha256");
   auto ckpt = ReadCheckpoint(dir);
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
   EXPECT_TRUE(ckpt->optimizer.empty());
@@ -278,7 +301,7 @@ TEST_F(CheckpointTest, OverwriteReplacesFullyAndLeavesNoSiblings) {
 
   auto ckpt = ReadCheckpoint(dir);
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
-  EXPECT_EQ(ckpt->manifest_json, R"({"step": 2})");
+  EXPECT_EQ(nlohmann::json::parse(ckpt->manifest_json)["step"], 2);
   ASSERT_EQ(ckpt->model.size(), 1u);
   EXPECT_EQ(ckpt->model.at("only").ToVector(), (std::vector<float>{9.0f, 8.0f}));
   EXPECT_TRUE(ckpt->optimizer.empty());
@@ -323,6 +346,121 @@ TEST_F(CheckpointTest, ReadMissingCheckpointIsNotFound) {
   EXPECT_EQ(ReadCheckpoint(Path("does_not_exist")).status().code(), absl::StatusCode::kNotFound);
   fs::create_directories(Path("no_manifest"));
   EXPECT_EQ(ReadCheckpoint(Path("no_manifest")).status().code(), absl::StatusCode::kNotFound);
+}
+
+// ---- SHA-256 (FIPS 180-4 test vectors) ----
+
+TEST(Sha256, MatchesTheStandardsVectors) {
+  EXPECT_EQ(Sha256Hex(""), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  EXPECT_EQ(Sha256Hex("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  EXPECT_EQ(Sha256Hex("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq"),
+            "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+  EXPECT_EQ(Sha256Hex(std::string(1000000, 'a')),
+            "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
+}
+
+TEST(Sha256, PiecesGiveTheSameDigestAsTheWhole) {
+  std::string data;
+  for (int i = 0; i < 1000; ++i) data.push_back(static_cast<char>(i * 31 % 251));
+  for (size_t piece : {1u, 3u, 63u, 64u, 65u, 200u}) {
+    Sha256 h;
+    for (size_t i = 0; i < data.size(); i += piece) {
+      h.Update(data.data() + i, std::min(piece, data.size() - i));
+    }
+    EXPECT_EQ(h.HexDigest(), Sha256Hex(data)) << "pieces of " << piece;
+  }
+}
+
+// ---- checkpoint directories ----
+
+absl::Status SaveSample(const std::string& dir, int64_t step, int keep) {
+  return SaveCheckpointStep(dir, step, keep, [&](const std::string& path) {
+    const std::string manifest = "{\"step\": " + std::to_string(step) + "}";
+    return WriteCheckpoint(path, manifest, SampleTensors(),
+                           {{"m", Tensor::FromVector({1}, {static_cast<float>(step)})}});
+  });
+}
+
+int64_t StepRead(const absl::StatusOr<Checkpoint>& ck) {
+  return nlohmann::json::parse(ck->manifest_json)["step"].get<int64_t>();
+}
+
+TEST_F(CheckpointTest, StepCheckpointsKeepTheNewestAndPointAtTheLast) {
+  const std::string dir = Path("run");
+  for (int64_t step : {2, 4, 6, 8}) ASSERT_TRUE(SaveSample(dir, step, 2).ok());
+  std::vector<std::string> entries;
+  for (const auto& e : fs::directory_iterator(dir)) entries.push_back(e.path().filename());
+  std::sort(entries.begin(), entries.end());
+  EXPECT_EQ(entries, (std::vector<std::string>{"latest", "step-000006", "step-000008"}));
+  EXPECT_EQ(ReadBytes(dir + "/latest"), "step-000008\n");
+  auto ck = ReadCheckpoint(dir);
+  ASSERT_TRUE(ck.ok()) << ck.status();
+  EXPECT_EQ(StepRead(ck), 8);
+  EXPECT_EQ(ck->path, dir + "/step-000008");
+  EXPECT_EQ(*ResolveCheckpointDir(dir), dir + "/step-000008");
+  EXPECT_EQ(StepCheckpointName(1234567), "step-1234567");
+  // A single checkpoint is not a checkpoint directory to add steps to.
+  ASSERT_TRUE(WriteCheckpoint(Path("single"), "{}", SampleTensors(), {}).ok());
+  EXPECT_EQ(SaveSample(Path("single"), 1, 0).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// Any one flipped byte in the newest checkpoint is found, named, and the previous checkpoint is
+// used instead; with every checkpoint damaged, reading fails with each reason.
+TEST_F(CheckpointTest, AFlippedByteInAnyFileFallsBackToThePreviousCheckpoint) {
+  for (const char* file :
+       {"manifest.json", "manifest.json.sha256", "model.safetensors", "optimizer.safetensors"}) {
+    const std::string dir = Path(std::string("flip_") + file);
+    ASSERT_TRUE(SaveSample(dir, 3, 0).ok());
+    ASSERT_TRUE(SaveSample(dir, 5, 0).ok());
+    const std::string path = dir + "/step-000005/" + file;
+    std::string bytes = ReadBytes(path);
+    for (size_t at : {size_t{0}, bytes.size() / 2, bytes.size() - 1}) {
+      std::string damaged = bytes;
+      damaged[at] = static_cast<char>(damaged[at] ^ 0x04);
+      WriteBytes(path, damaged);
+      auto ck = ReadCheckpoint(dir);
+      ASSERT_TRUE(ck.ok()) << file << " byte " << at << ": " << ck.status();
+      EXPECT_EQ(StepRead(ck), 3) << file << " byte " << at;
+      ASSERT_EQ(ck->warnings.size(), 1u) << file;
+      const std::string named =
+          std::string(file) == "manifest.json.sha256" ? "manifest.json" : file;
+      EXPECT_NE(ck->warnings[0].find(dir + "/step-000005/" + named), std::string::npos)
+          << ck->warnings[0];
+      if (std::string(file).find("safetensors") != std::string::npos) {
+        EXPECT_NE(ck->warnings[0].find(path + ": SHA-256 mismatch"), std::string::npos)
+            << ck->warnings[0];
+      }
+    }
+    WriteBytes(path, bytes);
+    EXPECT_EQ(StepRead(ReadCheckpoint(dir)), 5) << "restored";
+  }
+  const std::string dir = Path("all_bad");
+  ASSERT_TRUE(SaveSample(dir, 1, 0).ok());
+  WriteBytes(dir + "/step-000001/model.safetensors", "garbage");
+  auto ck = ReadCheckpoint(dir);
+  EXPECT_EQ(ck.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(ck.status().message().find("model.safetensors"), std::string::npos) << ck.status();
+}
+
+TEST_F(CheckpointTest, DebrisOfInterruptedSavesIsRemoved) {
+  const std::string dir = Path("run");
+  ASSERT_TRUE(SaveSample(dir, 1, 0).ok());
+  for (const std::string& junk : {dir + "/step-000002.tmp-123-0", dir + "/step-000001.old-77",
+                                  Path("run.tmp-9-1"), Path("run.old-9")}) {
+    fs::create_directories(junk);
+    WriteBytes(junk + "/model.safetensors", "partial");
+  }
+  WriteBytes(dir + "/latest.tmp-55", "step-000002\n");
+  WriteBytes(dir + "/notes.txt", "mine");  // not debris: left alone
+  auto removed = RemoveCheckpointDebris(dir);
+  ASSERT_TRUE(removed.ok()) << removed.status();
+  EXPECT_EQ(removed->size(), 5u);
+  std::vector<std::string> left;
+  for (const auto& e : fs::directory_iterator(root_)) left.push_back(e.path().filename());
+  for (const auto& e : fs::directory_iterator(dir)) left.push_back(e.path().filename());
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left, (std::vector<std::string>{"latest", "notes.txt", "run", "step-000001"}));
+  EXPECT_EQ(StepRead(ReadCheckpoint(dir)), 1);
 }
 
 }  // namespace

@@ -2,10 +2,12 @@
 // codec of the bucketed all-reduce on its own, over a local world of threads, and in engine
 // runs with several replicas.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <string>
@@ -224,7 +226,8 @@ TEST(GradCompression, BadCombinationsAreRefused) {
 // same losses and weights bit for bit, because every replica's error buffers (and PowerSGD's Q)
 // are in the checkpoint.
 void ExpectResumeIsBitIdentical(GradCompression c) {
-  const std::string dir = ::testing::TempDir() + "/gc_resume_" + GradCompressionName(c);
+  const std::string dir = ::testing::TempDir() + "/gc_resume_" + GradCompressionName(c) + "_" +
+                          std::to_string(getpid());
   EngineSetup setup = CompressionSetup(2, 2, c);
   const TrainRun straight = Train(setup);
   ASSERT_EQ(straight.losses.size(), 6u);
@@ -253,6 +256,7 @@ void ExpectResumeIsBitIdentical(GradCompression c) {
     for (Parameter* p : (*e)->RankParameters(g)) ps.push_back(p->value.ToVector());
     EXPECT_EQ(ps, straight.params[g]) << GradCompressionName(c) << " rank " << g;
   }
+  std::filesystem::remove_all(dir);
 }
 
 TEST(GradCompressionCheckpoint, Bf16ResumesBitIdentically) {
@@ -266,7 +270,7 @@ TEST(GradCompressionCheckpoint, PowerSgdResumesBitIdentically) {
 // The state resumes only into the same compression and dp (anything else would drop it); an
 // uncompressed checkpoint starts a compressed run from fresh state.
 TEST(GradCompressionCheckpoint, StateResumesOnlyIntoTheSameSettings) {
-  const std::string dir = ::testing::TempDir() + "/gc_mismatch";
+  const std::string dir = ::testing::TempDir() + "/gc_mismatch_" + std::to_string(getpid());
   {
     auto e = MakeEngine(Tiny(), CompressionSetup(1, 2, GradCompression::PowerSgd(2)));
     ASSERT_TRUE(e.ok()) << e.status();
@@ -281,7 +285,7 @@ TEST(GradCompressionCheckpoint, StateResumesOnlyIntoTheSameSettings) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_NE(s.message().find("powersgd:2"), std::string::npos) << s;
   }
-  const std::string plain = ::testing::TempDir() + "/gc_plain";
+  const std::string plain = ::testing::TempDir() + "/gc_plain_" + std::to_string(getpid());
   {
     auto e = MakeEngine(Tiny(), CompressionSetup(1, 2, GradCompression::None()));
     ASSERT_TRUE(e.ok()) << e.status();
@@ -292,6 +296,8 @@ TEST(GradCompressionCheckpoint, StateResumesOnlyIntoTheSameSettings) {
   ASSERT_TRUE(e.ok()) << e.status();
   EXPECT_TRUE((*e)->Resume(plain).ok());
   EXPECT_TRUE((*e)->Step().ok());
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove_all(plain);
 }
 
 // ---- PowerSGD ----

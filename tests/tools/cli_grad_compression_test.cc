@@ -1,6 +1,7 @@
 // `pipewright train --grad-compression` from the command line.
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -87,7 +88,8 @@ TEST(CliGradCompression, BadCombinationsAreUsageErrors) {
 // A compressed run checkpoints its error-feedback state and resumes it; a resume under another
 // compression is refused with the reason.
 TEST(CliGradCompression, SaveAndResumeCarryTheState) {
-  const std::string dir = ::testing::TempDir() + "/cli_gc_save";
+  const std::string dir = TempPath("gc_save_" + std::to_string(getpid()));
+  std::filesystem::remove_all(dir);
   const std::string base =
       "train --preset gpt-tiny --micro-batch-size 2 --dp 2 --seed 7 --grad-compression "
       "powersgd:2 ";
@@ -101,6 +103,7 @@ TEST(CliGradCompression, SaveAndResumeCarryTheState) {
       dir);
   EXPECT_NE(other.exit_code, 0);
   EXPECT_NE(other.err.find("powersgd:2"), std::string::npos) << other.err;
+  if (!HasFailure()) std::filesystem::remove_all(dir);
 }
 
 }  // namespace

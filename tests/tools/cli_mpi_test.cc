@@ -2,7 +2,9 @@
 // losses bit for bit, a world size that does not match the layout rejected on every rank, and
 // a rank that fails mid-step ending the whole job with its error instead of a hang.
 #include <gtest/gtest.h>
+#include <signal.h>
 
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -59,8 +61,43 @@ TEST(CliMpi, GradCompressionMatchesTheInProcessRun) {
     ASSERT_TRUE(lines.back().contains("summary")) << mpi.out;
     const double ratio = lines.back()["summary"]["grad_compression_ratio"].get<double>();
     EXPECT_EQ(ratio, local_lines.back()["summary"]["grad_compression_ratio"].get<double>()) << c;
-    if (std::string(c) == "bf16") EXPECT_EQ(ratio, 2.0) << mpi.out;
+    if (std::string(c) == "bf16") {
+      EXPECT_EQ(ratio, 2.0) << mpi.out;
+    }
   }
+}
+
+// Preemption under mpirun (docs/runtime.md, Note [Preemption]): SIGUSR1 to mpirun reaches every
+// process; the step agreement makes them stop after the same step and the job exits 0 with the
+// summary. (mpirun ends the job itself on SIGTERM; Slurm's srun sends SIGTERM to each task.)
+TEST(CliMpi, Sigusr1StopsEveryProcessAfterTheSameStep) {
+  const std::string out = TempPath("mpi_stop_out_" + std::to_string(getpid()));
+  const std::string err = TempPath("mpi_stop_err_" + std::to_string(getpid()));
+  const std::string env =
+      "env OMPI_MCA_btl=self,vader OMPI_MCA_btl_vader_single_copy_mechanism=none "
+      "OMPI_MCA_pml=ob1 OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_ALLOW_RUN_AS_ROOT=1 "
+      "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ";
+  const std::string launcher =
+      env + PIPEWRIGHT_MPIEXEC + " " + PIPEWRIGHT_MPIEXEC_FLAGS + " -np 4 " + Bin();
+  pid_t pid = SpawnWith(launcher,
+                        "train --preset gpt-tiny --micro-batch-size 2 --seed 7 --json --timeout 30 "
+                        "--pp 2 --dp 2 --micro-batches 4 --steps 100000",
+                        out, err);
+  if (!WaitForSteps(out, 3, std::chrono::seconds(120), pid)) {
+    kill(pid, SIGKILL);
+    Reap(pid);
+    FAIL() << ReadAll(err);
+  }
+  kill(pid, SIGUSR1);
+  EXPECT_EQ(Reap(pid), 0) << ReadAll(err);
+  const std::string text = ReadAll(out);
+  const size_t steps = StepLosses(text).size();
+  EXPECT_NE(ReadAll(err).find("stopped by request after step " + std::to_string(steps)),
+            std::string::npos)
+      << ReadAll(err);
+  EXPECT_NE(text.find("\"summary\""), std::string::npos) << "every process gathered reports";
+  std::filesystem::remove(out);
+  std::filesystem::remove(err);
 }
 
 TEST(CliMpi, FourProcessPipelineAndTwoProcessZeroBubbleMatch) {

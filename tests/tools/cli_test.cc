@@ -209,9 +209,14 @@ TEST(Cli, TrainJsonLossFallsAndSaves) {
   for (int i = 0; i < 5; ++i) first += losses[i] / 5, last += losses[55 + i] / 5;
   EXPECT_LT(last, 0.8 * first);
   ASSERT_TRUE(lines.back().contains("summary"));
-  EXPECT_TRUE(std::filesystem::exists(dir + "/manifest.json"));
-  EXPECT_TRUE(std::filesystem::exists(dir + "/model.safetensors"));
-  auto manifest = nlohmann::json::parse(std::ifstream(dir + "/manifest.json"));
+  // --save DIR is a checkpoint directory: DIR/step-000060 and DIR/latest naming it.
+  std::string latest;
+  std::getline(std::ifstream(dir + "/latest"), latest);
+  EXPECT_EQ(latest, "step-000060");
+  const std::string ck = dir + "/" + latest;
+  EXPECT_TRUE(std::filesystem::exists(ck + "/manifest.json"));
+  EXPECT_TRUE(std::filesystem::exists(ck + "/model.safetensors"));
+  auto manifest = nlohmann::json::parse(std::ifstream(ck + "/manifest.json"));
   EXPECT_EQ(manifest["format"], "pipewright.checkpoint/v1");
   EXPECT_EQ(manifest["step"], 60);
 
@@ -251,11 +256,12 @@ TEST(Cli, ResumeFromBadCheckpointFails) {
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("manifest"), std::string::npos) << r.err;
 
+  // A damaged manifest (its SHA-256 no longer matches) and no other checkpoint: nothing usable.
   ASSERT_EQ(RunCli("train --steps 1 --save " + dir).exit_code, 0);
-  std::ofstream(dir + "/manifest.json") << "{not json";
+  std::ofstream(dir + "/step-000001/manifest.json") << "{not json";
   r = RunCli("train --steps 2 --resume " + dir);
-  EXPECT_EQ(r.exit_code, 2);
-  EXPECT_NE(r.err.find("manifest.json"), std::string::npos) << r.err;
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("step-000001/manifest.json: SHA-256 mismatch"), std::string::npos) << r.err;
 
   // A checkpoint of another model is refused by fingerprint.
   ASSERT_EQ(RunCli("train --preset mlp --steps 1 --save " + dir).exit_code, 0);

@@ -7,12 +7,15 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 namespace pipewright::cli_test {
@@ -77,6 +80,73 @@ inline std::vector<double> Losses(const std::vector<nlohmann::json>& lines) {
 
 // The per-step losses of a `train --json` run.
 inline std::vector<double> Losses(const Result& r) { return Losses(JsonLines(r.out)); }
+
+// (step, loss) of each complete JSON step line; a line cut short by a kill is ignored.
+inline std::vector<std::pair<int, double>> StepLosses(const std::string& text) {
+  std::vector<std::pair<int, double>> out;
+  size_t start = 0;
+  while (start < text.size()) {
+    size_t end = text.find('\n', start);
+    if (end == std::string::npos) break;  // no newline: cut short
+    auto j = nlohmann::json::parse(text.substr(start, end - start), nullptr, false);
+    if (!j.is_discarded() && j.contains("loss") && j.contains("step")) {
+      out.emplace_back(j["step"].get<int>(), j["loss"].get<double>());
+    }
+    start = end + 1;
+  }
+  return out;
+}
+
+inline std::string ReadAll(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// Starts `command args` (the binary, or a launcher line ending with it) with stdout and stderr
+// to files, without waiting; returns the pid of `command` itself (signals reach it).
+inline pid_t SpawnWith(const std::string& command, const std::string& args, const std::string& out,
+                       const std::string& err) {
+  const std::string cmd = "exec " + command + " " + args + " >" + out + " 2>" + err;
+  pid_t pid = fork();
+  if (pid == 0) {
+    execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  return pid;
+}
+
+// Waits for `pid`; its exit code, or 128 + the signal that ended it.
+inline int Reap(pid_t pid) {
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+// Whether process `pid` has ended (a zombie not yet reaped counts as ended).
+inline bool Ended(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return true;
+  const size_t paren = line.rfind(')');
+  return paren == std::string::npos || paren + 2 >= line.size() || line[paren + 2] == 'Z';
+}
+
+// Waits until `path` holds at least `lines` step lines; false when `limit` passes first or
+// process `pid` (when > 0) ends first.
+inline bool WaitForSteps(const std::string& path, size_t lines, std::chrono::seconds limit,
+                         pid_t pid = 0) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < end) {
+    if (StepLosses(ReadAll(path)).size() >= lines) return true;
+    if (pid > 0 && Ended(pid)) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return false;
+}
+
+inline pid_t Spawn(const std::string& args, const std::string& out, const std::string& err) {
+  return SpawnWith(Bin(), args, out, err);
+}
 
 }  // namespace pipewright::cli_test
 

@@ -1,0 +1,204 @@
+// Long runs that survive (issue 16): periodic checkpoints into a checkpoint directory, resume
+// from its newest verified checkpoint, preemption by signal, and runs killed at random moments.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tests/tools/cli_util.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using namespace pipewright::cli_test;
+
+// A fresh directory of its own per test, removed when the test passes.
+class CliCheckpoint : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    root_ = TempPath(std::string("ckpt_") +
+                     ::testing::UnitTest::GetInstance()->current_test_info()->name() + "_" +
+                     std::to_string(getpid()));
+    fs::remove_all(root_);
+    fs::create_directories(root_);
+  }
+  void TearDown() override {
+    if (!HasFailure()) fs::remove_all(root_);
+  }
+  std::string Path(const std::string& name) const { return root_ + "/" + name; }
+  std::string root_;
+};
+
+std::string Latest(const std::string& dir) {
+  std::string line;
+  std::getline(std::ifstream(dir + "/latest"), line);
+  return line;
+}
+
+std::vector<std::string> Entries(const std::string& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) out.push_back(e.path().filename());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+const std::string kTrain = "train --preset gpt-tiny --micro-batches 2 --seed 5 --json ";
+
+TEST_F(CliCheckpoint, SaveEveryKeepsTheNewestAndResumeAutoContinues) {
+  const std::string dir = Path("run");
+  Result r = RunCli(kTrain + "--steps 7 --save-every 2 --keep 2 --save " + dir);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  // Saved after steps 2, 4, 6 and at the end (7); the newest two are kept.
+  EXPECT_EQ(Entries(dir), (std::vector<std::string>{"latest", "step-000006", "step-000007"}));
+  EXPECT_EQ(Latest(dir), "step-000007");
+  for (const char* f :
+       {"manifest.json", "manifest.json.sha256", "model.safetensors", "optimizer.safetensors"}) {
+    EXPECT_TRUE(fs::exists(dir + "/step-000007/" + f)) << f;
+  }
+  Result more = RunCli(kTrain + "--steps 9 --save " + dir + " --resume auto");
+  ASSERT_EQ(more.exit_code, 0) << more.err;
+  auto steps = StepLosses(more.out);
+  ASSERT_EQ(steps.size(), 2u);
+  EXPECT_EQ(steps[0].first, 7);
+  EXPECT_EQ(Latest(dir), "step-000009");
+
+  Result fresh = RunCli(kTrain + "--steps 1 --save " + Path("empty") + " --resume auto");
+  ASSERT_EQ(fresh.exit_code, 0) << fresh.err;
+  EXPECT_NE(fresh.err.find("starting at step 0"), std::string::npos) << fresh.err;
+}
+
+TEST_F(CliCheckpoint, FlagsThatNeedSaveAreUsageErrors) {
+  for (const char* flags : {"--save-every 2", "--keep 3", "--resume auto"}) {
+    Result r = RunCli(kTrain + "--steps 1 " + flags);
+    EXPECT_EQ(r.exit_code, 2) << flags;
+    EXPECT_NE(r.err.find("needs --save"), std::string::npos) << r.err;
+  }
+  Result r = RunCli(kTrain + "--steps 1 --save-every -1 --save " + Path("x"));
+  EXPECT_EQ(r.exit_code, 2);
+}
+
+// A flipped byte in the newest checkpoint: named on stderr, and the previous one resumed.
+TEST_F(CliCheckpoint, DamagedNewestCheckpointFallsBackWithAWarning) {
+  const std::string dir = Path("run");
+  ASSERT_EQ(RunCli(kTrain + "--steps 4 --save-every 2 --save " + dir).exit_code, 0);
+  const std::string file = dir + "/step-000004/optimizer.safetensors";
+  std::string bytes = ReadAll(file);
+  bytes[bytes.size() / 2] ^= 0x10;
+  std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes;
+  Result r = RunCli(kTrain + "--steps 6 --resume " + dir);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find(file + ": SHA-256 mismatch"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("resuming from " + dir + "/step-000002"), std::string::npos) << r.err;
+  auto steps = StepLosses(r.out);
+  ASSERT_FALSE(steps.empty());
+  EXPECT_EQ(steps[0].first, 2);
+}
+
+// SIGTERM: the step in flight finishes, a checkpoint of it is saved, the run exits 0; resuming
+// it gives the uninterrupted run's losses bit for bit. A second signal exits at once.
+TEST_F(CliCheckpoint, SigtermSavesExitsZeroAndResumesBitIdentically) {
+  const std::string common = kTrain + "--steps 60 ";
+  Result full = RunCli(common);
+  ASSERT_EQ(full.exit_code, 0) << full.err;
+  auto want = StepLosses(full.out);
+  ASSERT_EQ(want.size(), 60u);
+
+  const std::string dir = Path("run"), out = Path("out.txt"), err = Path("err.txt");
+  pid_t pid = Spawn(common + "--save " + dir, out, err);
+  ASSERT_TRUE(WaitForSteps(out, 5, std::chrono::seconds(60))) << ReadAll(err);
+  kill(pid, SIGTERM);
+  EXPECT_EQ(Reap(pid), 0) << ReadAll(err);
+  auto first = StepLosses(ReadAll(out));
+  ASSERT_GE(first.size(), 5u);
+  ASSERT_LT(first.size(), 60u) << "the run ended before the signal";
+  const std::string stopped = ReadAll(err);
+  EXPECT_NE(stopped.find("stopped by request after step " + std::to_string(first.size())),
+            std::string::npos)
+      << stopped;
+  char name[32];
+  std::snprintf(name, sizeof(name), "step-%06zu", first.size());
+  EXPECT_EQ(Latest(dir), name);
+
+  Result rest = RunCli(common + "--resume " + dir);
+  ASSERT_EQ(rest.exit_code, 0) << rest.err;
+  auto second = StepLosses(rest.out);
+  first.insert(first.end(), second.begin(), second.end());
+  EXPECT_EQ(first, want);
+
+  // Two signals while a (slowed) step runs: the second ends the process at once.
+  pid = Spawn(common + "--data-delay-us 300000 --save " + Path("run2"), out, err);
+  ASSERT_TRUE(WaitForSteps(out, 1, std::chrono::seconds(60))) << ReadAll(err);
+  kill(pid, SIGTERM);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  kill(pid, SIGTERM);
+  EXPECT_EQ(Reap(pid), 128 + SIGTERM) << ReadAll(err);
+}
+
+// Issue 16's crash test: a run saving every step is killed with SIGKILL at random moments, at
+// least 30 times, and restarted each time with --resume auto. Every restart must resume from the
+// checkpoint `latest` named when it started and reproduce the uninterrupted run's losses bit for
+// bit; at the end no debris of the interrupted saves is left.
+TEST_F(CliCheckpoint, KilledAtRandomMomentsEveryResumeContinuesBitIdentically) {
+  constexpr int kSteps = 400, kKills = 32;
+  const std::string common = kTrain + "--steps " + std::to_string(kSteps) + " ";
+  Result full = RunCli(common);
+  ASSERT_EQ(full.exit_code, 0) << full.err;
+  auto want = StepLosses(full.out);
+  ASSERT_EQ(want.size(), static_cast<size_t>(kSteps));
+
+  const std::string dir = Path("run"), out = Path("out.txt"), err = Path("err.txt");
+  const std::string args = common + "--save-every 1 --keep 3 --resume auto --save " + dir;
+  std::mt19937 rng(16);
+  std::uniform_int_distribution<int> delay_ms(30, 600);
+  int kills = 0, resumed_runs = 0;
+  bool finished = false;
+  for (int attempt = 0; attempt < 4 * kKills && !finished; ++attempt) {
+    const std::string before = fs::exists(dir + "/latest") ? Latest(dir) : "";
+    const int start = before.empty() ? 0 : std::stoi(before.substr(5));
+    pid_t pid = Spawn(args, out, err);
+    const bool kill_it = kills < kKills;
+    if (kill_it) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms(rng)));
+      kill(pid, SIGKILL);
+    }
+    const int code = Reap(pid);
+    auto got = StepLosses(ReadAll(out));
+    if (code == 128 + SIGKILL) {
+      ++kills;
+    } else {
+      ASSERT_EQ(code, 0) << ReadAll(err);
+      finished = true;
+    }
+    if (!got.empty()) {
+      ++resumed_runs;
+      EXPECT_EQ(got.front().first, start) << "run " << attempt << " did not resume from " << before;
+    }
+    for (const auto& [step, loss] : got) {
+      ASSERT_LT(step, kSteps);
+      EXPECT_EQ(loss, want[step].second) << "run " << attempt << ", step " << step;
+    }
+    if (HasFailure()) return;
+  }
+  ASSERT_TRUE(finished);
+  EXPECT_GE(kills, kKills);
+  EXPECT_GE(resumed_runs, kKills / 2) << "most kills landed before the first step";
+  EXPECT_EQ(Latest(dir), "step-000400");
+  // --keep 3, nothing left by the interrupted saves (removed at each start, none since).
+  EXPECT_EQ(Entries(dir),
+            (std::vector<std::string>{"latest", "step-000398", "step-000399", "step-000400"}));
+  for (const std::string& e : Entries(root_)) {
+    EXPECT_EQ(e.find(".tmp-"), std::string::npos) << e;
+    EXPECT_EQ(e.find(".old-"), std::string::npos) << e;
+  }
+}
+
+}  // namespace
