@@ -469,16 +469,10 @@ absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path, Allocat
   return out;
 }
 
-absl::Status WriteCheckpoint(const std::string& dir, const std::string& manifest_json,
-                             const NamedTensors& model, const NamedTensors& optimizer,
-                             const NamedTensors& grad_sync) {
-  static std::atomic<uint64_t> counter{0};
-  const fs::path target = NormalizeDir(dir);
-  const std::string target_str = target.string();
-  const std::string pid = std::to_string(static_cast<long>(::getpid()));
-  const std::string tmp = absl::StrCat(target_str, ".tmp-", pid, "-", counter.fetch_add(1));
-  const std::string old = absl::StrCat(target_str, ".old-", pid);
+namespace {
 
+// Creates the parent of `target` and a fresh, empty `tmp` beside it.
+absl::Status MakeTempDir(const fs::path& target, const std::string& tmp) {
   std::error_code ec;
   const fs::path parent = target.has_parent_path() ? target.parent_path() : fs::path(".");
   if (!parent.empty()) {
@@ -490,37 +484,42 @@ absl::Status WriteCheckpoint(const std::string& dir, const std::string& manifest
   }
   fs::remove_all(tmp, ec);
   if (::mkdir(tmp.c_str(), 0755) != 0) return ErrnoStatus(errno, "cannot create directory", tmp);
+  return absl::OkStatus();
+}
 
-  // The tensor files first, then the manifest with their digests (Note [Checkpoint digests]),
-  // then the manifest's own digest.
-  auto write_all = [&]() -> absl::Status {
-    json manifest = json::parse(manifest_json, nullptr, false);
-    if (manifest.is_discarded() || !manifest.is_object()) {
-      return absl::InvalidArgumentError("WriteCheckpoint: the manifest is not a JSON object");
-    }
-    std::vector<std::pair<std::string, const NamedTensors*>> files = {
-        {"model.safetensors", &model}, {"optimizer.safetensors", &optimizer}};
-    if (!grad_sync.empty()) files.emplace_back("grad_sync.safetensors", &grad_sync);
-    json digests = json::object();
-    for (const auto& [name, tensors] : files) {
-      FileDigest d;
-      PW_RETURN_IF_ERROR(WriteSafetensorsFile(tmp + "/" + name, *tensors, {}, &d));
-      digests[name] = {{"bytes", d.bytes}, {"sha256", d.sha256}};
-    }
-    manifest["files"] = std::move(digests);
-    const std::string text = manifest.dump(2);
-    PW_RETURN_IF_ERROR(WriteFileSynced(tmp + "/manifest.json", {{text.data(), text.size()}}));
-    const std::string line = absl::StrCat(Sha256Hex(text), "  manifest.json\n");
-    PW_RETURN_IF_ERROR(
-        WriteFileSynced(tmp + "/manifest.json.sha256", {{line.data(), line.size()}}));
-    PW_RETURN_IF_ERROR(FsyncDir(tmp));
-    return absl::OkStatus();
-  };
-  if (absl::Status s = write_all(); !s.ok()) {
-    fs::remove_all(tmp, ec);
-    return s;
+// Writes `files` into `tmp`, each fsync'ed; their digests into `digests` (name -> {bytes, sha256}).
+absl::Status WriteTensorFiles(const std::string& tmp,
+                              const std::vector<std::pair<std::string, const NamedTensors*>>& files,
+                              json* digests) {
+  for (const auto& [name, tensors] : files) {
+    FileDigest d;
+    PW_RETURN_IF_ERROR(WriteSafetensorsFile(tmp + "/" + name, *tensors, {}, &d));
+    (*digests)[name] = {{"bytes", d.bytes}, {"sha256", d.sha256}};
   }
+  return absl::OkStatus();
+}
 
+// The manifest with `digests` as its "files", then the manifest's own digest, then an fsync of
+// `tmp` (Note [Checkpoint digests]).
+absl::Status WriteManifest(const std::string& tmp, const std::string& manifest_json, json digests) {
+  json manifest = json::parse(manifest_json, nullptr, false);
+  if (manifest.is_discarded() || !manifest.is_object()) {
+    return absl::InvalidArgumentError("WriteCheckpoint: the manifest is not a JSON object");
+  }
+  manifest["files"] = std::move(digests);
+  const std::string text = manifest.dump(2);
+  PW_RETURN_IF_ERROR(WriteFileSynced(tmp + "/manifest.json", {{text.data(), text.size()}}));
+  const std::string line = absl::StrCat(Sha256Hex(text), "  manifest.json\n");
+  PW_RETURN_IF_ERROR(WriteFileSynced(tmp + "/manifest.json.sha256", {{line.data(), line.size()}}));
+  return FsyncDir(tmp);
+}
+
+// Renames the complete `tmp` over `target`: an existing checkpoint there is moved aside to
+// `old` first and removed only after the rename and the parent's fsync.
+absl::Status CommitDir(const std::string& tmp, const fs::path& target, const std::string& old) {
+  std::error_code ec;
+  const std::string target_str = target.string();
+  const fs::path parent = target.has_parent_path() ? target.parent_path() : fs::path(".");
   bool had_old = false;
   if (fs::exists(target, ec)) {
     fs::remove_all(old, ec);
@@ -544,6 +543,96 @@ absl::Status WriteCheckpoint(const std::string& dir, const std::string& manifest
       return absl::InternalError(
           absl::StrCat("checkpoint written, but cannot remove '", old, "': ", ec.message()));
     }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status WriteCheckpoint(const std::string& dir, const std::string& manifest_json,
+                             const NamedTensors& model, const NamedTensors& optimizer,
+                             const NamedTensors& grad_sync) {
+  static std::atomic<uint64_t> counter{0};
+  const fs::path target = NormalizeDir(dir);
+  const std::string pid = std::to_string(static_cast<long>(::getpid()));
+  const std::string tmp = absl::StrCat(target.string(), ".tmp-", pid, "-", counter.fetch_add(1));
+  PW_RETURN_IF_ERROR(MakeTempDir(target, tmp));
+  std::vector<std::pair<std::string, const NamedTensors*>> files = {
+      {"model.safetensors", &model}, {"optimizer.safetensors", &optimizer}};
+  if (!grad_sync.empty()) files.emplace_back("grad_sync.safetensors", &grad_sync);
+  json digests = json::object();
+  absl::Status s = WriteTensorFiles(tmp, files, &digests);
+  if (s.ok()) s = WriteManifest(tmp, manifest_json, std::move(digests));
+  if (!s.ok()) {
+    std::error_code ec;
+    fs::remove_all(tmp, ec);
+    return s;
+  }
+  return CommitDir(tmp, target, absl::StrCat(target.string(), ".old-", pid));
+}
+
+// Note [Collective checkpoints]. Under a launcher each process holds only its own ranks, so each
+// writes its own files into one shared temporary directory (DIR.tmp-shared: the same name in
+// every process, created fresh by the root before anyone writes), and the root writes the
+// manifest, with every process's digests, only after all of them report their files durable;
+// then it renames the directory into place exactly as WriteCheckpoint does. Three exchanges
+// order it: the directory exists; every file is written (or which process failed and why); the
+// commit's outcome, so every process returns the same status. A crash at any point leaves the
+// old checkpoint and DIR.tmp-shared debris, which RemoveCheckpointDebris clears.
+absl::Status WriteCheckpointCollective(
+    const std::string& dir, const std::string& manifest_json,
+    const std::vector<std::pair<std::string, const NamedTensors*>>& files, bool root,
+    const CheckpointExchange& exchange) {
+  const fs::path target = NormalizeDir(dir);
+  const std::string tmp = target.string() + ".tmp-shared";
+  // 1: the root makes the directory; everyone learns whether it could.
+  std::string made = "ok";
+  if (root) {
+    absl::Status s = MakeTempDir(target, tmp);
+    if (!s.ok()) made = std::string(s.message());
+  }
+  PW_ASSIGN_OR_RETURN(std::vector<std::string> step1, exchange(made));
+  for (const std::string& m : step1) {
+    if (m != "ok") return absl::InternalError(absl::StrCat("checkpoint '", dir, "': ", m));
+  }
+  // 2: every process writes its files; the root gathers the digests (or the errors).
+  json mine = json::object();
+  absl::Status wrote = WriteTensorFiles(tmp, files, &mine);
+  const std::string report = wrote.ok() ? mine.dump() : "error: " + std::string(wrote.message());
+  PW_ASSIGN_OR_RETURN(std::vector<std::string> reports, exchange(report));
+  // 3: the root writes the manifest and commits; everyone learns the outcome.
+  std::string outcome = "ok";
+  if (root) {
+    absl::Status s = absl::OkStatus();
+    json digests = json::object();
+    for (size_t p = 0; p < reports.size() && s.ok(); ++p) {
+      if (absl::StartsWith(reports[p], "error: ")) {
+        s = absl::InternalError(absl::StrCat("process ", p, ": ", reports[p].substr(7)));
+        break;
+      }
+      json d = json::parse(reports[p], nullptr, false);
+      for (const auto& [name, v] : d.items()) {
+        if (digests.contains(name)) {
+          s = absl::InternalError(absl::StrCat("two processes wrote '", name, "'"));
+          break;
+        }
+        digests[name] = v;
+      }
+    }
+    if (s.ok()) s = WriteManifest(tmp, manifest_json, std::move(digests));
+    if (s.ok()) {
+      s = CommitDir(tmp, target,
+                    absl::StrCat(target.string(), ".old-", static_cast<long>(::getpid())));
+    } else {
+      std::error_code ec;
+      fs::remove_all(tmp, ec);
+    }
+    if (!s.ok()) outcome = std::string(s.message());
+  }
+  PW_ASSIGN_OR_RETURN(std::vector<std::string> outcomes, exchange(outcome));
+  if (!wrote.ok()) return wrote;
+  for (const std::string& o : outcomes) {
+    if (o != "ok") return absl::InternalError(absl::StrCat("checkpoint '", dir, "': ", o));
   }
   return absl::OkStatus();
 }
@@ -607,6 +696,35 @@ absl::Status VerifyDigests(const fs::path& root, const std::string& manifest_tex
   return absl::OkStatus();
 }
 
+// The tensors of `kind` ("model", "optimizer", "grad_sync") by name, from KIND.safetensors (one
+// process's checkpoint) and every KIND-*.safetensors (the shards of a collective one: Note
+// [Collective checkpoints]); empty when there is none. A name in two files is DataLoss.
+absl::StatusOr<std::map<std::string, Tensor>> ReadShards(const fs::path& root,
+                                                         const std::string& kind,
+                                                         Allocator* allocator) {
+  std::vector<std::string> names;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(root, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n == kind + ".safetensors" ||
+        (absl::StartsWith(n, kind + "-") && absl::EndsWith(n, ".safetensors"))) {
+      names.push_back(n);
+    }
+  }
+  std::sort(names.begin(), names.end());
+  std::map<std::string, Tensor> out;
+  for (const std::string& n : names) {
+    PW_ASSIGN_OR_RETURN(SafetensorsFile f, ReadSafetensors((root / n).string(), allocator));
+    for (auto& [name, t] : f.tensors) {
+      if (!out.emplace(name, std::move(t)).second) {
+        return absl::DataLossError(absl::StrCat((root / n).string(), ": tensor '", name,
+                                                "' is also in another ", kind, " file"));
+      }
+    }
+  }
+  return out;
+}
+
 // One checkpoint directory (manifest.json and its tensor files), verified.
 absl::StatusOr<Checkpoint> ReadOneCheckpoint(const fs::path& root, Allocator* allocator) {
   std::error_code ec;
@@ -618,19 +736,13 @@ absl::StatusOr<Checkpoint> ReadOneCheckpoint(const fs::path& root, Allocator* al
   ckpt.path = root.string();
   PW_ASSIGN_OR_RETURN(ckpt.manifest_json, ReadTextFile(manifest_path));
   PW_RETURN_IF_ERROR(VerifyDigests(root, ckpt.manifest_json));
-  PW_ASSIGN_OR_RETURN(SafetensorsFile model,
-                      ReadSafetensors((root / "model.safetensors").string(), allocator));
-  ckpt.model = std::move(model.tensors);
-  const std::string opt_path = (root / "optimizer.safetensors").string();
-  if (fs::exists(opt_path, ec)) {
-    PW_ASSIGN_OR_RETURN(SafetensorsFile opt, ReadSafetensors(opt_path, allocator));
-    ckpt.optimizer = std::move(opt.tensors);
+  PW_ASSIGN_OR_RETURN(ckpt.model, ReadShards(root, "model", allocator));
+  if (ckpt.model.empty() && !fs::exists(root / "model.safetensors", ec)) {
+    return absl::NotFoundError(
+        absl::StrCat("'", (root / "model.safetensors").string(), "' not found"));
   }
-  const std::string sync_path = (root / "grad_sync.safetensors").string();
-  if (fs::exists(sync_path, ec)) {
-    PW_ASSIGN_OR_RETURN(SafetensorsFile sync, ReadSafetensors(sync_path, allocator));
-    ckpt.grad_sync = std::move(sync.tensors);
-  }
+  PW_ASSIGN_OR_RETURN(ckpt.optimizer, ReadShards(root, "optimizer", allocator));
+  PW_ASSIGN_OR_RETURN(ckpt.grad_sync, ReadShards(root, "grad_sync", allocator));
   return ckpt;
 }
 
@@ -774,7 +886,8 @@ absl::StatusOr<std::vector<std::string>> RemoveCheckpointDebris(const std::strin
 }
 
 absl::Status SaveCheckpointStep(const std::string& dir, int64_t step, int keep,
-                                const std::function<absl::Status(const std::string&)>& write) {
+                                const std::function<absl::Status(const std::string&)>& write,
+                                bool is_root) {
   std::error_code ec;
   const fs::path root = NormalizeDir(dir);
   if (fs::exists(root / "manifest.json", ec)) {
@@ -790,6 +903,7 @@ absl::Status SaveCheckpointStep(const std::string& dir, int64_t step, int keep,
   }
   const std::string name = StepCheckpointName(step);
   PW_RETURN_IF_ERROR(write((root / name).string()));
+  if (!is_root) return absl::OkStatus();
   // The pointer: written beside, fsync'ed, renamed over (atomic), the directory fsync'ed.
   const std::string latest = (root / kLatest).string();
   const std::string tmp = absl::StrCat(latest, ".tmp-", static_cast<long>(::getpid()));

@@ -236,8 +236,8 @@ absl::StatusOr<RunSpec> RunFromFlags(const TrainFlags& f, const LoadedModel& mod
 // The engine's checkpoint as DIR/step-NNNNNN of --save DIR, DIR/latest then naming it, and all
 // but the newest --keep removed (docs/checkpoint.md, "Checkpoint directories").
 absl::Status SaveStep(const Engine& t, const TrainFlags& f) {
-  return SaveCheckpointStep(f.save, t.step(), f.keep,
-                            [&](const std::string& path) { return t.Save(path); });
+  return SaveCheckpointStep(
+      f.save, t.step(), f.keep, [&](const std::string& path) { return t.Save(path); }, t.is_root());
 }
 
 // Note [Preemption]. SIGTERM, SIGINT and SIGUSR1 (what Slurm and mpirun send before they kill a
@@ -317,8 +317,8 @@ RunRecord RunSteps(Engine& t, const TrainFlags& f, bool root, const TrainOptions
   return rec;
 }
 
-// The trace (written even after a failure in one process: it shows where each rank was), the
-// measured timeline and the checkpoint.
+// The trace (written even after a failure in one process: it shows where each rank was) and
+// the measured timeline.
 absl::Status WriteOutputs(const Engine& t, const TrainFlags& f, const RunRecord& rec) {
   if (!f.trace.empty() && (rec.failure.ok() || !t.multi_process())) {
     PW_RETURN_IF_ERROR(WriteFile(f.trace, EngineChromeTrace(t.topology(), t.Events())));
@@ -329,7 +329,6 @@ absl::Status WriteOutputs(const Engine& t, const TrainFlags& f, const RunRecord&
     SimResult measured = MeasuredTimeline(t.schedule(), t.topology(), t.Events(), t.step() - 1, 0);
     PW_RETURN_IF_ERROR(WriteFile(f.svg, ToSvg(t.schedule(), measured)));
   }
-  if (!f.save.empty() && rec.saved_step != t.step()) PW_RETURN_IF_ERROR(SaveStep(t, f));
   return absl::OkStatus();
 }
 
@@ -387,11 +386,6 @@ absl::Status RunTrain(const TrainFlags& f) {
   PW_ASSIGN_OR_RETURN(std::shared_ptr<const Dataset> data, OpenTrainData(f, model.graph));
   // Under mpirun or srun this process is one rank of the pp x dp grid (docs/cluster.md).
   PW_ASSIGN_OR_RETURN(World world, Launch(world_options));
-  if (world.multi_process() && !f.save.empty()) {
-    return absl::UnimplementedError(
-        "--save is not supported in a multi-process run yet (each process holds only its own "
-        "stages); run the plan in one process to checkpoint it");
-  }
   const bool root = world.is_root();
   PW_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
                       Engine::Create(model.graph, std::move(run), options, data, std::move(world)));
@@ -403,6 +397,11 @@ absl::Status RunTrain(const TrainFlags& f) {
   // Multi-process: every process joins in collecting the world's times and events, which the
   // root then reports (after a failure the world is aborted and there is nothing to collect).
   if (t.multi_process() && rec.failure.ok()) PW_RETURN_IF_ERROR(t.GatherReports());
+  // The final checkpoint, unless the loop just saved this step: every process takes part.
+  if (rec.failure.ok() && !f.save.empty() && rec.saved_step != t.step()) {
+    rec.failure = SaveStep(t, f);
+    if (rec.failure.ok()) rec.saved_step = t.step();
+  }
   if (!root) return rec.failure;
   PW_RETURN_IF_ERROR(WriteOutputs(t, f, rec));
   if (rec.stopped) {

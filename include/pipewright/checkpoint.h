@@ -53,6 +53,19 @@ struct Checkpoint {
 absl::Status WriteCheckpoint(const std::string& dir, const std::string& manifest_json,
                              const NamedTensors& model, const NamedTensors& optimizer,
                              const NamedTensors& grad_sync = {});
+// An all-gather of one string per process, in process order (a launcher's processes).
+using CheckpointExchange =
+    std::function<absl::StatusOr<std::vector<std::string>>(const std::string& mine)>;
+// One checkpoint written by several processes on a shared filesystem (Note [Collective
+// checkpoints] in runtime/checkpoint.cc): each writes its `files` (file name -> tensors; the
+// names differ between processes), the `root` process writes `manifest_json` with every file's
+// digest last, then renames the directory into place as WriteCheckpoint does. Collective: every
+// process calls it with the same `dir`; every process returns the same outcome.
+absl::Status WriteCheckpointCollective(
+    const std::string& dir, const std::string& manifest_json,
+    const std::vector<std::pair<std::string, const NamedTensors*>>& files, bool root,
+    const CheckpointExchange& exchange);
+
 // Reads a checkpoint: DIR itself when it has a manifest.json, else the newest checkpoint of the
 // checkpoint directory DIR (the one DIR/latest names, then DIR/step-NNNNNN newest first) that
 // verifies; each damaged one skipped adds a warning naming the file and the mismatch. Files are
@@ -72,9 +85,11 @@ absl::StatusOr<std::string> ResolveCheckpointDir(const std::string& dir);
 // (a temporary file, fsync'ed, renamed over, the directory fsync'ed), then removes all but the
 // newest `keep` step checkpoints (keep <= 0: none). At every moment DIR holds a complete,
 // loadable checkpoint once the first save has finished. FailedPrecondition when DIR is a single
-// checkpoint.
+// checkpoint. Under a launcher every process calls it (`write` is then collective) and only the
+// `root` one updates the pointer and removes old checkpoints.
 absl::Status SaveCheckpointStep(const std::string& dir, int64_t step, int keep,
-                                const std::function<absl::Status(const std::string&)>& write);
+                                const std::function<absl::Status(const std::string&)>& write,
+                                bool root = true);
 // Removes what interrupted saves left: DIR.tmp-* and DIR.old-* beside DIR, step-NNNNNN.tmp-*,
 // step-NNNNNN.old-* and latest.tmp-* inside it. Returns the paths removed.
 absl::StatusOr<std::vector<std::string>> RemoveCheckpointDebris(const std::string& dir);

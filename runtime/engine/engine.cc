@@ -421,11 +421,6 @@ absl::Status CheckGradSyncResume(const std::string& dir, const internal::ResumeP
 
 absl::Status Engine::Save(const std::string& dir) const {
   const Impl& m = *impl_;
-  if (m.world->multi_process()) {
-    return absl::UnimplementedError(
-        "--save in a multi-process run is not supported yet: the weights live in different "
-        "processes (run the same plan in one process to checkpoint it)");
-  }
   internal::ManifestInfo info;
   info.graph = &m.graph;
   info.options = &m.options;
@@ -458,7 +453,20 @@ absl::Status Engine::Save(const std::string& dir) const {
       sync.emplace_back(absl::StrCat("replica", r->replica, "/", name), std::move(t));
     }
   }
-  return WriteCheckpoint(dir, internal::BuildManifest(info), model, opt, sync);
+  const std::string manifest = internal::BuildManifest(info);
+  if (!m.world->multi_process()) return WriteCheckpoint(dir, manifest, model, opt, sync);
+  // Under a launcher this process holds one rank: it writes that rank's files, the root the
+  // manifest (Note [Collective checkpoints]); tensors are found by name whatever the files.
+  internal::RankExecutor& r = *m.ranks[0];
+  std::vector<std::pair<std::string, const NamedTensors*>> files;
+  if (!model.empty()) files.emplace_back(absl::StrCat("model-p", r.pipe, ".safetensors"), &model);
+  if (!opt.empty()) files.emplace_back(absl::StrCat("optimizer-p", r.pipe, ".safetensors"), &opt);
+  if (!sync.empty()) {
+    files.emplace_back(absl::StrCat("grad_sync-r", r.global, ".safetensors"), &sync);
+  }
+  return WriteCheckpointCollective(
+      dir, manifest, files, m.world->is_root(),
+      [&r](const std::string& mine) { return r.AllGatherBytes(mine, "writing a checkpoint"); });
 }
 
 absl::Status Engine::Resume(const std::string& dir, std::vector<std::string>* warnings) {

@@ -20,7 +20,7 @@
 // in replica order ((x0 + x1) + x2 ...), then orthogonalises in double-precision dot products
 // on the host; so every replica applies bit-identical gradients on any backend, run after run
 // (the bf16 codec's argument, Note [Bucket codecs]). The initial Q is a fixed pseudo-random
-// normal matrix per (stage, matrix), the same on every replica.
+// normal matrix per parameter name, the same on every replica and at every pipeline depth.
 //
 // What goes uncompressed, summed by one fp32 all-reduce per bucket: 1-D gradients (biases,
 // LayerNorm), and matrices for which R (n + m) >= n m (the factors would be no smaller).
@@ -98,6 +98,14 @@ std::vector<float> NormalMatrix(uint64_t seed, int64_t n) {
   return v;
 }
 
+// The initial Q's seed: a function of the parameter's global name only, so that every pipeline
+// depth and stage split starts each matrix from the same Q (PowerSGD stays pp-invariant).
+uint64_t NameSeed(const std::string& name) {
+  uint64_t h = 0xCBF29CE484222325ull ^ 0x5057534744ull;  // FNV-1a, salted "PWSGD"
+  for (unsigned char c : name) h = (h ^ c) * 0x100000001B3ull;
+  return h;
+}
+
 // FNV-1a over the values' bits.
 uint64_t Fingerprint(const std::vector<float>& v) {
   uint64_t h = 0xCBF29CE484222325ull;
@@ -150,7 +158,6 @@ class PowerSgd final : public BucketLauncher {
       const GradSyncStage& s = stages[si];
       Stage& st = stages_.emplace_back();
       st.index = s.index;
-      int matrix_index = 0;
       for (const std::vector<Parameter*>& params : groupings()[si].params) {
         Bucket& bucket = st.buckets.emplace_back();
         for (Parameter* p : params) {
@@ -168,8 +175,7 @@ class PowerSgd final : public BucketLauncher {
           m.cols = g.dim(1);
           m.p_offset = bucket.p_numel;
           m.q_offset = bucket.q_numel;
-          m.seed = (uint64_t{static_cast<uint32_t>(s.index)} << 32) ^
-                   static_cast<uint64_t>(matrix_index++) ^ 0x5057534744ull;  // "PWSGD"
+          m.seed = NameSeed(p->name);
           bucket.p_numel += m.rows * rank_;
           bucket.q_numel += m.cols * rank_;
         }

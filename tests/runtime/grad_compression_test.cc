@@ -452,6 +452,8 @@ TEST(PowerSgd, ReplicasStayIdenticalTrainAndAreBitStable) {
   }
   EXPECT_EQ(a.losses, b.losses);
   EXPECT_EQ(a.params, b.params);
+  // The same at another pipeline depth: each matrix's Q starts from its name, not its stage.
+  EXPECT_EQ(Train(CompressionSetup(1, 2, GradCompression::PowerSgd(2))).losses, a.losses);
   EXPECT_LT(a.losses.back(), a.losses.front());
   EXPECT_NE(a.losses, fp32.losses) << "the gradients were not compressed";
   for (const auto& step : a.ranks) {

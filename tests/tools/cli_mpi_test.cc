@@ -67,22 +67,63 @@ TEST(CliMpi, GradCompressionMatchesTheInProcessRun) {
   }
 }
 
+// A launcher's processes write one checkpoint together (Note [Collective checkpoints]): each its
+// own stage's files, the root the manifest. It resumes in one process under another pipeline
+// depth, and a one-process checkpoint resumes under mpirun, bit-identically; with PowerSGD the
+// per-replica state travels too.
+TEST(CliMpi, MultiProcessCheckpointsResumeUnderAnyLayout) {
+  const std::string base =
+      "train --preset gpt-tiny --micro-batch-size 2 --seed 7 --json --timeout 30 --steps 8 "
+      "--micro-batches 4 ";
+  const std::string dir = TempPath("mpi_ckpt_" + std::to_string(getpid()));
+  for (const std::string extra : {"", "--grad-compression powersgd:2 "}) {
+    Result full = RunCli(base + extra + "--pp 2 --dp 2");
+    ASSERT_EQ(full.exit_code, 0) << full.err;
+    const std::vector<double> want = Losses(full);
+    ASSERT_EQ(want.size(), 8u);
+    // pp = 4 x dp = 2 in eight processes, then pp = 2 x dp = 2 in one.
+    std::filesystem::remove_all(dir);
+    Result first = RunMpi(8, base + extra + "--pp 4 --dp 2 --stop-after 4 --save " + dir);
+    ASSERT_EQ(first.exit_code, 0) << extra << first.err;
+    EXPECT_TRUE(std::filesystem::exists(dir + "/step-000004/model-p3.safetensors"));
+    Result rest = RunCli(base + extra + "--pp 2 --dp 2 --resume " + dir);
+    ASSERT_EQ(rest.exit_code, 0) << rest.err;
+    std::vector<double> got = Losses(first), tail = Losses(rest);
+    got.insert(got.end(), tail.begin(), tail.end());
+    EXPECT_EQ(got, want) << extra << "mpirun pp=4 -> one process pp=2";
+    // The reverse: one process pp = 1 x dp = 2, then four processes pp = 2 x dp = 2.
+    std::filesystem::remove_all(dir);
+    first = RunCli(base + extra + "--pp 1 --dp 2 --stop-after 4 --save " + dir);
+    ASSERT_EQ(first.exit_code, 0) << first.err;
+    rest = RunMpi(4, base + extra + "--pp 2 --dp 2 --resume " + dir);
+    ASSERT_EQ(rest.exit_code, 0) << extra << rest.err;
+    got = Losses(first);
+    tail = Losses(rest);
+    got.insert(got.end(), tail.begin(), tail.end());
+    EXPECT_EQ(got, want) << extra << "one process pp=1 -> mpirun pp=2";
+  }
+  if (!HasFailure()) std::filesystem::remove_all(dir);
+}
+
 // Preemption under mpirun (docs/runtime.md, Note [Preemption]): SIGUSR1 to mpirun reaches every
-// process; the step agreement makes them stop after the same step and the job exits 0 with the
-// summary. (mpirun ends the job itself on SIGTERM; Slurm's srun sends SIGTERM to each task.)
-TEST(CliMpi, Sigusr1StopsEveryProcessAfterTheSameStep) {
-  const std::string out = TempPath("mpi_stop_out_" + std::to_string(getpid()));
-  const std::string err = TempPath("mpi_stop_err_" + std::to_string(getpid()));
+// process; the step agreement makes them stop after the same step, they save one checkpoint
+// together and the job exits 0 with the summary; resuming it continues bit-identically. (mpirun
+// ends the job itself on SIGTERM; Slurm's srun sends SIGTERM to each task.)
+TEST(CliMpi, Sigusr1StopsEveryProcessAfterTheSameStepAndSaves) {
+  const std::string tag = std::to_string(getpid());
+  const std::string out = TempPath("mpi_stop_out_" + tag), err = TempPath("mpi_stop_err_" + tag);
+  const std::string dir = TempPath("mpi_stop_ckpt_" + tag);
+  std::filesystem::remove_all(dir);
   const std::string env =
       "env OMPI_MCA_btl=self,vader OMPI_MCA_btl_vader_single_copy_mechanism=none "
       "OMPI_MCA_pml=ob1 OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_ALLOW_RUN_AS_ROOT=1 "
       "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ";
   const std::string launcher =
       env + PIPEWRIGHT_MPIEXEC + " " + PIPEWRIGHT_MPIEXEC_FLAGS + " -np 4 " + Bin();
-  pid_t pid = SpawnWith(launcher,
-                        "train --preset gpt-tiny --micro-batch-size 2 --seed 7 --json --timeout 30 "
-                        "--pp 2 --dp 2 --micro-batches 4 --steps 100000",
-                        out, err);
+  const std::string train =
+      "train --preset gpt-tiny --micro-batch-size 2 --seed 7 --json --timeout 30 --pp 2 --dp 2 "
+      "--micro-batches 4 --steps 100000 ";
+  pid_t pid = SpawnWith(launcher, train + "--save " + dir, out, err);
   if (!WaitForSteps(out, 3, std::chrono::seconds(120), pid)) {
     kill(pid, SIGKILL);
     Reap(pid);
@@ -92,12 +133,24 @@ TEST(CliMpi, Sigusr1StopsEveryProcessAfterTheSameStep) {
   EXPECT_EQ(Reap(pid), 0) << ReadAll(err);
   const std::string text = ReadAll(out);
   const size_t steps = StepLosses(text).size();
-  EXPECT_NE(ReadAll(err).find("stopped by request after step " + std::to_string(steps)),
+  char name[32];
+  std::snprintf(name, sizeof(name), "step-%06zu", steps);
+  EXPECT_NE(ReadAll(err).find("stopped by request after step " + std::to_string(steps) +
+                              ", checkpoint " + dir + "/" + name),
             std::string::npos)
       << ReadAll(err);
   EXPECT_NE(text.find("\"summary\""), std::string::npos) << "every process gathered reports";
-  std::filesystem::remove(out);
-  std::filesystem::remove(err);
+  // Resumed in one process for three more steps: the uninterrupted run's losses.
+  Result want = RunCli(train + "--stop-after " + std::to_string(steps + 3));
+  ASSERT_EQ(want.exit_code, 0) << want.err;
+  Result rest = RunCli(train + "--stop-after 3 --resume " + dir);
+  ASSERT_EQ(rest.exit_code, 0) << rest.err;
+  std::vector<double> got = Losses(JsonLines(text)), tail = Losses(rest);
+  got.insert(got.end(), tail.begin(), tail.end());
+  EXPECT_EQ(got, Losses(want));
+  if (!HasFailure()) {
+    for (const std::string& p : {out, err, dir}) std::filesystem::remove_all(p);
+  }
 }
 
 TEST(CliMpi, FourProcessPipelineAndTwoProcessZeroBubbleMatch) {
@@ -174,11 +227,6 @@ TEST(CliMpi, ResumesAnInProcessCheckpoint) {
   ASSERT_EQ(mpi.exit_code, 0) << mpi.err;
   EXPECT_EQ(Losses(mpi), Losses(local));
   EXPECT_EQ(Losses(mpi).size(), 2u);
-  // Saving needs the weights of every process in one place: refused up front, clearly.
-  Result save = RunMpi(4, kBase + layout + "--save " + dir + "_b");
-  EXPECT_EQ(save.exit_code, 2);
-  EXPECT_NE(save.err.find("--save is not supported in a multi-process run"), std::string::npos)
-      << save.err;
   std::filesystem::remove_all(dir);
 }
 
