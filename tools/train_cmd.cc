@@ -4,10 +4,13 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
+#include <thread>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -50,6 +53,7 @@ struct TrainFlags {
   int64_t stop_after = 0;
   int64_t save_every = 0;  // steps between periodic checkpoints (0: only at the end)
   int keep = 0;            // step checkpoints kept (0: all)
+  std::string flight_dir;  // where flight records go (default: --save DIR, else .)
   uint64_t seed = 1;
   float lr = 3e-3f, clip = 1.0f, weight_decay = 0.1f, min_lr_ratio = 0.1f;
   std::string lr_scaling = "none", optimizer = "adamw", data = "synthetic";
@@ -254,6 +258,44 @@ extern "C" void OnStopSignal(int sig) {
   [[maybe_unused]] ssize_t n = ::write(STDERR_FILENO, kMsg, sizeof(kMsg) - 1);
 }
 
+// SIGUSR2 asks every rank of this process to write its flight record (docs/runtime.md, "Flight
+// recorder"): the handler sets a flag, a watcher thread does the writing.
+std::atomic<bool> flight_requested{false};
+extern "C" void OnFlightSignal(int) { flight_requested.store(true); }
+
+class FlightWatcher {
+ public:
+  FlightWatcher(const Engine& t, std::string dir) : dir_(std::move(dir)) {
+    struct sigaction sa = {};
+    sa.sa_handler = OnFlightSignal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGUSR2, &sa, nullptr);
+    thread_ = std::thread([this, &t] {
+      while (!done_.load()) {
+        if (flight_requested.exchange(false)) Dump(t);
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+    });
+  }
+  ~FlightWatcher() {
+    done_.store(true);
+    thread_.join();
+  }
+  FlightWatcher(const FlightWatcher&) = delete;
+  FlightWatcher& operator=(const FlightWatcher&) = delete;
+
+  void Dump(const Engine& t) const {
+    if (absl::Status s = t.DumpFlightRecords(dir_); !s.ok()) {
+      std::fprintf(stderr, "pipewright: %s\n", std::string(s.message()).c_str());
+    }
+  }
+
+ private:
+  std::string dir_;
+  std::atomic<bool> done_{false};
+  std::thread thread_;
+};
+
 void InstallStopSignals() {
   struct sigaction sa = {};
   sa.sa_handler = OnStopSignal;
@@ -393,7 +435,13 @@ absl::Status RunTrain(const TrainFlags& f) {
   PW_RETURN_IF_ERROR(ResumeFromFlags(t, f, root));
   InstallStopSignals();
   if (!f.json && root) PrintHeader(model.graph, t, data->Describe());
-  RunRecord rec = RunSteps(t, f, root, options);
+  RunRecord rec;
+  {
+    FlightWatcher flight(t, !f.flight_dir.empty() ? f.flight_dir : !f.save.empty() ? f.save : ".");
+    rec = RunSteps(t, f, root, options);
+    // A failed step (an error, a timeout, another rank's abort): every rank's last actions.
+    if (!rec.failure.ok()) flight.Dump(t);
+  }
   // Multi-process: every process joins in collecting the world's times and events, which the
   // root then reports (after a failure the world is aborted and there is nothing to collect).
   if (t.multi_process() && rec.failure.ok()) PW_RETURN_IF_ERROR(t.GatherReports());
@@ -503,6 +551,9 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
                   "newest; written at the end, every --save-every steps, and on SIGTERM/SIGINT/"
                   "SIGUSR1");
   cmd->add_option("--save-every", f->save_every, "Save a checkpoint every N steps (needs --save)");
+  cmd->add_option("--flight-dir", f->flight_dir,
+                  "Where each rank's flight record (its last actions) goes on a failure or "
+                  "SIGUSR2 (default: --save DIR, else .)");
   cmd->add_option("--keep", f->keep, "Keep the newest K step checkpoints (0: all; needs --save)");
   cmd->add_option("--resume", f->resume,
                   "Continue from a checkpoint (or a checkpoint directory's newest verified one); "

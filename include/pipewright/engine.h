@@ -145,6 +145,12 @@ class Engine {
   // `warnings` (when not null) receives one line per damaged checkpoint skipped.
   absl::Status Resume(const std::string& dir, std::vector<std::string>* warnings = nullptr);
 
+  // Flight recorder (docs/runtime.md, "Flight recorder"): writes DIR/flight-rank-<G>.json for
+  // each rank of this process — its last actions, with start and end, peer, tag, bytes and
+  // what each waited on — and one line per rank on stderr saying where it is now. Safe to call
+  // from another thread while a step runs.
+  absl::Status DumpFlightRecords(const std::string& dir) const;
+
   // Multi-process: collects every process's rank times and events (Communicator::AllGather)
   // so that Summary and Events describe the whole world on every process. Collective; a no-op
   // in one process.

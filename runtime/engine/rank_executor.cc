@@ -44,8 +44,12 @@ absl::StatusOr<Tensor> RankExecutor::ToHost(const Tensor& t) const {
   return h;
 }
 
+double RankExecutor::Now() const { return Seconds(ctx->epoch, Clock::now()); }
+
 absl::Status RankExecutor::WaitOrAbort(Work& w, const std::string& what) {
+  flight.Waiting(what, Now());
   absl::Status s = w.Wait(ctx->timeout);
+  if (s.ok()) flight.DoneWaiting();
   if (s.ok()) return s;
   absl::Status first = world->abort_status();
   if (!first.ok()) return first;  // another rank failed first: report that

@@ -21,6 +21,7 @@
 #include "pipewright/engine.h"
 #include "pipewright/ops.h"
 #include "pipewright/optimizer.h"
+#include "runtime/engine/flight_recorder.h"
 #include "runtime/grad_sync/grad_sync.h"
 
 namespace pipewright::internal {
@@ -98,6 +99,8 @@ class RankExecutor {
 
   std::vector<RankEvent> events;
   RankTimes step_times, total;
+  FlightRecorder flight;
+  double Now() const;  // seconds since the engine's epoch
 
   const Program& program() const { return ctx->run->schedule.programs[pipe]; }
   bool needs_data() const;

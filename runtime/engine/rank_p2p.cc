@@ -40,6 +40,7 @@ absl::Status RankExecutor::IssueSend(const Action& a) {
   const int peer = PeerOf(to_stage);
   const int64_t tag = MessageTag(ctx->run->num_stages(), mb, to_stage, fwd);
   Clock::time_point c = Clock::now();
+  flight.Peer(peer, tag, static_cast<int64_t>(t.nbytes()));
   sends_.push_back(world->Send(t, peer, tag));
   Record(EventKind::kSend, a, c, peer, tag);
   t = Tensor();
@@ -57,6 +58,7 @@ absl::Status RankExecutor::PostRecv(const Action& a, PendingRecv* r) {
   r->buf = fwd ? Tensor::Empty(st->in_shape, st->in_dtype, alloc.get())
                : Tensor::Empty(st->out_shape, DType::kF32, alloc.get());
   r->start = Clock::now();
+  flight.Peer(r->peer, r->tag, static_cast<int64_t>(r->buf.nbytes()));
   r->work = world->Recv(r->buf, r->peer, r->tag);
   return absl::OkStatus();
 }

@@ -56,7 +56,9 @@ absl::Status RankExecutor::RunStep(int64_t step, float lr, StepOutcome* out) {
                                             ctx->options->data_workers);
     }
     Clock::time_point t = Clock::now();
+    flight.Begin(step, "DATA (the step's batch from the loader)", Now());
     batch_ = loader->Next();
+    flight.End(Now());
     Record(EventKind::kDataWait, Action{ActionKind::kF, -1, -1}, t);
     if (batch_.step != step) {
       return absl::InternalError(
@@ -79,11 +81,16 @@ absl::Status RankExecutor::RunStep(int64_t step, float lr, StepOutcome* out) {
       if (group_p2p && IsComm(a.kind)) {
         size_t end = i + 1;
         while (end < prog.actions.size() && IsComm(prog.actions[end].kind)) ++end;
+        std::string label = "P2P group";
+        for (size_t j = i; j < end; ++j) absl::StrAppend(&label, " ", prog.actions[j].ToString());
+        flight.Begin(step, std::move(label), Now());
         s = RunP2PGroup(i, end);
         i = end - 1;
       } else {
+        flight.Begin(step, a.ToString(), Now());
         s = RunAction(a, static_cast<int>(i), step, lr, out);
       }
+      if (s.ok()) flight.End(Now());
     } catch (const std::exception& e) {
       s = absl::InternalError(absl::StrCat(Who(), " ", a.ToString(), ": exception: ", e.what()));
     } catch (...) {

@@ -1,6 +1,9 @@
 // What the engine reports: event names, the world's rank times and events gathered from every
 // process, and the run summary with the simulator's prediction (engine.h).
 #include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
@@ -200,6 +203,75 @@ RunSummary Engine::Summary() const {
     s.predicted_bubble = sim->bubble_fraction;
   }
   return s;
+}
+
+namespace {
+
+// One line for stderr: where the rank is now, from its flight record.
+std::string FlightLine(const internal::RankExecutor& r,
+                       const std::vector<internal::FlightEntry>& entries, double now) {
+  std::string who = absl::StrCat("flight: rank ", r.global, " (pipeline rank ", r.pipe,
+                                 ", replica ", r.replica, "): ");
+  if (entries.empty()) return who + "no action begun yet";
+  const internal::FlightEntry& e = entries.back();
+  if (e.end_s >= 0) {
+    return absl::StrFormat("%sidle for %.2fs after %s (step %d)", who, now - e.end_s, e.action,
+                           e.step);
+  }
+  std::string line =
+      absl::StrFormat("%sstep %d, in %s for %.2fs", who, e.step, e.action, now - e.start_s);
+  if (e.wait_since_s >= 0) {
+    absl::StrAppend(
+        &line, absl::StrFormat(", waiting on %s for %.2fs", e.waiting_on, now - e.wait_since_s));
+  } else if (!e.waiting_on.empty()) {
+    absl::StrAppend(&line, ", after waiting on ", e.waiting_on);
+  }
+  if (e.peer >= 0) {
+    absl::StrAppend(&line,
+                    absl::StrFormat(" (peer rank %d, tag %d, %d bytes)", e.peer, e.tag, e.bytes));
+  }
+  return line;
+}
+
+}  // namespace
+
+absl::Status Engine::DumpFlightRecords(const std::string& dir) const {
+  const Impl& m = *impl_;
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) {
+    return absl::InternalError(
+        absl::StrCat("flight recorder: cannot create '", dir, "': ", ec.message()));
+  }
+  absl::Status first = absl::OkStatus();
+  for (const auto& rp : m.ranks) {
+    const internal::RankExecutor& r = *rp;
+    const double now = r.Now();
+    const std::vector<internal::FlightEntry> entries = r.flight.Snapshot();
+    json j = {{"rank", r.global}, {"pipeline_rank", r.pipe},           {"replica", r.replica},
+              {"now_s", now},     {"actions_begun", r.flight.count()}, {"entries", json::array()}};
+    for (const internal::FlightEntry& e : entries) {
+      json x = {{"step", e.step}, {"action", e.action}, {"start_s", e.start_s}};
+      x["end_s"] = e.end_s >= 0 ? json(e.end_s) : json(nullptr);
+      if (!e.waiting_on.empty()) x["waiting_on"] = e.waiting_on;
+      if (e.wait_since_s >= 0) x["waiting_for_s"] = now - e.wait_since_s;
+      if (e.peer >= 0) {
+        x["peer"] = e.peer;
+        x["tag"] = e.tag;
+        x["bytes"] = e.bytes;
+      }
+      j["entries"].push_back(std::move(x));
+    }
+    const std::string path = absl::StrCat(dir, "/flight-rank-", r.global, ".json");
+    std::ofstream out(path, std::ios::trunc);
+    out << j.dump(1) << "\n";
+    out.close();
+    if (!out && first.ok()) {
+      first = absl::InternalError(absl::StrCat("flight recorder: cannot write '", path, "'"));
+    }
+    std::fprintf(stderr, "%s [%s]\n", FlightLine(r, entries, now).c_str(), path.c_str());
+  }
+  return first;
 }
 
 }  // namespace pipewright

@@ -201,4 +201,49 @@ TEST_F(CliCheckpoint, KilledAtRandomMomentsEveryResumeContinuesBitIdentically) {
   }
 }
 
+// ---- flight recorder ----
+
+// SIGUSR2: every rank writes its last actions and says where it is; the run goes on.
+TEST_F(CliCheckpoint, Sigusr2WritesEveryRanksFlightRecordAndTheRunGoesOn) {
+  const std::string out = Path("out.txt"), err = Path("err.txt"), dir = Path("flight");
+  pid_t pid =
+      Spawn(kTrain + "--pp 2 --steps 8 --data-delay-us 20000 --flight-dir " + dir, out, err);
+  ASSERT_TRUE(WaitForSteps(out, 2, std::chrono::seconds(60), pid)) << ReadAll(err);
+  kill(pid, SIGUSR2);
+  EXPECT_EQ(Reap(pid), 0) << ReadAll(err);
+  EXPECT_EQ(StepLosses(ReadAll(out)).size(), 8u);
+  const std::string text = ReadAll(err);
+  for (int rank = 0; rank < 2; ++rank) {
+    const std::string file = dir + "/flight-rank-" + std::to_string(rank) + ".json";
+    EXPECT_NE(text.find("flight: rank " + std::to_string(rank) + " (pipeline rank"),
+              std::string::npos)
+        << text;
+    auto j = nlohmann::json::parse(std::ifstream(file), nullptr, false);
+    ASSERT_FALSE(j.is_discarded()) << file;
+    EXPECT_EQ(j["rank"], rank);
+    ASSERT_FALSE(j["entries"].empty());
+    EXPECT_GE(j["entries"].back()["step"].get<int>(), 1);
+  }
+}
+
+// A failed run (here an injected failure on rank 1 in step 1): every rank's record is written,
+// and rank 0's shows the receive from rank 1 it was waiting on.
+TEST_F(CliCheckpoint, AFailedRunWritesEveryRanksFlightRecord) {
+  const std::string dir = Path("flight");
+  Result r = RunCli(kTrain + "--pp 2 --steps 3 --inject-failure 1:1 --flight-dir " + dir);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("injected failure"), std::string::npos) << r.err;
+  auto j = nlohmann::json::parse(std::ifstream(dir + "/flight-rank-0.json"), nullptr, false);
+  ASSERT_FALSE(j.is_discarded());
+  const auto& last = j["entries"].back();
+  EXPECT_EQ(last["step"], 1);
+  EXPECT_TRUE(last["end_s"].is_null()) << last.dump();
+  EXPECT_EQ(last["peer"], 1) << last.dump();
+  EXPECT_NE(last["waiting_on"].get<std::string>().find("from rank 1"), std::string::npos);
+  EXPECT_TRUE(fs::exists(dir + "/flight-rank-1.json"));
+  EXPECT_NE(r.err.find("flight: rank 0 (pipeline rank 0, replica 0): step 1, in RECV_"),
+            std::string::npos)
+      << r.err;
+}
+
 }  // namespace
