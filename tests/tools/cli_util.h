@@ -31,16 +31,37 @@ inline std::string Bin() {
   return b ? b : PIPEWRIGHT_BIN_PATH;
 }
 
+// What this test process writes under the temp directory starts with this prefix (its pid in
+// it, so two suites running at once never share a name); it is all removed when the process's
+// tests pass (TempCleanup below) and kept for a look when one fails.
+inline std::string TempPrefix() { return "pw_cli_" + std::to_string(getpid()) + "_"; }
+
 inline std::string TempPath(const std::string& name) {
-  return (std::filesystem::path(::testing::TempDir()) / ("pw_cli_" + name)).string();
+  return (std::filesystem::path(::testing::TempDir()) / (TempPrefix() + name)).string();
 }
+
+class TempCleanup : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    if (!::testing::UnitTest::GetInstance()->Passed()) return;
+    std::error_code ec;
+    const std::string prefix = TempPrefix();
+    for (const auto& e : std::filesystem::directory_iterator(::testing::TempDir(), ec)) {
+      if (e.path().filename().string().rfind(prefix, 0) == 0) {
+        std::filesystem::remove_all(e.path(), ec);
+      }
+    }
+  }
+};
+// Registered once per test binary, whichever of its files include this header.
+inline const bool kTempCleanupRegistered =
+    (::testing::AddGlobalTestEnvironment(new TempCleanup), true);
 
 // Runs `command args` (command: the binary, or a launcher line ending with it).
 inline Result RunCliWith(const std::string& command, const std::string& args) {
   // One stderr file per process: ctest runs the tests of this binary in parallel.
   static int counter = 0;
-  std::string err_file =
-      TempPath("stderr_" + std::to_string(getpid()) + "_" + std::to_string(counter++) + ".txt");
+  std::string err_file = TempPath("stderr_" + std::to_string(counter++) + ".txt");
   std::string cmd = command + " " + args + " 2>" + err_file;
   Result r;
   FILE* p = popen(cmd.c_str(), "r");
@@ -50,8 +71,12 @@ inline Result RunCliWith(const std::string& command, const std::string& args) {
   while ((n = fread(buf, 1, sizeof(buf), p)) > 0) r.out.append(buf, n);
   int status = pclose(p);
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::ifstream e(err_file);
-  r.err.assign(std::istreambuf_iterator<char>(e), std::istreambuf_iterator<char>());
+  {
+    std::ifstream e(err_file);
+    r.err.assign(std::istreambuf_iterator<char>(e), std::istreambuf_iterator<char>());
+  }
+  std::error_code ec;
+  std::filesystem::remove(err_file, ec);
   return r;
 }
 
