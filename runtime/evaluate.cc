@@ -29,76 +29,94 @@ absl::StatusOr<json> ReadManifest(const std::string& checkpoint) {
 }  // namespace
 
 absl::StatusOr<LayerGraph> CheckpointPresetModel(const std::string& dir) {
-  PW_ASSIGN_OR_RETURN(json m, ReadManifest(dir));
-  const json& model = m["model"];
-  const std::string name = model.value("name", "");
-  if (!model.contains("preset") || !model["preset"].is_string()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        dir, " holds the custom model '", name,
-        "' (not a preset): build its LayerGraph and call EvaluateCheckpoint(graph, dir, data, "
-        "batches) from C++"));
+  // A manifest field of an unexpected JSON type makes nlohmann throw: an error, not a crash.
+  try {
+    PW_ASSIGN_OR_RETURN(json m, ReadManifest(dir));
+    const json& model = m["model"];
+    const std::string name = model.value("name", "");
+    if (!model.contains("preset") || !model["preset"].is_string()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          dir, " holds the custom model '", name,
+          "' (not a preset): build its LayerGraph and call EvaluateCheckpoint(graph, dir, data, "
+          "batches) from C++"));
+    }
+    PW_ASSIGN_OR_RETURN(LayerGraph graph, PresetModel(model["preset"].get<std::string>(),
+                                                      model.value("micro_batch_size", int64_t{0})));
+    if (model.value("fingerprint", "") != graph.Fingerprint()) {
+      return absl::InvalidArgumentError(absl::StrCat(dir,
+                                                     "/manifest.json: fingerprint does not "
+                                                     "match preset '",
+                                                     model["preset"].get<std::string>(), "'"));
+    }
+    return graph;
+  } catch (const json::exception& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(dir, "/manifest.json: malformed (", e.what(), ")"));
   }
-  PW_ASSIGN_OR_RETURN(LayerGraph graph, PresetModel(model["preset"].get<std::string>(),
-                                                    model.value("micro_batch_size", int64_t{0})));
-  if (model.value("fingerprint", "") != graph.Fingerprint()) {
-    return absl::InvalidArgumentError(absl::StrCat(dir,
-                                                   "/manifest.json: fingerprint does not "
-                                                   "match preset '",
-                                                   model["preset"].get<std::string>(), "'"));
-  }
-  return graph;
 }
 
 absl::StatusOr<EvalResult> EvaluateCheckpoint(const LayerGraph& graph, const std::string& dir,
                                               const Dataset& data, int64_t batches) {
-  if (batches < 1) return absl::InvalidArgumentError("--batches must be >= 1");
-  PW_ASSIGN_OR_RETURN(Checkpoint ck, ReadCheckpoint(dir));
-  json m = json::parse(ck.manifest_json, nullptr, false);
-  if (m.is_discarded() || !m.contains("model") || !m["model"].is_object() ||
-      m["model"].value("fingerprint", "") != graph.Fingerprint()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(ck.path, "/manifest.json: model.fingerprint does not match this model (",
-                     graph.name(), ")"));
-  }
-  PW_ASSIGN_OR_RETURN(auto stage, graph.Instantiate(0, graph.num_layers(), 0));
-  for (Parameter* p : stage->Parameters()) {
-    auto it = ck.model.find(p->name);
-    if (it == ck.model.end() || it->second.shape() != p->value.shape() ||
-        it->second.dtype() != DType::kF32) {
+  // A manifest field of an unexpected JSON type makes nlohmann throw: an error, not a crash.
+  try {
+    if (batches < 1) return absl::InvalidArgumentError("--batches must be >= 1");
+    PW_ASSIGN_OR_RETURN(Checkpoint ck, ReadCheckpoint(dir));
+    json m = json::parse(ck.manifest_json, nullptr, false);
+    if (m.is_discarded() || !m.contains("model") || !m["model"].is_object() ||
+        m["model"].value("fingerprint", "") != graph.Fingerprint()) {
       return absl::InvalidArgumentError(
-          absl::StrCat(ck.path, "/model.safetensors: tensor '", p->name, "' missing or misshapen"));
+          absl::StrCat(ck.path, "/manifest.json: model.fingerprint does not match this model (",
+                       graph.name(), ")"));
     }
-    std::copy_n(it->second.data<float>(), it->second.numel(), p->value.data<float>());
+    PW_ASSIGN_OR_RETURN(auto stage, graph.Instantiate(0, graph.num_layers(), 0));
+    for (Parameter* p : stage->Parameters()) {
+      auto it = ck.model.find(p->name);
+      if (it == ck.model.end() || it->second.shape() != p->value.shape() ||
+          it->second.dtype() != DType::kF32) {
+        return absl::InvalidArgumentError(absl::StrCat(ck.path, "/model.safetensors: tensor '",
+                                                       p->name, "' missing or misshapen"));
+      }
+      std::copy_n(it->second.data<float>(), it->second.numel(), p->value.data<float>());
+    }
+    BatchLayout layout{1, graph.shape().batch, graph.shape().seq_len, 1};
+    constexpr int64_t kHeldOutStep = int64_t{1} << 40;  // far from any training step
+    double sum = 0;
+    for (int64_t i = 0; i < batches; ++i) {
+      StepBatch b = MakeStepBatch(data, layout, kHeldOutStep / layout.global_batch() + i, 0);
+      LayerContext ctx{nullptr, &b.targets[0]};
+      std::vector<Saved> saved;
+      PW_ASSIGN_OR_RETURN(Tensor loss, stage->Forward(b.inputs[0], ctx, &saved));
+      sum += loss.data<float>()[0];
+    }
+    EvalResult r;
+    r.loss = sum / batches;
+    r.perplexity = std::exp(r.loss);
+    r.tokens = batches * layout.global_batch() * layout.seq_len;
+    r.model = graph.name();
+    r.step = m.value("step", int64_t{0});
+    return r;
+  } catch (const json::exception& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(dir, "/manifest.json: malformed (", e.what(), ")"));
   }
-  BatchLayout layout{1, graph.shape().batch, graph.shape().seq_len, 1};
-  constexpr int64_t kHeldOutStep = int64_t{1} << 40;  // far from any training step
-  double sum = 0;
-  for (int64_t i = 0; i < batches; ++i) {
-    StepBatch b = MakeStepBatch(data, layout, kHeldOutStep / layout.global_batch() + i, 0);
-    LayerContext ctx{nullptr, &b.targets[0]};
-    std::vector<Saved> saved;
-    PW_ASSIGN_OR_RETURN(Tensor loss, stage->Forward(b.inputs[0], ctx, &saved));
-    sum += loss.data<float>()[0];
-  }
-  EvalResult r;
-  r.loss = sum / batches;
-  r.perplexity = std::exp(r.loss);
-  r.tokens = batches * layout.global_batch() * layout.seq_len;
-  r.model = graph.name();
-  r.step = m.value("step", int64_t{0});
-  return r;
 }
 
 absl::StatusOr<EvalResult> EvaluateCheckpoint(const std::string& dir, const std::string& data,
                                               int64_t batches) {
-  if (batches < 1) return absl::InvalidArgumentError("--batches must be >= 1");
-  PW_ASSIGN_OR_RETURN(LayerGraph graph, CheckpointPresetModel(dir));
-  PW_ASSIGN_OR_RETURN(json m, ReadManifest(dir));
-  const uint64_t seed = m.contains("rng") ? m["rng"].value("seed", uint64_t{0}) : 0;
-  PW_ASSIGN_OR_RETURN(std::unique_ptr<TokenDataset> ds,
-                      OpenDataset(data, graph.shape().seq_len, seed));
-  PW_RETURN_IF_ERROR(CheckVocabulary(*ds, 256));  // the presets are byte-level
-  return EvaluateCheckpoint(graph, dir, *ds, batches);
+  // A manifest field of an unexpected JSON type makes nlohmann throw: an error, not a crash.
+  try {
+    if (batches < 1) return absl::InvalidArgumentError("--batches must be >= 1");
+    PW_ASSIGN_OR_RETURN(LayerGraph graph, CheckpointPresetModel(dir));
+    PW_ASSIGN_OR_RETURN(json m, ReadManifest(dir));
+    const uint64_t seed = m.contains("rng") ? m["rng"].value("seed", uint64_t{0}) : 0;
+    PW_ASSIGN_OR_RETURN(std::unique_ptr<TokenDataset> ds,
+                        OpenDataset(data, graph.shape().seq_len, seed));
+    PW_RETURN_IF_ERROR(CheckVocabulary(*ds, 256));  // the presets are byte-level
+    return EvaluateCheckpoint(graph, dir, *ds, batches);
+  } catch (const json::exception& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(dir, "/manifest.json: malformed (", e.what(), ")"));
+  }
 }
 
 }  // namespace pipewright

@@ -68,9 +68,12 @@ std::string BuildManifest(const ManifestInfo& info) {
   return m.dump(2);
 }
 
-absl::StatusOr<ResumePoint> CheckManifest(const std::string& dir, const std::string& manifest_json,
-                                          const LayerGraph& graph, const BatchLayout& layout,
-                                          OptimizerKind optimizer) {
+namespace {
+
+absl::StatusOr<ResumePoint> CheckManifestFields(const std::string& dir,
+                                                const std::string& manifest_json,
+                                                const LayerGraph& graph, const BatchLayout& layout,
+                                                OptimizerKind optimizer) {
   json m = json::parse(manifest_json, nullptr, false);
   auto bad = [&](const std::string& what) {
     return absl::InvalidArgumentError(absl::StrCat(dir, "/manifest.json: ", what));
@@ -127,6 +130,21 @@ absl::StatusOr<ResumePoint> CheckManifest(const std::string& dir, const std::str
     r.grad_sync_dp = gs["data_parallel"].get<int>();
   }
   return r;
+}
+
+}  // namespace
+
+absl::StatusOr<ResumePoint> CheckManifest(const std::string& dir, const std::string& manifest_json,
+                                          const LayerGraph& graph, const BatchLayout& layout,
+                                          OptimizerKind optimizer) {
+  // A field of an unexpected JSON type makes nlohmann throw (found by tests/runtime/fuzz_test.cc):
+  // a malformed manifest is an error naming the file, never a crash.
+  try {
+    return CheckManifestFields(dir, manifest_json, graph, layout, optimizer);
+  } catch (const json::exception& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(dir, "/manifest.json: malformed (", e.what(), ")"));
+  }
 }
 
 void RestoreLossScaler(const ResumePoint& at, LossScaler* scaler) {

@@ -259,6 +259,7 @@ absl::StatusOr<Schedule> ParseSchedule(absl::string_view text, const ScheduleSpe
 // cannot read are left to ParseSchedule, which reports them precisely.
 absl::StatusOr<Schedule> ParseProgram(absl::string_view text) {
   int max_rank = -1, max_stage = -1, max_mb = -1, lines = 0;
+  int64_t actions = 0;
   for (absl::string_view line : absl::StrSplit(text, '\n')) {
     size_t hash = line.find('#');
     if (hash != absl::string_view::npos) line = line.substr(0, hash);
@@ -277,6 +278,7 @@ absl::StatusOr<Schedule> ParseProgram(absl::string_view text) {
          absl::StrSplit(line.substr(colon + 1), absl::ByAnyChar(" \t\r"), absl::SkipEmpty())) {
       absl::StatusOr<Action> a = ParseAction(tok);
       if (!a.ok() || a->kind == ActionKind::kOptimizerStep) continue;
+      ++actions;
       max_stage = std::max(max_stage, a->virtual_stage);
       if (a->kind != ActionKind::kReduceGrads) max_mb = std::max(max_mb, a->micro_batch);
     }
@@ -290,6 +292,14 @@ absl::StatusOr<Schedule> ParseProgram(absl::string_view text) {
                                                    lines,
                                                    " rank lines: write one line for every rank 0..",
                                                    max_rank, " (an idle rank as 'rank R:')"));
+  }
+  // Every stage and every micro-batch needs actions of its own: a larger index is a typo (and
+  // sizing tables by it would cost memory and time for nothing).
+  if (max_stage >= actions || max_mb >= actions) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the program names ", max_stage >= actions ? "stage s" : "micro-batch ",
+                     max_stage >= actions ? max_stage : max_mb, " but has only ", actions,
+                     " actions: every stage and micro-batch needs actions of its own"));
   }
   const int stages = std::max(max_stage + 1, p);
   if (stages % p != 0) {
