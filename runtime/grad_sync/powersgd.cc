@@ -68,7 +68,6 @@ struct Bucket {
   Tensor p_flat, p_all;  // this replica's P_r, every replica's
   Tensor q_flat, q_all;  // this replica's Q_r, every replica's
   std::unique_ptr<Work> dense_work, p_work, q_work;
-  bool launched = false;  // this step
 };
 
 struct Stage {
@@ -186,7 +185,6 @@ class PowerSgd final : public BucketLauncher {
   void ResetStep() override {
     for (Stage& s : stages_) {
       for (Bucket& b : s.buckets) {
-        b.launched = false;
         b.dense_work.reset();
         b.p_work.reset();
         b.q_work.reset();
@@ -202,14 +200,16 @@ class PowerSgd final : public BucketLauncher {
 
   absl::Status Finish() override {
     if (ctx_.dp == nullptr) return absl::OkStatus();
-    for (Stage& s : stages_) {
-      for (Bucket& b : s.buckets) {
-        if (b.launched) PW_RETURN_IF_ERROR(LaunchSecondRound(s.index, b));
+    for (size_t s = 0; s < stages_.size(); ++s) {
+      for (size_t b = 0; b < stages_[s].buckets.size(); ++b) {
+        if (!launched(static_cast<int>(s), static_cast<int>(b))) continue;
+        PW_RETURN_IF_ERROR(LaunchSecondRound(stages_[s].index, stages_[s].buckets[b]));
       }
     }
-    for (Stage& s : stages_) {
-      for (Bucket& b : s.buckets) {
-        if (b.launched) PW_RETURN_IF_ERROR(Decompress(s.index, b));
+    for (size_t s = 0; s < stages_.size(); ++s) {
+      for (size_t b = 0; b < stages_[s].buckets.size(); ++b) {
+        if (!launched(static_cast<int>(s), static_cast<int>(b))) continue;
+        PW_RETURN_IF_ERROR(Decompress(stages_[s].index, stages_[s].buckets[b]));
       }
     }
     return absl::OkStatus();
@@ -293,7 +293,6 @@ class PowerSgd final : public BucketLauncher {
   // gradients all-reduced.
   absl::Status LaunchFirstRound(Bucket& b) {
     const ops::Exec e{ctx_.alloc};
-    b.launched = true;
     bytes_.uncompressed += b.numel * static_cast<int64_t>(sizeof(float));
     if (b.dense_numel > 0) {
       b.dense_flat = Tensor::Empty({b.dense_numel}, DType::kF32, ctx_.alloc);

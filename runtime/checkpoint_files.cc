@@ -1,0 +1,137 @@
+// The file handling the checkpoint code shares (checkpoint_files.h).
+#include "runtime/checkpoint_files.h"
+
+#include <fcntl.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "runtime/sha256.h"
+
+namespace pipewright::internal {
+namespace {
+
+std::string ErrnoMessage(int err) { return std::strerror(err); }
+
+}  // namespace
+
+absl::Status ErrnoStatus(int err, absl::string_view what, const std::string& path) {
+  std::string msg = absl::StrCat(what, " '", path, "': ", ErrnoMessage(err));
+  switch (err) {
+    case ENOENT:
+    case ENOTDIR:
+      return absl::NotFoundError(msg);
+    case EACCES:
+    case EPERM:
+    case EROFS:
+      return absl::PermissionDeniedError(msg);
+    case ENOSPC:
+    case EDQUOT:
+      return absl::ResourceExhaustedError(msg);
+    default:
+      return absl::InternalError(msg);
+  }
+}
+
+absl::Status WriteAll(int fd, const void* data, size_t size, const std::string& path) {
+  const char* p = static_cast<const char*>(data);
+  while (size > 0) {
+    ssize_t n = ::write(fd, p, std::min<size_t>(size, size_t{1} << 30));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(errno, "cannot write", path);
+    }
+    if (n == 0) return ErrnoStatus(ENOSPC, "cannot write", path);
+    p += n;
+    size -= static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PreadAll(int fd, void* data, size_t size, uint64_t offset, const std::string& path) {
+  char* p = static_cast<char*>(data);
+  while (size > 0) {
+    ssize_t n = ::pread(fd, p, std::min<size_t>(size, size_t{1} << 30), static_cast<off_t>(offset));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(errno, "cannot read", path);
+    }
+    if (n == 0) {
+      return absl::DataLossError(absl::StrCat("'", path, "': unexpected end of file"));
+    }
+    p += n;
+    size -= static_cast<size_t>(n);
+    offset += static_cast<uint64_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+// Writes `chunks` to `path` (created/truncated) and fsyncs it.
+absl::Status WriteFileSynced(const std::string& path,
+                             const std::vector<std::pair<const void*, size_t>>& chunks) {
+  Fd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (fd.get() < 0) return ErrnoStatus(errno, "cannot create", path);
+  for (const auto& [data, size] : chunks) {
+    PW_RETURN_IF_ERROR(WriteAll(fd.get(), data, size, path));
+  }
+  if (::fsync(fd.get()) != 0) return ErrnoStatus(errno, "cannot fsync", path);
+  if (int err = fd.Close(); err != 0) return ErrnoStatus(err, "cannot close", path);
+  return absl::OkStatus();
+}
+
+absl::Status FsyncDir(const std::string& path) {
+  Fd fd(::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (fd.get() < 0) return ErrnoStatus(errno, "cannot open directory", path);
+  if (::fsync(fd.get()) != 0 && errno != EINVAL) {
+    return ErrnoStatus(errno, "cannot fsync directory", path);
+  }
+  return absl::OkStatus();
+}
+
+// Strips a trailing separator so "a/b/" names the directory "a/b".
+std::filesystem::path NormalizeDir(const std::string& dir) {
+  std::filesystem::path p(dir);
+  if (!p.has_filename() && p.has_parent_path()) p = p.parent_path();
+  return p;
+}
+
+absl::StatusOr<std::string> ReadTextFile(const std::string& path) {
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) return ErrnoStatus(errno, "cannot open", path);
+  std::string out;
+  char buf[1 << 16];
+  while (true) {
+    ssize_t n = ::read(fd.get(), buf, sizeof(buf));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(errno, "cannot read", path);
+    }
+    if (n == 0) break;
+    out.append(buf, static_cast<size_t>(n));
+  }
+  return out;
+}
+
+// The SHA-256 and size of the file at `path`, read in 1 MiB pieces.
+absl::StatusOr<FileDigest> DigestFile(const std::string& path) {
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) return ErrnoStatus(errno, "cannot open", path);
+  std::vector<char> buf(1 << 20);
+  Sha256 h;
+  FileDigest d;
+  while (true) {
+    const ssize_t n = ::read(fd.get(), buf.data(), buf.size());
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(errno, "cannot read", path);
+    }
+    if (n == 0) break;
+    h.Update(buf.data(), static_cast<size_t>(n));
+    d.bytes += static_cast<uint64_t>(n);
+  }
+  d.sha256 = h.HexDigest();
+  return d;
+}
+
+}  // namespace pipewright::internal
