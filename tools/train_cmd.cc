@@ -59,6 +59,8 @@ struct TrainFlags {
   std::string lr_scaling = "none", optimizer = "adamw", data = "synthetic";
   std::string device = "cpu", precision = "fp32", save, resume, comm = "auto";
   std::string grad_compression = "none";
+  std::string dp_mode = "sync", slow_replica;  // slow_replica: "R:FACTOR"
+  int staleness = 1;
   float loss_scale = 65536.0f;
   std::string inject_failure;  // "RANK:STEP", tests of failure handling
   int64_t loss_scale_window = 1000;
@@ -101,6 +103,26 @@ absl::Status CheckFlags(const TrainFlags& f) {
     if (f.resume == "auto") {
       return absl::InvalidArgumentError(
           "--resume auto needs --save DIR (it resumes from DIR's newest checkpoint, if any)");
+    }
+  }
+  PW_ASSIGN_OR_RETURN(const DpMode dp_mode, ParseDpMode(f.dp_mode));
+  if (f.staleness < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--staleness ", f.staleness, ": must be >= 0 (0: lock-step, like synchronous DP)"));
+  }
+  if (dp_mode == DpMode::kSync && f.given.count("--staleness") > 0) {
+    return absl::InvalidArgumentError("--staleness needs --dp-mode async");
+  }
+  if (dp_mode == DpMode::kAsync) {
+    if (f.plan.empty() && f.dp < 2) {
+      return absl::InvalidArgumentError(
+          "--dp-mode async needs data parallelism (--dp >= 2): with one replica there is "
+          "nothing to run asynchronously");
+    }
+    if (f.save_every > 0) {
+      return absl::InvalidArgumentError(
+          "--save-every does not combine with --dp-mode async (the replicas are at different "
+          "steps); an async run saves at its end and when stopped by a signal");
     }
   }
   PW_ASSIGN_OR_RETURN(const GradCompression compression, ParseGradCompression(f.grad_compression));
@@ -155,6 +177,18 @@ absl::StatusOr<TrainOptions> OptionsFromFlags(const TrainFlags& f) {
   PW_ASSIGN_OR_RETURN(o.grad_compression, ParseGradCompression(f.grad_compression));
   o.threads_per_rank = f.threads_per_rank;
   o.data_workers = f.data_workers;
+  PW_ASSIGN_OR_RETURN(o.dp_mode, ParseDpMode(f.dp_mode));
+  o.staleness = f.staleness;
+  if (!f.slow_replica.empty()) {
+    std::vector<std::string> parts = absl::StrSplit(f.slow_replica, ':');
+    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &o.slow_replica) ||
+        !absl::SimpleAtod(parts[1], &o.slow_factor) || o.slow_replica < 0 ||
+        !(o.slow_factor >= 1) || !(o.slow_factor <= 1000)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--slow-replica ", f.slow_replica,
+          ": expects REPLICA:FACTOR, a replica index >= 0 and a factor in [1, 1000] (e.g. 1:2)"));
+    }
+  }
   if (!f.inject_failure.empty()) {
     std::vector<std::string> parts = absl::StrSplit(f.inject_failure, ':');
     if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &o.inject_failure_rank) ||
@@ -303,6 +337,61 @@ void InstallStopSignals() {
   for (int sig : {SIGTERM, SIGINT, SIGUSR1}) sigaction(sig, &sa, nullptr);
 }
 
+// A step's line of --json output.
+void PrintStepJson(const StepResult& res, Precision precision) {
+  json line = {{"step", res.step},
+               {"loss", res.loss},
+               {"lr", res.lr},
+               {"grad_norm", res.grad_norm},
+               {"step_time_s", res.step_time_s},
+               {"samples_per_s", res.samples_per_s}};
+  if (precision == Precision::kFp16) {
+    line["loss_scale"] = res.loss_scale;
+    line["skipped"] = res.skipped;
+  }
+  std::printf("%s\n", line.dump().c_str());
+  std::fflush(stdout);
+}
+
+// The last engine step --steps and --stop-after allow.
+int64_t LastStep(const Engine& t, const TrainFlags& f) {
+  return f.stop_after > 0 ? std::min(f.steps, t.step() + f.stop_after) : f.steps;
+}
+
+// --dp-mode async: the replicas run to the last step (or a stop request) in one RunAsync; then,
+// on the root process, one line per engine step with the mean of its dp updates (in the order
+// they were granted: the loss and norm of replica steps, not of one global batch).
+RunRecord RunAsyncSteps(Engine& t, const TrainFlags& f, bool root, Precision precision,
+                        AsyncReport* report) {
+  RunRecord rec;
+  rec.first_step = t.step();
+  const absl::Time start = absl::Now();
+  absl::StatusOr<AsyncReport> r = t.RunAsync(LastStep(t, f));
+  rec.wall_s = absl::ToDoubleSeconds(absl::Now() - start);
+  if (!r.ok()) {
+    rec.failure = r.status();
+    return rec;
+  }
+  *report = *r;
+  rec.stopped = r->stop_requested;
+  const size_t D = static_cast<size_t>(t.topology().dp);
+  for (int64_t s = 0; s < r->steps && (s + 1) * D <= r->updates.size(); ++s) {
+    StepResult res;
+    res.step = rec.first_step + s;
+    for (size_t u = s * D; u < (s + 1) * D; ++u) {
+      res.loss += r->updates[u].loss / static_cast<double>(D);
+      res.grad_norm += r->updates[u].grad_norm / static_cast<double>(D);
+    }
+    res.lr = r->updates[s * D].lr;
+    res.step_time_s = r->wall_s / static_cast<double>(r->steps);
+    res.samples_per_s = static_cast<double>(t.global_batch()) / res.step_time_s;
+    rec.Add(res);
+    if (root && f.json) PrintStepJson(res, precision);
+  }
+  if (r->steps > 0 && rec.losses.empty()) rec.total_time = r->wall_s;  // non-root processes
+  return rec;
+}
+
 // Steps until --steps (or --stop-after more, or a stop request), printing one line per step on
 // the root process; saves every --save-every steps and when stopped.
 RunRecord RunSteps(Engine& t, const TrainFlags& f, bool root, const TrainOptions& options) {
@@ -336,18 +425,7 @@ RunRecord RunSteps(Engine& t, const TrainFlags& f, bool root, const TrainOptions
       continue;
     }
     if (f.json) {
-      json line = {{"step", res.step},
-                   {"loss", res.loss},
-                   {"lr", res.lr},
-                   {"grad_norm", res.grad_norm},
-                   {"step_time_s", res.step_time_s},
-                   {"samples_per_s", res.samples_per_s}};
-      if (precision == Precision::kFp16) {
-        line["loss_scale"] = res.loss_scale;
-        line["skipped"] = res.skipped;
-      }
-      std::printf("%s\n", line.dump().c_str());
-      std::fflush(stdout);
+      PrintStepJson(res, precision);
     } else {
       bar.Update(res.step + 1, absl::StrFormat("loss %.4f lr %.2e %.0f samples/s", res.loss, res.lr,
                                                res.samples_per_s));
@@ -436,9 +514,12 @@ absl::Status RunTrain(const TrainFlags& f) {
   InstallStopSignals();
   if (!f.json && root) PrintHeader(model.graph, t, data->Describe());
   RunRecord rec;
+  AsyncReport async_report;
   {
     FlightWatcher flight(t, !f.flight_dir.empty() ? f.flight_dir : !f.save.empty() ? f.save : ".");
-    rec = RunSteps(t, f, root, options);
+    rec = options.dp_mode == DpMode::kAsync
+              ? RunAsyncSteps(t, f, root, options.precision, &async_report)
+              : RunSteps(t, f, root, options);
     // A failed step (an error, a timeout, another rank's abort): every rank's last actions.
     if (!rec.failure.ok()) flight.Dump(t);
   }
@@ -470,6 +551,10 @@ absl::Status RunTrain(const TrainFlags& f) {
   in.svg = f.svg;
   in.checkpoint = f.save;
   in.grad_compression = options.grad_compression;
+  if (options.dp_mode == DpMode::kAsync) {
+    in.async = &async_report;
+    in.staleness = options.staleness;
+  }
   PrintSummary(in, f.json);
   return absl::OkStatus();
 }
@@ -543,6 +628,15 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
                   "Gradients between replicas: none (fp32 all-reduce), bf16 (half the bytes, "
                   "fp32 sums, error feedback) or powersgd:R (rank-R factors of every matrix, "
                   "error feedback); needs --dp >= 2");
+  cmd->add_option("--dp-mode", f->dp_mode,
+                  "sync (every step sums all replicas' gradients) or async (bounded staleness: "
+                  "each replica's gradients applied as they come by the parameters' owners; "
+                  "needs --dp >= 2)");
+  cmd->add_option("--staleness", f->staleness,
+                  "async: the most steps a replica may run ahead of the slowest (0: lock-step; "
+                  "default 1)");
+  cmd->add_option("--slow-replica", f->slow_replica,
+                  "R:FACTOR: replica R computes FACTOR times slower (benchmarks of stragglers)");
   cmd->add_option("--threads-per-rank", f->threads_per_rank,
                   "Threads each CPU rank runs its kernels on (0: automatic, the usable cores "
                   "divided among the ranks)");

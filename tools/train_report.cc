@@ -196,6 +196,19 @@ void PrintSummary(const ReportInput& in, bool as_json) {
                   {"trace", in.trace},
                   {"checkpoint", in.checkpoint}};
   if (in.precision == Precision::kFp16) summary["loss_scale"] = rec.last_loss_scale;
+  summary["dp_mode"] = in.async != nullptr ? "async" : "sync";
+  if (in.async != nullptr) {
+    json replicas = json::array();
+    for (const AsyncReplicaReport& a : in.async->replicas) {
+      replicas.push_back({{"replica", a.replica},
+                          {"steps", a.steps},
+                          {"mean_staleness", a.mean_staleness},
+                          {"max_staleness", a.max_staleness},
+                          {"wait_s", a.wait_s}});
+    }
+    summary["staleness"] = in.staleness;
+    summary["async_replicas"] = replicas;
+  }
   json plan_rows;
   if (in.plan != nullptr && steps_run > 0) {
     plan_rows = PlanComparison(*in.plan, rs);
@@ -223,6 +236,17 @@ void PrintSummary(const ReportInput& in, bool as_json) {
         "compression ratio %.2fx\n",
         GradCompressionName(in.grad_compression).c_str(), grad_sent / rank_steps / 1048576.0,
         grad_fp32 / rank_steps / 1048576.0, grad_ratio);
+  }
+  if (in.async != nullptr) {
+    std::printf(
+        "  async DP (staleness bound %d): each replica's steps, their staleness (steps "
+        "ahead of the slowest) and time waiting on the bound\n",
+        in.staleness);
+    for (const AsyncReplicaReport& a : in.async->replicas) {
+      std::printf("    replica %d: %lld steps, staleness mean %.2f max %lld, waited %.3f s\n",
+                  a.replica, static_cast<long long>(a.steps), a.mean_staleness,
+                  static_cast<long long>(a.max_staleness), a.wait_s);
+    }
   }
   if (!plan_rows.is_null()) {
     PrintPlanComparison(plan_rows, in.plan->predicted.step_time_s, rs.measured_step_s);

@@ -38,6 +38,8 @@ struct ReportInput {
   const RunRecord* record = nullptr;
   Precision precision = Precision::kFp32;
   GradCompression grad_compression;
+  const AsyncReport* async = nullptr;  // --dp-mode async
+  int staleness = 0;
   std::string plan_file, trace, svg, checkpoint;
 };
 // The final summary: `{"summary": ...}` with --json, else a paragraph and the rank table.

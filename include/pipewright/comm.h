@@ -128,11 +128,16 @@ struct CommCapabilities {
   // AllReduce sums in group-rank order, ((x0 + x1) + x2) + ..., bit-identical to the local
   // backend for the same inputs; false = the library's own (deterministic per topology) order.
   bool rank_order_sum = true;
+  // Two threads may post point-to-point operations (Send, Recv, and Wait/Done on them) on one
+  // communicator at the same time; collectives stay one thread at a time. Asynchronous data
+  // parallelism needs it (an owner's service thread beside the rank's own).
+  bool concurrent_p2p = true;
 };
 
 // A process group. Methods that post an operation return a Work whose Wait observes the result;
 // errors of an operation (bad arguments, a disagreement with the peers, an abort) are the status
-// of its Work. A communicator is used by one thread at a time.
+// of its Work. A communicator is used by one thread at a time (but see
+// CommCapabilities::concurrent_p2p).
 class Communicator {
  public:
   virtual ~Communicator() = default;

@@ -96,6 +96,37 @@ struct RunSummary {
   std::string bottleneck_reason;
 };
 
+// One replica of an asynchronous run (TrainOptions::dp_mode kAsync).
+struct AsyncReplicaReport {
+  int replica = 0;
+  int64_t steps = 0;  // its gradients applied (each by every owner, once)
+  // Staleness of its steps: how many steps it was ahead of the slowest replica when it started
+  // each (0 under synchronous DP; never more than TrainOptions::staleness).
+  double mean_staleness = 0;
+  int64_t max_staleness = 0;
+  double wait_s = 0;  // waiting on the staleness bound
+};
+
+// What Engine::RunAsync did. Each replica step applies one update, so a run of `steps` engine
+// steps applies steps x dp updates: the same samples as as many synchronous steps.
+struct AsyncReport {
+  int64_t first_step = 0, steps = 0;  // engine steps [first_step, first_step + steps)
+  bool stop_requested = false;        // a stop request ended it early (at a whole step)
+  double wall_s = 0;
+  // Per update in the order it was granted: its loss (mean over the replica's micro-batches),
+  // gradient norm before clipping, learning rate and replica. Complete on the root process.
+  struct Update {
+    int replica = 0;
+    double loss = 0, grad_norm = 0;
+    float lr = 0;
+  };
+  std::vector<Update> updates;
+  std::vector<AsyncReplicaReport> replicas;  // by replica (root process)
+  // Per rank of this process: [replica] = the gradients of that replica its parameter shard
+  // applied (every entry equals that replica's steps when each was applied exactly once).
+  std::vector<std::pair<int, std::vector<int64_t>>> applied_by_rank;  // (global rank, counts)
+};
+
 class Engine {
  public:
   // Checks `run` against `graph` (CheckRunSpec) and `data` against the first stage's input,
@@ -114,6 +145,13 @@ class Engine {
   // nowhere, and the first error is returned naming the rank, the action and the peer. After
   // a failure the engine refuses further steps.
   absl::StatusOr<StepReport> Step();
+  // Asynchronous data parallelism (TrainOptions::dp_mode kAsync; Step refuses it): runs until
+  // the engine's step reaches `until_step` — until_step x dp replica steps in all, taken by
+  // whichever replica is ready, within the staleness bound — or until a stop request
+  // (RequestStop), which ends it at the next whole step. Afterwards every replica holds the
+  // owners' parameters and optimizer state, so Save, Weights and a further RunAsync see one
+  // model. Failures as in Step.
+  absl::StatusOr<AsyncReport> RunAsync(int64_t until_step);
   int64_t step() const;
   int64_t global_batch() const;
   // Threads each rank of this process runs its CPU kernels on (TrainOptions::threads_per_rank,

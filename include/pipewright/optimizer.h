@@ -37,6 +37,9 @@ class Optimizer {
   // leaves it unscaled (clipping without a pass of its own). Does not zero grads.
   absl::Status Step(float lr, float grad_scale = 1.0f);
   int64_t step_count() const { return step_; }
+  // The updates taken so far (AdamW's bias correction counts them), for state assembled from
+  // elsewhere (asynchronous DP's owners).
+  void set_step_count(int64_t step) { step_ = step; }
   // State tensors ("exp_avg.<name>", "exp_avg_sq.<name>" or "momentum_buffer.<name>").
   std::vector<std::pair<std::string, Tensor>> State() const;
   // Restores state written by State(); every tensor must be present with the right shape.

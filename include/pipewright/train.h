@@ -39,6 +39,16 @@ std::string GradCompressionName(const GradCompression& c);
 // PowerSGD rank must be an integer in [1, 1024]).
 absl::StatusOr<GradCompression> ParseGradCompression(absl::string_view name);
 
+// How the data-parallel replicas of a stage combine their work (docs/runtime.md, "Asynchronous
+// data parallelism"). kSync: every step sums every replica's gradients and applies one update
+// everywhere (bit-reproducible). kAsync: bounded-staleness asynchronous updates (stale-synchronous
+// parallel): each stage's parameters and optimizer state are owned in shards by its replicas,
+// each replica's gradient is applied by the owners as soon as it arrives, and a replica runs
+// ahead of the slowest one by at most `staleness` steps.
+enum class DpMode { kSync, kAsync };
+const char* DpModeName(DpMode m);                            // "sync", "async"
+absl::StatusOr<DpMode> ParseDpMode(absl::string_view name);  // the inverse
+
 struct TrainOptions {
   int64_t steps = 60;  // the run's length: the LR schedule's warm-up and cosine decay span it
   uint64_t seed = 1;   // weights (and, by convention, the dataset the caller opens)
@@ -54,6 +64,14 @@ struct TrainOptions {
   int64_t bucket_bytes = int64_t{1} << 20;  // gradient all-reduce bucket size
   // Needs dp > 1 and fp32 or bf16 precision; every replica's state is checkpointed.
   GradCompression grad_compression;
+  // kAsync needs dp >= 2, the CPU, fp32 or bf16, no gradient compression and a backend whose
+  // point-to-point operations may be posted from two threads (local, mpi).
+  DpMode dp_mode = DpMode::kSync;
+  int staleness = 1;  // kAsync: the most steps a replica may run ahead of the slowest (>= 0)
+  // Benchmarks and tests: replica `slow_replica` (-1: none) sleeps slow_factor - 1 times the
+  // length of each of its compute intervals after it, so it computes slow_factor times slower.
+  int slow_replica = -1;
+  double slow_factor = 1.0;
   // Threads each CPU rank runs its kernels on (its own thread included): matrix products and
   // the row-parallel kernels split their work over them. 0 = automatic: the CPU cores this
   // process may use, divided among the ranks it runs (and, under a launcher, among the

@@ -79,7 +79,8 @@ constexpr CommCapabilities kNcclCapabilities{.tagged_p2p = false,
                                              .device_memory = true,
                                              .stream_ordered = true,
                                              .grouped_p2p = true,
-                                             .rank_order_sum = false};
+                                             .rank_order_sum = false,
+                                             .concurrent_p2p = false};
 
 // One operation, shared by its Work and the communicator's in-flight list (one thread).
 struct NcclOp {

@@ -57,6 +57,52 @@ absl::Status CheckTrainOptions(const TrainOptions& o) {
   if (o.data_workers < 0 || o.data_workers > 64) {
     return absl::InvalidArgumentError("--data-workers must be in [0, 64]");
   }
+  if (o.staleness < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--staleness ", o.staleness, ": must be >= 0 (0: lock-step)"));
+  }
+  if (!(o.slow_factor >= 1) || !(o.slow_factor <= 1000)) {
+    return absl::InvalidArgumentError("--slow-replica's factor must be in [1, 1000]");
+  }
+  if (o.dp_mode == DpMode::kAsync) {
+    if (o.grad_compression.enabled()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--dp-mode async does not combine with --grad-compression ",
+                       GradCompressionName(o.grad_compression),
+                       ": the owners apply each replica's gradients as they come"));
+    }
+    if (o.precision == Precision::kFp16) {
+      return absl::InvalidArgumentError(
+          "--dp-mode async does not support --precision fp16 (the loss scale is agreed by all "
+          "replicas every step); use fp32 or bf16");
+    }
+  }
+  return absl::OkStatus();
+}
+
+// What asynchronous DP needs of the run (Note [Async DP] in async_dp.cc).
+absl::Status CheckAsync(const TrainOptions& o, const RunSpec& run, const World& world,
+                        const std::vector<RankEndpoint>& endpoints) {
+  if (o.slow_replica >= run.data_parallel) {
+    return absl::InvalidArgumentError(absl::StrCat("--slow-replica ", o.slow_replica,
+                                                   ": there are only ", run.data_parallel,
+                                                   " replicas (0 to ", run.data_parallel - 1, ")"));
+  }
+  if (o.dp_mode != DpMode::kAsync) return absl::OkStatus();
+  if (run.data_parallel < 2) {
+    return absl::InvalidArgumentError(
+        "--dp-mode async needs data parallelism (dp >= 2): with one replica there is nothing to "
+        "run asynchronously");
+  }
+  if (world.options().device.is_cuda()) {
+    return absl::InvalidArgumentError("--dp-mode async runs on the CPU only (--device cpu)");
+  }
+  if (!endpoints.empty() && !endpoints[0].comm->capabilities().concurrent_p2p) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--dp-mode async needs a backend that takes point-to-point operations from "
+                     "two threads (local, mpi); ",
+                     CommBackendName(endpoints[0].comm->kind()), " does not"));
+  }
   return absl::OkStatus();
 }
 
@@ -208,9 +254,14 @@ absl::Status ConnectReplicas(Engine::Impl& m) {
   const int dp = m.run.data_parallel;
   const int64_t bucket_bytes = m.options.bucket_bytes;
   const GradCompression compression = m.options.grad_compression;
-  return m.OnEveryRank([timeout, dp, bucket_bytes, compression](RankExecutor& r) -> absl::Status {
+  const bool async = m.options.dp_mode == DpMode::kAsync;
+  const int pp = m.ctx.topo.pp;
+  return m.OnEveryRank([=](RankExecutor& r) -> absl::Status {
     if (dp > 1) {
       PW_ASSIGN_OR_RETURN(r.dp_comm, r.world->Split(r.pipe, r.replica, timeout));
+    }
+    if (async && pp > 1) {
+      PW_ASSIGN_OR_RETURN(r.replica_comm, r.world->Split(r.replica, r.pipe, timeout));
     }
     std::vector<internal::GradSyncStage> stages;
     for (StageRt& st : r.stages) {
@@ -267,6 +318,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const LayerGraph& graph, 
   m.lr.min_ratio = options.min_lr_ratio;
 
   PW_ASSIGN_OR_RETURN(std::vector<RankEndpoint> endpoints, m.world->Connect(m.ctx.topo));
+  PW_RETURN_IF_ERROR(CheckAsync(m.options, m.run, *m.world, endpoints));
   if (!endpoints.empty() && !endpoints[0].comm->capabilities().tagged_p2p) {
     PW_RETURN_IF_ERROR(CheckFifoOrder(m.run.schedule));
   }
@@ -320,6 +372,11 @@ absl::StatusOr<StepReport> Engine::Step() {
     return absl::FailedPreconditionError(
         absl::StrCat("the engine stopped after an earlier failure: ", m.failed.message()));
   }
+  if (m.options.dp_mode == DpMode::kAsync) {
+    return absl::FailedPreconditionError(
+        "Engine::Step is one synchronous step of every replica; this engine runs asynchronous "
+        "DP (use RunAsync)");
+  }
   const float lr = m.lr.At(m.step);
   const int64_t step = m.step;
   std::vector<internal::StepOutcome> outcomes(m.ranks.size());
@@ -354,6 +411,54 @@ absl::StatusOr<StepReport> Engine::Step() {
   m.wall += rep.result.step_time_s;
   ++m.steps_run;
   ++m.step;
+  return rep;
+}
+
+absl::StatusOr<AsyncReport> Engine::RunAsync(int64_t until_step) {
+  Impl& m = *impl_;
+  if (!m.failed.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the engine stopped after an earlier failure: ", m.failed.message()));
+  }
+  if (m.options.dp_mode != DpMode::kAsync) {
+    return absl::FailedPreconditionError("RunAsync needs TrainOptions::dp_mode kAsync");
+  }
+  AsyncReport rep;
+  rep.first_step = m.step;
+  if (until_step <= m.step) return rep;
+  const int D = m.ctx.topo.dp;
+  RankExecutor::AsyncRun run;
+  run.lr = m.lr;
+  run.first_ticket = m.step * D;
+  run.end_ticket = until_step * D;
+  std::unique_ptr<internal::AsyncCoordinator> coord;
+  if (m.Find(0) != nullptr) {
+    coord = std::make_unique<internal::AsyncCoordinator>(D, m.options.staleness, run.first_ticket,
+                                                         run.end_ticket);
+    run.coord = coord.get();
+  }
+  std::vector<int64_t> end(m.ranks.size(), run.first_ticket);
+  const Clock::time_point t0 = Clock::now();
+  absl::Status s = m.OnEveryRank([&](RankExecutor& r) { return r.RunAsync(run, &end[r.slot]); });
+  if (!s.ok()) {
+    m.failed = s;
+    return s;
+  }
+  rep.wall_s = internal::Seconds(t0, Clock::now());
+  rep.steps = m.ranks.empty() ? 0 : (end[0] - run.first_ticket) / D;
+  if (coord != nullptr) {
+    AsyncReport c = coord->Report();
+    rep.stop_requested = c.stop_requested;
+    rep.replicas = std::move(c.replicas);
+    rep.updates = std::move(c.updates);
+    for (size_t i = 0; i < rep.updates.size(); ++i) {
+      rep.updates[i].lr = m.lr.At((run.first_ticket + static_cast<int64_t>(i)) / D);
+    }
+  }
+  for (auto& r : m.ranks) rep.applied_by_rank.emplace_back(r->global, r->AsyncApplied());
+  m.step += rep.steps;
+  m.steps_run += rep.steps;
+  m.wall += rep.wall_s;
   return rep;
 }
 

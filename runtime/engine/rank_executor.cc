@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -103,7 +104,8 @@ absl::StatusOr<std::vector<std::string>> RankExecutor::AllGatherBytes(const std:
 
 GradSyncContext RankExecutor::SyncContext() {
   GradSyncContext c;
-  c.dp = dp_comm.get();
+  // Asynchronous DP exchanges no gradients by collectives (the owners apply them).
+  c.dp = async() ? nullptr : dp_comm.get();
   c.alloc = alloc.get();
   c.wait = [this](Work& w, const std::string& what) { return WaitOrAbort(w, what); };
   c.sync_device = [this] { return Sync(); };
@@ -119,6 +121,12 @@ void RankExecutor::Record(EventKind kind, const Action& a, Clock::time_point sta
   e.tag = tag;
   e.step = step_;
   e.start = Seconds(ctx->epoch, start);
+  const TrainOptions& o = *ctx->options;
+  if ((kind == EventKind::kCompute || kind == EventKind::kRecompute) && replica == o.slow_replica &&
+      o.slow_factor > 1) {
+    // --slow-replica: this replica computes slow_factor times slower.
+    std::this_thread::sleep_for((Clock::now() - start) * (o.slow_factor - 1));
+  }
   e.end = Seconds(ctx->epoch, Clock::now());
   events.push_back(e);
   const double d = e.end - e.start;
@@ -162,8 +170,8 @@ void RankExecutor::EndStep(Clock::time_point t0, int64_t start_bytes) {
   t.peak_activation_bytes = alloc->peak_bytes() - start_bytes;
   t.static_memory_bytes = static_bytes;
   const GradSyncBytes bytes = grad_sync->StepBytes();
-  t.grad_bytes_sent = bytes.sent;
-  t.grad_bytes_uncompressed = bytes.uncompressed;
+  t.grad_bytes_sent += bytes.sent;  // (asynchronous DP counted its pushes already)
+  t.grad_bytes_uncompressed += bytes.uncompressed;
   const double used =
       t.compute + t.recompute + t.p2p_wait + t.all_reduce + t.optimizer + t.data_wait;
   t.idle = std::max(0.0, t.wall - used);

@@ -21,6 +21,7 @@
 #include "pipewright/engine.h"
 #include "pipewright/ops.h"
 #include "pipewright/optimizer.h"
+#include "runtime/engine/async_dp.h"
 #include "runtime/engine/flight_recorder.h"
 #include "runtime/grad_sync/grad_sync.h"
 
@@ -83,6 +84,8 @@ class RankExecutor {
   // Host memory for the rank's host-side values on CUDA (batches, scalars, staging).
   std::unique_ptr<CpuAllocator> host = std::make_unique<CpuAllocator>();
   std::unique_ptr<Communicator> world, dp_comm;
+  // The replica's pipeline ranks, ranked by pipeline rank (asynchronous DP with pp > 1 only).
+  std::unique_ptr<Communicator> replica_comm;
   // The threads of the rank's CPU kernels (its own included): current on the thread that drives
   // the rank (Engine::Impl::OnEveryRank), never shared with another rank.
   std::unique_ptr<cpu::ThreadPool> pool;
@@ -134,12 +137,34 @@ class RankExecutor {
   // The rank's totals over the steps so far, with per-stage mean times.
   RankTimes Totals() const;
 
+  // Asynchronous data parallelism (rank_async.cc, Note [Async DP] in async_dp.cc): replica
+  // steps for tickets [first_ticket, end_ticket) as the coordinator grants them, then the
+  // consolidation; `end` receives the ticket the run really ended at (every rank learns it).
+  struct AsyncRun {
+    LrSchedule lr;
+    int64_t first_ticket = 0, end_ticket = 0;
+    AsyncCoordinator* coord = nullptr;  // on global rank 0's process only
+  };
+  absl::Status RunAsync(const AsyncRun& run, int64_t* end);
+  // What this rank's shard applied, per replica (after RunAsync).
+  std::vector<int64_t> AsyncApplied() const;
+
  private:
   absl::Status RunAction(const Action& a, int index, int64_t step, float lr, StepOutcome* out);
   absl::Status Forward(StageRt& st, int mb);
   absl::Status Backward(StageRt& st, const Action& a, int index);
   absl::Status WeightBackward(StageRt& st, const Action& a, int index);
   absl::Status Agree(int64_t step, float lr, StepOutcome* out);
+  bool async() const { return ctx->options->dp_mode == DpMode::kAsync; }
+  // Asynchronous DP (rank_async.cc).
+  absl::Status AsyncLoop(const AsyncRun& run);
+  absl::StatusOr<AsyncCoordinator::Grant> ClaimStep(const AsyncRun& run, const double* claim);
+  absl::Status AsyncPull();
+  // In place of Agree: the replica's loss and norm over its pipeline, the gradients pushed.
+  absl::Status AsyncPush(float lr, StepOutcome* out);
+  absl::Status Consolidate();
+  // A message of kAsyncHeaderLen f64 values to replica `o` on the data-parallel group.
+  absl::Status SendHeader(const std::vector<double>& v, int o, int64_t tag);
   void BeginStep(int64_t step);
   void EndStep(Clock::time_point t0, int64_t start_bytes);
   void Record(EventKind kind, const Action& a, Clock::time_point start, int peer = -1,
@@ -179,6 +204,13 @@ class RankExecutor {
   std::vector<double> losses_;                    // [micro-batch], last-stage ranks only
   std::vector<std::unique_ptr<Work>> sends_;
   int64_t step_ = 0;
+  // Asynchronous DP: owners per parameter, elements each replica owns, this rank's shard, and
+  // the replica steps done in the current run.
+  std::vector<int> owner_;
+  std::vector<int64_t> owned_numel_;
+  std::unique_ptr<AsyncShard> shard_;
+  std::vector<std::unique_ptr<Work>> async_sends_;
+  int64_t async_done_ = 0;
 };
 
 }  // namespace pipewright::internal

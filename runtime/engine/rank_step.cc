@@ -107,7 +107,9 @@ absl::Status RankExecutor::RunStep(int64_t step, float lr, StepOutcome* out) {
 
 absl::Status RankExecutor::RunAction(const Action& a, int index, int64_t step, float lr,
                                      StepOutcome* out) {
-  if (a.kind == ActionKind::kOptimizerStep) return Agree(step, lr, out);
+  if (a.kind == ActionKind::kOptimizerStep) {
+    return async() ? AsyncPush(lr, out) : Agree(step, lr, out);
+  }
   if (IsComm(a.kind)) {
     if (a.kind == ActionKind::kSendF || a.kind == ActionKind::kSendB) return IssueSend(a);
     PendingRecv r;
@@ -249,7 +251,10 @@ absl::Status RankExecutor::Backward(StageRt& st, const Action& a, int index) {
   if (st.last) {
     const BatchLayout& l = ctx->layout;
     dy = Tensor::Empty({1}, DType::kF32, host.get());  // a host scalar on every device
-    dy.data<float>()[0] = scaler.scale() / static_cast<float>(l.micro_batches * l.replicas);
+    // The mean over the global batch; under asynchronous DP over the replica's own batch (each
+    // replica's gradient is an update of its own).
+    const int64_t replicas = async() ? 1 : l.replicas;
+    dy.data<float>()[0] = scaler.scale() / static_cast<float>(l.micro_batches * replicas);
   } else {
     dy = st.grad_out[mb];
     if (!dy.defined()) {

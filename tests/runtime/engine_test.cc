@@ -32,11 +32,7 @@ using testing_util::MakeEngine;
 constexpr int64_t kMicroBatches = 8;
 constexpr int kSteps = 3;
 
-LayerGraph Tiny() {
-  auto g = PresetModel("gpt-tiny", 2);
-  EXPECT_TRUE(g.ok()) << g.status();
-  return *std::move(g);
-}
+using testing_util::Tiny;
 
 TrainOptions Train(int64_t steps = kSteps) {
   TrainOptions o;

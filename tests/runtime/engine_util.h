@@ -4,6 +4,8 @@
 #ifndef PIPEWRIGHT_TESTS_RUNTIME_ENGINE_UTIL_H_
 #define PIPEWRIGHT_TESTS_RUNTIME_ENGINE_UTIL_H_
 
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <memory>
 #include <optional>
@@ -13,10 +15,18 @@
 #include "absl/strings/str_cat.h"
 #include "pipewright/engine.h"
 #include "pipewright/launch.h"
+#include "pipewright/model.h"
 #include "pipewright/run_spec.h"
 #include "pipewright/train.h"
 
 namespace pipewright::testing_util {
+
+// gpt-tiny with 2 sequences per micro-batch: the model most engine tests train.
+inline LayerGraph Tiny() {
+  auto g = PresetModel("gpt-tiny", 2);
+  EXPECT_TRUE(g.ok()) << g.status();
+  return *std::move(g);
+}
 
 // What a test varies about a run (the CLI's flags, as data).
 struct EngineSetup {

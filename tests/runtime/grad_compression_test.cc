@@ -121,11 +121,7 @@ TEST(GradCompressionNone, SendsFp32AndSumsExactly) {
   EXPECT_EQ(bytes[0].uncompressed, 40);
 }
 
-LayerGraph Tiny() {
-  auto g = PresetModel("gpt-tiny", 2);
-  EXPECT_TRUE(g.ok()) << g.status();
-  return *std::move(g);
-}
+using testing_util::Tiny;
 
 EngineSetup CompressionSetup(int pp, int dp, GradCompression c) {
   EngineSetup o;

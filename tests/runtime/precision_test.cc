@@ -24,11 +24,7 @@ namespace {
 
 using WeightMap = std::map<std::string, std::vector<float>>;
 
-LayerGraph Tiny() {
-  auto g = PresetModel("gpt-tiny", 2);
-  EXPECT_TRUE(g.ok()) << g.status();
-  return *std::move(g);
-}
+using testing_util::Tiny;
 
 constexpr int64_t kMicroBatches = 4;  // of the single-stage runs
 

@@ -12,15 +12,6 @@ namespace {
 
 using namespace pipewright::cli_test;
 
-// The run's --json summary object (null when it printed none).
-nlohmann::json Summary(const Result& r) {
-  nlohmann::json summary;
-  for (const auto& l : JsonLines(r.out)) {
-    if (l.contains("summary")) summary = l["summary"];
-  }
-  return summary;
-}
-
 TEST(CliGradCompression, Bf16HalvesTheGradientBytesAndReportsThem) {
   const std::string base =
       "train --preset gpt-tiny --steps 3 --seed 7 --micro-batch-size 2 --pp 2 --dp 2 --json ";

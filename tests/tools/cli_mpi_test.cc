@@ -153,6 +153,37 @@ TEST(CliMpi, Sigusr1StopsEveryProcessAfterTheSameStepAndSaves) {
   }
 }
 
+// Asynchronous DP over MPI (Note [Async DP]): each process's service thread answers the other
+// replicas' pulls and pushes while its own thread computes; the root reports every replica, the
+// bound holds, the loss falls, and the checkpoint the processes wrote together resumes in one.
+TEST(CliMpi, AsyncDataParallelismAcrossProcesses) {
+  const std::string dir = TempPath("mpi_async_" + std::to_string(getpid()));
+  std::filesystem::remove_all(dir);
+  const std::string base =
+      "train --preset gpt-tiny --micro-batch-size 2 --seed 7 --json --timeout 30 --pp 2 --dp 2 "
+      "--micro-batches 2 --dp-mode async --staleness 2 ";
+  Result mpi = RunMpi(4, base + "--steps 8 --slow-replica 1:2 --save " + dir);
+  ASSERT_EQ(mpi.exit_code, 0) << mpi.err;
+  std::vector<nlohmann::json> lines = JsonLines(mpi.out);
+  ASSERT_FALSE(lines.empty());
+  ASSERT_TRUE(lines.back().contains("summary")) << mpi.out;
+  const nlohmann::json& s = lines.back()["summary"];
+  ASSERT_EQ(s["async_replicas"].size(), 2u) << mpi.out;
+  int64_t steps = 0;
+  for (const auto& rep : s["async_replicas"]) {
+    EXPECT_LE(rep["max_staleness"].get<int64_t>(), 2);
+    steps += rep["steps"].get<int64_t>();
+  }
+  EXPECT_EQ(steps, 16);
+  std::vector<double> losses = Losses(mpi);
+  ASSERT_EQ(losses.size(), 8u);
+  EXPECT_LT(losses.back(), losses.front());
+  Result rest = RunCli(base + "--steps 10 --resume " + dir);
+  ASSERT_EQ(rest.exit_code, 0) << rest.err;
+  EXPECT_EQ(Losses(rest).size(), 2u);
+  if (!HasFailure()) std::filesystem::remove_all(dir);
+}
+
 TEST(CliMpi, FourProcessPipelineAndTwoProcessZeroBubbleMatch) {
   for (auto [np, layout] : {std::pair{4, "--pp 4 --schedule 1f1b --micro-batches 8"},
                             std::pair{2, "--pp 2 --schedule zb-h1 --micro-batches 8"}}) {

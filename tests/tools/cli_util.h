@@ -103,6 +103,15 @@ inline std::vector<double> Losses(const std::vector<nlohmann::json>& lines) {
   return l;
 }
 
+// The run's --json summary object (null when it printed none).
+inline nlohmann::json Summary(const Result& r) {
+  nlohmann::json summary;
+  for (const auto& l : JsonLines(r.out)) {
+    if (l.contains("summary")) summary = l["summary"];
+  }
+  return summary;
+}
+
 // The per-step losses of a `train --json` run.
 inline std::vector<double> Losses(const Result& r) { return Losses(JsonLines(r.out)); }
 
