@@ -350,6 +350,7 @@ Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Engine::~Engine() {
   // Communicators first: a backend may still hold buffers from any rank's allocator (a
   // receive posted before an abort), and every allocator must outlive them.
+  for (auto& r : impl_->ranks) r->replica_comm.reset();
   for (auto& r : impl_->ranks) r->dp_comm.reset();
   for (auto& r : impl_->ranks) r->world.reset();
   for (auto& r : impl_->ranks) {
