@@ -1,6 +1,8 @@
 #include "runtime/train_state.h"
 
 #include <algorithm>
+#include <cfloat>
+#include <cstdint>
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
@@ -92,6 +94,13 @@ absl::StatusOr<ResumePoint> CheckManifestFields(const std::string& dir,
   }
   ResumePoint r;
   r.step = m["step"].get<int64_t>();
+  // A step beyond what the sample counter can hold is damage, not a position (and step x global
+  // batch would overflow).
+  if (m["step"].is_number_unsigned() && m["step"].get<uint64_t>() > uint64_t{INT64_MAX})
+    r.step = -1;
+  if (r.step < 0 || r.step > INT64_MAX / std::max<int64_t>(1, layout.global_batch())) {
+    return bad(absl::StrCat("step ", m["step"].dump(), " is out of range"));
+  }
   if (m["data"]["next_sample"].get<int64_t>() != r.step * layout.global_batch()) {
     return bad(absl::StrCat("data position ", m["data"]["next_sample"].get<int64_t>(),
                             " does not match step ", r.step, " x global batch ",
@@ -102,17 +111,22 @@ absl::StatusOr<ResumePoint> CheckManifestFields(const std::string& dir,
     return bad("optimizer.kind differs from this run's optimizer");
   }
   const json& step = m["optimizer"].contains("step") ? m["optimizer"]["step"] : m["step"];
-  if (!step.is_number_integer()) return bad("optimizer.step is not an integer");
+  if (!step.is_number_integer() || step.get<int64_t>() < 0 ||
+      (step.is_number_unsigned() && step.get<uint64_t>() > uint64_t{INT64_MAX})) {
+    return bad("optimizer.step is not a non-negative integer");
+  }
   r.optimizer_step = step.get<int64_t>();
   if (m.contains("precision") && m["precision"].is_object() &&
       m["precision"].contains("loss_scale")) {
     const json& ls = m["precision"]["loss_scale"];
     if (!ls.is_object() || !ls.contains("scale") || !ls["scale"].is_number() ||
-        !(ls["scale"].get<double>() > 0) || !ls.contains("good_steps") ||
-        !ls["good_steps"].is_number_integer() || !ls.contains("skipped_steps") ||
-        !ls["skipped_steps"].is_number_integer()) {
+        !(ls["scale"].get<double>() > 0) || !(ls["scale"].get<double>() <= FLT_MAX) ||
+        !ls.contains("good_steps") || !ls["good_steps"].is_number_integer() ||
+        ls["good_steps"].get<int64_t>() < 0 || !ls.contains("skipped_steps") ||
+        !ls["skipped_steps"].is_number_integer() || ls["skipped_steps"].get<int64_t>() < 0) {
       return bad(
-          "precision.loss_scale needs a positive scale and integer good_steps and "
+          "precision.loss_scale needs a positive finite fp32 scale and non-negative integer "
+          "good_steps and "
           "skipped_steps");
     }
     r.has_loss_scale = true;
@@ -123,8 +137,9 @@ absl::StatusOr<ResumePoint> CheckManifestFields(const std::string& dir,
   if (m.contains("grad_sync")) {
     const json& gs = m["grad_sync"];
     if (!gs.is_object() || !gs.contains("compression") || !gs["compression"].is_string() ||
-        !gs.contains("data_parallel") || !gs["data_parallel"].is_number_integer()) {
-      return bad("grad_sync needs a compression name and an integer data_parallel");
+        !gs.contains("data_parallel") || !gs["data_parallel"].is_number_integer() ||
+        gs["data_parallel"].get<int64_t>() < 1 || gs["data_parallel"].get<int64_t>() > INT32_MAX) {
+      return bad("grad_sync needs a compression name and a positive integer data_parallel");
     }
     r.grad_compression = gs["compression"].get<std::string>();
     r.grad_sync_dp = gs["data_parallel"].get<int>();

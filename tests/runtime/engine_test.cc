@@ -323,7 +323,7 @@ class FaultLayer final : public Layer {
       case Fault::kThrow:
         throw std::runtime_error("injected exception");
       case Fault::kStall:
-        std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+        std::this_thread::sleep_for(std::chrono::milliseconds(5000));
         return y;
       case Fault::kNan:
         y.data<float>()[0] = std::nanf("");
@@ -439,7 +439,9 @@ TEST(EngineFaults, NonFiniteLossStopsTheStep) {
 }
 
 TEST(EngineFaults, StalledRankTimesOutTheOthers) {
-  FaultRun r = RunFault(Fault::kStall, absl::Milliseconds(300));
+  // The timeout leaves the healthy first step room on a loaded machine or under TSan (0.3 s did
+  // not, with the suite running in parallel under TSan); the stall outlasts it by 3x.
+  FaultRun r = RunFault(Fault::kStall, absl::Milliseconds(1500));
   ASSERT_FALSE(r.status.ok());
   EXPECT_EQ(r.status.code(), absl::StatusCode::kDeadlineExceeded) << r.status;
   std::string msg(r.status.message());

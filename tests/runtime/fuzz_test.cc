@@ -5,7 +5,8 @@
 // truncations, splices, interesting numbers and JSON tokens) to the parser, which must return a
 // value or an error and never crash, hang or read out of bounds (run under
 // `scripts/test --sanitize address` for the last). Every input is a function of the seed, so a
-// failure reproduces; PIPEWRIGHT_FUZZ_ITERATIONS raises the budget (the default keeps CI fast).
+// failure reproduces; PIPEWRIGHT_FUZZ_ITERATIONS raises the budget (the default keeps CI fast)
+// and PIPEWRIGHT_FUZZ_SEED=N draws another sequence of mutants (default 0).
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -16,6 +17,7 @@
 #include <functional>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "pipewright/checkpoint.h"
@@ -32,6 +34,11 @@ namespace {
 int64_t Iterations() {
   const char* v = std::getenv("PIPEWRIGHT_FUZZ_ITERATIONS");
   return v != nullptr ? std::max<int64_t>(1, std::atoll(v)) : 3000;
+}
+
+uint64_t Seed() {
+  const char* v = std::getenv("PIPEWRIGHT_FUZZ_SEED");
+  return v != nullptr ? std::strtoull(v, nullptr, 10) : 0;
 }
 
 class Mutator {
@@ -123,7 +130,7 @@ class Mutator {
 void Fuzz(const std::string& target, const std::vector<std::string>& seeds,
           const std::function<void(const std::string&)>& parse) {
   for (const std::string& s : seeds) parse(s);  // the seeds themselves
-  Mutator m(std::hash<std::string>{}(target));
+  Mutator m(std::hash<std::string>{}(target) + Seed() * 0x9e3779b97f4a7c15ull);
   const int64_t n = Iterations();
   for (int64_t i = 0; i < n; ++i) {
     const std::string input = m.Mutate(seeds);
@@ -131,7 +138,7 @@ void Fuzz(const std::string& target, const std::vector<std::string>& seeds,
     parse(input);
     const double s =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    ASSERT_LT(s, 1.0) << target << ": input " << i << " took " << s
+    ASSERT_LT(s, 1.0) << target << ": input " << i << " (seed " << Seed() << ") took " << s
                       << " s: " << ::testing::PrintToString(input.substr(0, 400));
   }
 }
@@ -197,6 +204,22 @@ TEST_F(FuzzFiles, CheckpointManifestAndSafetensors) {
   Fuzz("manifest", {manifest}, [&](const std::string& text) {
     (void)internal::CheckManifest("ckpt", text, graph, layout, OptimizerKind::kAdamW);
   });
+
+  // What the fuzzer found (UBSan: step x global batch overflowed): out-of-range numbers in a
+  // manifest are an error naming the field, not arithmetic on them.
+  for (const auto& [from, to, field] :
+       std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"\"step\": 3", "\"step\": 9223372036854775807", "step"},
+           {"\"step\": 3", "\"step\": 18446744073709551615", "step"},
+           {"\"step\": 3", "\"step\": -3", "step"}}) {
+    std::string text = manifest;
+    const size_t at = text.rfind(from);  // the top-level step (keys are sorted)
+    ASSERT_NE(at, std::string::npos) << from << " not in " << manifest;
+    text.replace(at, from.size(), to);
+    auto r = internal::CheckManifest("ckpt", text, graph, layout, OptimizerKind::kAdamW);
+    ASSERT_FALSE(r.ok()) << to;
+    EXPECT_NE(std::string(r.status().message()).find(field), std::string::npos) << r.status();
+  }
 
   const std::string path = Path("x.safetensors");
   NamedTensors tensors = {{"a", Tensor::FromVector({2, 3}, {1, 2, 3, 4, 5, 6})},
