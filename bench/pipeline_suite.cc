@@ -53,17 +53,17 @@ absl::StatusOr<std::vector<OverheadRow>> RunOverheadSuite(const OverheadConfig& 
     ScheduleKind kind;
     int chunks;
   };
-  const Kind kinds[] = {{ScheduleKind::kGpipe, 1},
-                        {ScheduleKind::k1F1B, 1},
-                        {ScheduleKind::kInterleaved, 2},
-                        {ScheduleKind::kZbH1, 1},
-                        {ScheduleKind::kZbV, 2}};
+  const Kind kinds[] = {{ScheduleKind::kGpipe, 1},       {ScheduleKind::k1F1B, 1},
+                        {ScheduleKind::kInterleaved, 2}, {ScheduleKind::kZbH1, 1},
+                        {ScheduleKind::kZbV, 2},         {ScheduleKind::kDualPipeV, 2}};
   const int p = config.stages;
   if (p < 1 || kDelayLayers % (2 * p) != 0) {
     return absl::InvalidArgumentError("the overhead suite runs 1, 2 or 4 stages");
   }
   std::vector<OverheadRow> rows;
   for (const Kind& k : kinds) {
+    // dualpipev needs m >= 2p; with fewer micro-batches its row is left out.
+    if (k.kind == ScheduleKind::kDualPipeV && config.micro_batches < 2 * p) continue;
     const int S = p * k.chunks;
     // Whole-rank cost stays stage_seconds per pass; a chunk costs 1/v of it.
     PW_ASSIGN_OR_RETURN(LayerGraph graph, DelayModel(config.stage_seconds / k.chunks, S));

@@ -348,14 +348,15 @@ void ReadModel(const json& doc, ModelCosts& m, Problems& p) {
 
 std::optional<ScheduleKind> ReadPlanKind(Fields& f, Problems& p) {
   std::optional<std::string> name =
-      f.String("kind", true, "one of gpipe, 1f1b, interleaved, zb-h1, zb-v");
+      f.String("kind", true, "one of gpipe, 1f1b, interleaved, zb-h1, zb-v, dualpipev");
   if (!name) return std::nullopt;
   absl::StatusOr<ScheduleKind> kind = ParseScheduleKind(*name);
   if (!kind.ok() || *kind == ScheduleKind::kCustom) {
     // A custom schedule is a hand-written program, which a plan has no room for.
-    p.Add(f.At("kind"), absl::StrCat(kind.ok() ? "custom schedules cannot be planned"
-                                               : absl::StrCat("unknown schedule \"", *name, "\""),
-                                     "; expected one of gpipe, 1f1b, interleaved, zb-h1, zb-v"));
+    p.Add(f.At("kind"),
+          absl::StrCat(kind.ok() ? "custom schedules cannot be planned"
+                                 : absl::StrCat("unknown schedule \"", *name, "\""),
+                       "; expected one of gpipe, 1f1b, interleaved, zb-h1, zb-v, dualpipev"));
     return std::nullopt;
   }
   return *kind;
@@ -583,7 +584,7 @@ void ReadPlan(const json& doc, const ModelCosts* model, Plan& plan, Problems& p)
     } else if (absl::StatusOr<Schedule> s = GenerateSchedule(spec); !s.ok()) {
       p.Add("schedule", s.status().message());
     } else if (s->spec.chunks != spec.chunks) {
-      // zb-v accepts chunks 1 as "its default, 2"; a plan must say what it runs.
+      // zb-v and dualpipev accept chunks 1 as "the default, 2"; a plan must say what it runs.
       p.Add("schedule.chunks", absl::StrCat(ScheduleKindName(*kind), " runs ", s->spec.chunks,
                                             " chunks per rank: chunks must be ", s->spec.chunks,
                                             ", got ", spec.chunks));

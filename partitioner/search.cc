@@ -20,7 +20,7 @@ std::vector<Choice> Schedules(const SearchOptions& o, int pp) {
   std::vector<Choice> all;
   if (o.schedule) {
     const int v = o.chunks.value_or(
-        *o.schedule == ScheduleKind::kInterleaved || *o.schedule == ScheduleKind::kZbV ? 2 : 1);
+        *o.schedule == ScheduleKind::kInterleaved || IsVShaped(*o.schedule) ? 2 : 1);
     all.push_back({*o.schedule, v});
     return all;
   }

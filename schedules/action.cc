@@ -133,6 +133,8 @@ const char* ScheduleKindName(ScheduleKind kind) {
       return "zb-h1";
     case ScheduleKind::kZbV:
       return "zb-v";
+    case ScheduleKind::kDualPipeV:
+      return "dualpipev";
     case ScheduleKind::kCustom:
       return "custom";
   }
@@ -140,17 +142,22 @@ const char* ScheduleKindName(ScheduleKind kind) {
 }
 
 absl::StatusOr<ScheduleKind> ParseScheduleKind(absl::string_view name) {
-  for (ScheduleKind k : {ScheduleKind::kGpipe, ScheduleKind::k1F1B, ScheduleKind::kInterleaved,
-                         ScheduleKind::kZbH1, ScheduleKind::kZbV, ScheduleKind::kCustom}) {
+  for (ScheduleKind k :
+       {ScheduleKind::kGpipe, ScheduleKind::k1F1B, ScheduleKind::kInterleaved, ScheduleKind::kZbH1,
+        ScheduleKind::kZbV, ScheduleKind::kDualPipeV, ScheduleKind::kCustom}) {
     if (name == ScheduleKindName(k)) return k;
   }
   return absl::InvalidArgumentError(
       absl::StrCat("unknown schedule '", name,
-                   "': expected one of gpipe, 1f1b, interleaved, zb-h1, zb-v, custom"));
+                   "': expected one of gpipe, 1f1b, interleaved, zb-h1, zb-v, dualpipev, custom"));
 }
 
 // Custom schedules place stage s on rank s mod p (that is, s itself when v = 1), so a
 // hand-written interleaved-style program can be checked too.
+bool IsVShaped(ScheduleKind kind) {
+  return kind == ScheduleKind::kZbV || kind == ScheduleKind::kDualPipeV;
+}
+
 int StageRank(const ScheduleSpec& spec, int stage) {
   const int p = spec.ranks < 1 ? 1 : spec.ranks;
   switch (spec.kind) {
@@ -158,6 +165,7 @@ int StageRank(const ScheduleSpec& spec, int stage) {
     case ScheduleKind::kCustom:
       return stage % p;
     case ScheduleKind::kZbV:
+    case ScheduleKind::kDualPipeV:
       return stage < p ? stage : 2 * p - 1 - stage;
     default:
       return stage;
@@ -177,9 +185,10 @@ std::string ToText(const Schedule& schedule) {
   return out;
 }
 
-// zb-v always has two chunks; a spec that leaves chunks at its default of 1 means 2.
+// zb-v and dualpipev always have two chunks; a spec that leaves chunks at its default of 1
+// means 2.
 static int EffectiveChunks(const ScheduleSpec& spec) {
-  if (spec.kind == ScheduleKind::kZbV && spec.chunks <= 1) return 2;
+  if (IsVShaped(spec.kind) && spec.chunks <= 1) return 2;
   return spec.chunks;
 }
 

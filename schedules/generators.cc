@@ -46,6 +46,28 @@
 // middle rank cannot start before p - 1 chunk forwards): zero bubble apart from that ramp
 // (the tests check p <= 10). Smaller m is generated too, with small extra bubbles.
 // spec.chunks may be 1 (the spec default, meaning 2) or 2; the result has chunks = 2.
+//
+// Note [DualPipeV]. DeepSeek-V3's DualPipe folded into a V (the "cut-in-half" DualPipe of
+// DeepSeek's DualPipeV and torch.distributed.pipelining's ScheduleDualPipeV): the zb-v
+// placement (chunk 0 = stage r on rank r, chunk 1 = stage 2p - 1 - r), each chunk taking its
+// micro-batches in order 0..m-1, and m >= 2p. Rank r runs eight phases:
+//   1. 2(p - r - 1) forwards of chunk 0;
+//   2. r + 1 pairs (F chunk 0, F chunk 1);
+//   3. p - r - 1 times: the input gradient of chunk 1 with its weight gradient deferred, one
+//      deferred weight gradient, F chunk 1;
+//   4. m - 2p + r + 1 times the steady pair "F chunk 0 + backward chunk 1" then "F chunk 1 +
+//      backward chunk 0" (on a GPU each pair overlaps one micro-batch's forward with another's
+//      backward and their communication: DualPipe's point);
+//   5. p - r - 1 times: backward chunk 1, then F chunk 1 + backward chunk 0;
+//   6. r + 1 pairs (backward chunk 1, backward chunk 0), the second half of them with deferred
+//      weight gradients (odd ranks switch one backward earlier than even ranks);
+//   7. p - r - 1 times: one deferred weight gradient, then backward chunk 0 with its weight
+//      gradient deferred;
+//   8. the r + 1 weight gradients still deferred.
+// A backward is the input-gradient half I followed at once by its W, or, where deferred, I now
+// and W later from one first-in first-out queue per rank (zero-bubble's split). Counting both
+// chunks, every rank's F, I and W per chunk run in micro-batch order, so the channels stay FIFO.
+// Equal costs: bubble and peak activations are in docs/schedules.md (the tests' simulation).
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -131,6 +153,80 @@ void GenZbH1(Schedule& s) {
       }
     }
     while (next_w < m) prog.actions.push_back(Make(ActionKind::kW, r, next_w++));
+  }
+}
+
+// Note [DualPipeV]: replays rank r's phases with per-chunk micro-batch counters and a FIFO of
+// deferred weight gradients.
+class DualPipeVRank {
+ public:
+  DualPipeVRank(int p, int r, std::vector<Action>& out) : p_(p), r_(r), out_(out) {}
+
+  void Forward(int chunk) { out_.push_back(Make(ActionKind::kF, Stage(chunk), next_f_[chunk]++)); }
+  void Backward(int chunk, bool defer_weight) {
+    const Action i = Make(ActionKind::kI, Stage(chunk), next_b_[chunk]++);
+    out_.push_back(i);
+    const Action w = Make(ActionKind::kW, i.virtual_stage, i.micro_batch);
+    if (defer_weight) {
+      deferred_.push_back(w);
+    } else {
+      out_.push_back(w);
+    }
+  }
+  void Weight() {
+    out_.push_back(deferred_.front());
+    deferred_.erase(deferred_.begin());
+  }
+  // The overlapped pair of DualPipe: F of one chunk with the backward of the other.
+  void ForwardBackward(int f_chunk, int b_chunk) {
+    Forward(f_chunk);
+    Backward(b_chunk, false);
+  }
+  bool done() const { return deferred_.empty(); }
+
+ private:
+  int Stage(int chunk) const { return chunk == 0 ? r_ : 2 * p_ - 1 - r_; }
+  int p_, r_;
+  std::vector<Action>& out_;
+  int next_f_[2] = {0, 0}, next_b_[2] = {0, 0};
+  std::vector<Action> deferred_;
+};
+
+void GenDualPipeV(Schedule& s) {
+  const int p = s.spec.ranks, m = s.spec.micro_batches;
+  for (Program& prog : s.programs) {
+    const int r = prog.rank;
+    DualPipeVRank k(p, r, prog.actions);
+    for (int i = 0; i < 2 * (p - r - 1); ++i) k.Forward(0);  // 1
+    for (int i = 0; i < r + 1; ++i) {                        // 2
+      k.Forward(0);
+      k.Forward(1);
+    }
+    for (int i = 0; i < p - r - 1; ++i) {  // 3
+      k.Backward(1, true);
+      k.Weight();
+      k.Forward(1);
+    }
+    for (int i = 0; i < m - 2 * p + r + 1; ++i) {  // 4
+      k.ForwardBackward(0, 1);
+      k.ForwardBackward(1, 0);
+    }
+    for (int i = 0; i < p - r - 1; ++i) {  // 5
+      k.Backward(1, false);
+      k.ForwardBackward(1, 0);
+    }
+    bool defer = false;
+    for (int i = 0; i < r + 1; ++i) {  // 6
+      if (i == (r + 1) / 2 && r % 2 == 1) defer = true;
+      k.Backward(1, defer);
+      if (i == (r + 1) / 2 && r % 2 == 0) defer = true;
+      k.Backward(0, defer);
+    }
+    for (int i = 0; i < p - r - 1; ++i) {  // 7
+      k.Weight();
+      k.Backward(0, true);
+    }
+    while (!k.done()) k.Weight();  // 8
   }
 }
 
@@ -313,6 +409,19 @@ absl::StatusOr<Schedule> GenerateSchedule(const ScheduleSpec& spec) {
       }
       s.spec.chunks = 2;
       break;
+    case ScheduleKind::kDualPipeV:
+      if (spec.chunks != 1 && spec.chunks != 2) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "dualpipev runs exactly two chunks per rank in a V: chunks must be 2 (got ",
+            spec.chunks, ")"));
+      }
+      if (m < 2 * p) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("dualpipev needs micro-batches >= 2 x pipeline ranks (p=", p,
+                         "): got m=", m, ", try m=", 2 * p, " (or zb-v, which runs any m)"));
+      }
+      s.spec.chunks = 2;
+      break;
     case ScheduleKind::kCustom:
       return absl::InvalidArgumentError(
           "custom schedules are not generated: write them in the text form and use "
@@ -343,6 +452,10 @@ absl::StatusOr<Schedule> GenerateSchedule(const ScheduleSpec& spec) {
     case ScheduleKind::kZbV:
       s.split_backward = true;
       PW_RETURN_IF_ERROR(GenZbV(s));
+      break;
+    case ScheduleKind::kDualPipeV:
+      s.split_backward = true;
+      GenDualPipeV(s);
       break;
     default:
       break;

@@ -225,8 +225,9 @@ void RegisterPlan(CLI::App& app, int* exit_code) {
   cmd->add_option("--reserve", f->reserve, "Memory kept free per device, e.g. 2GiB");
   cmd->add_option("--pp", f->pp, "Pipeline stages (default: try every divisor)");
   cmd->add_option("--dp", f->dp, "Data-parallel replicas (default: devices / pp)");
-  cmd->add_option("--schedule", f->schedule, "gpipe|1f1b|interleaved|zb-h1|zb-v (default: all)")
-      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"}));
+  cmd->add_option("--schedule", f->schedule,
+                  "gpipe|1f1b|interleaved|zb-h1|zb-v|dualpipev (default: all but dualpipev)")
+      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"}));
   cmd->add_option("--chunks", f->chunks, "Model chunks per rank for interleaved (default 2)");
   cmd->add_option("--micro-batch-size", f->micro_batch_size, "Sequences per micro-batch")
       ->check(CLI::PositiveNumber);

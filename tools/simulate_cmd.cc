@@ -14,7 +14,7 @@ namespace {
 
 struct SimulateFlags {
   std::string schedule = "1f1b";
-  int stages = 0, micro_batches = 0, chunks = 0;  // chunks 0: 2 for zb-v, else 1
+  int stages = 0, micro_batches = 0, chunks = 0;  // chunks 0: 2 for zb-v/dualpipev, else 1
   double cost_f = 1, cost_b = 1, cost_w = 0;
   double comm_latency = 0, comm_per_byte = 0, message_bytes = 0;
   double reduce_time = 0, optimizer_time = 0;
@@ -42,7 +42,7 @@ absl::StatusOr<Schedule> BuildSchedule(const SimulateFlags& f) {
     return absl::InvalidArgumentError("--schedule custom needs --program FILE");
   }
   spec.kind = *kind;
-  spec.chunks = f.chunks > 0 ? f.chunks : (*kind == ScheduleKind::kZbV ? 2 : 1);
+  spec.chunks = f.chunks > 0 ? f.chunks : (IsVShaped(*kind) ? 2 : 1);
   return GenerateSchedule(spec);
 }
 
@@ -115,10 +115,11 @@ void RegisterSimulate(CLI::App& app, int* exit_code) {
   auto f = std::make_shared<SimulateFlags>();
   CLI::App* cmd = app.add_subcommand(
       "simulate", "Predict a pipeline schedule's makespan, bubble and peak memory");
-  cmd->add_option("--schedule", f->schedule, "gpipe | 1f1b | interleaved | zb-h1 | zb-v");
+  cmd->add_option("--schedule", f->schedule,
+                  "gpipe | 1f1b | interleaved | zb-h1 | zb-v | dualpipev");
   cmd->add_option("--stages", f->stages, "Pipeline ranks p")->required();
   cmd->add_option("--micro-batches", f->micro_batches, "Micro-batches per step m")->required();
-  cmd->add_option("--chunks", f->chunks, "Model chunks per rank v (default 1; zb-v: 2)")
+  cmd->add_option("--chunks", f->chunks, "Model chunks per rank v (default 1; zb-v, dualpipev: 2)")
       ->check(CLI::Range(1, 4096));
   cmd->add_option("--cost-f", f->cost_f, "Forward time of a whole stage");
   cmd->add_option("--cost-b", f->cost_b, "Input-gradient backward time of a whole stage");

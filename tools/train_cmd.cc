@@ -569,7 +569,7 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
   cmd->add_option("--pp", f->pp, "Pipeline-parallel stages");
   cmd->add_option("--dp", f->dp, "Data-parallel replicas");
   cmd->add_option("--schedule", f->schedule, "Pipeline schedule")
-      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"}));
+      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"}));
   cmd->add_option("--chunks", f->chunks, "Model chunks per rank (interleaved)");
   cmd->add_option("--micro-batches", f->micro_batches, "Micro-batches per step (per replica)");
   cmd->add_option("--micro-batch-size", f->micro_batch_size,

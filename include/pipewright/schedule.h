@@ -64,7 +64,7 @@ struct Program {
   std::vector<Action> actions;
 };
 
-enum class ScheduleKind { kGpipe, k1F1B, kInterleaved, kZbH1, kZbV, kCustom };
+enum class ScheduleKind { kGpipe, k1F1B, kInterleaved, kZbH1, kZbV, kDualPipeV, kCustom };
 const char* ScheduleKindName(ScheduleKind kind);  // "gpipe", "1f1b", "interleaved", "zb-h1", …
 absl::StatusOr<ScheduleKind> ParseScheduleKind(absl::string_view name);
 
@@ -72,7 +72,7 @@ struct ScheduleSpec {
   ScheduleKind kind = ScheduleKind::k1F1B;
   int ranks = 1;          // p
   int micro_batches = 1;  // m
-  int chunks = 1;         // v (interleaved: any v >= 1; zb-v: 2; others: 1)
+  int chunks = 1;         // v (interleaved: any v >= 1; zb-v, dualpipev: 2; others: 1)
 };
 
 struct Schedule {
@@ -127,8 +127,11 @@ int64_t MessageTag(int num_stages, int micro_batch, int arriving_stage, bool for
 // sends. Otherwise InvalidArgument naming the pair and the position where the orders differ.
 absl::Status CheckFifoOrder(const Schedule& schedule);
 
-// Stage placement: rank of virtual stage s. Interleaved: s mod p. zb-v: s for s < p, else
-// 2p - 1 - s (the "V"). Others: s.
+// True for the schedules that place two chunks per rank in a "V": zb-v and dualpipev.
+bool IsVShaped(ScheduleKind kind);
+
+// Stage placement: rank of virtual stage s. Interleaved: s mod p. zb-v, dualpipev: s for s < p,
+// else 2p - 1 - s (the "V"). Others: s.
 int StageRank(const ScheduleSpec& spec, int stage);
 
 }  // namespace pipewright

@@ -154,7 +154,9 @@ INSTANTIATE_TEST_SUITE_P(
                     ParityCase{2, ScheduleKind::kZbH1, 1, Recompute::kNone},
                     ParityCase{4, ScheduleKind::kZbH1, 1, Recompute::kFull},
                     ParityCase{2, ScheduleKind::kZbV, 2, Recompute::kNone},
-                    ParityCase{4, ScheduleKind::kZbV, 2, Recompute::kFull}),
+                    ParityCase{4, ScheduleKind::kZbV, 2, Recompute::kFull},
+                    ParityCase{2, ScheduleKind::kDualPipeV, 2, Recompute::kNone},
+                    ParityCase{4, ScheduleKind::kDualPipeV, 2, Recompute::kFull}),
     CaseName);
 
 double RelDiff(double a, double b) { return std::abs(a - b) / std::max(1e-30, std::abs(b)); }

@@ -14,9 +14,9 @@
 namespace pipewright {
 namespace {
 
-constexpr ScheduleKind kGenerated[] = {ScheduleKind::kGpipe, ScheduleKind::k1F1B,
+constexpr ScheduleKind kGenerated[] = {ScheduleKind::kGpipe,       ScheduleKind::k1F1B,
                                        ScheduleKind::kInterleaved, ScheduleKind::kZbH1,
-                                       ScheduleKind::kZbV};
+                                       ScheduleKind::kZbV,         ScheduleKind::kDualPipeV};
 
 ScheduleSpec Spec(ScheduleKind k, int p, int m, int v = 1) {
   ScheduleSpec s;
@@ -76,8 +76,9 @@ Sim Simulate(const Schedule& s, double f, double b, double i, double w) {
 }
 
 bool Refusable(const ScheduleSpec& spec) {
-  return spec.kind == ScheduleKind::kInterleaved && spec.chunks > 1 &&
-         spec.micro_batches % spec.ranks != 0;
+  return (spec.kind == ScheduleKind::kInterleaved && spec.chunks > 1 &&
+          spec.micro_batches % spec.ranks != 0) ||
+         (spec.kind == ScheduleKind::kDualPipeV && spec.micro_batches < 2 * spec.ranks);
 }
 
 TEST(ActionTest, ToStringAndParseRoundTrip) {
@@ -135,7 +136,7 @@ TEST(GeneratorTest, AllKindsValidateAndRoundTrip) {
       if (v > 1 && kind != ScheduleKind::kInterleaved) continue;
       for (int p = 1; p <= 8; ++p) {
         for (int m = 1; m <= 32; ++m) {
-          ScheduleSpec spec = Spec(kind, p, m, kind == ScheduleKind::kZbV ? 2 : v);
+          ScheduleSpec spec = Spec(kind, p, m, IsVShaped(kind) ? 2 : v);
           auto gen = GenerateSchedule(spec);
           std::string what = absl::StrCat(ScheduleKindName(kind), " p=", p, " m=", m, " v=", v);
           if (!gen.ok()) {
@@ -145,7 +146,7 @@ TEST(GeneratorTest, AllKindsValidateAndRoundTrip) {
           }
           Schedule s = *gen;
           EXPECT_FALSE(s.lowered);
-          EXPECT_EQ(s.split_backward, kind == ScheduleKind::kZbH1 || kind == ScheduleKind::kZbV);
+          EXPECT_EQ(s.split_backward, kind == ScheduleKind::kZbH1 || IsVShaped(kind));
           auto text0 = ParseSchedule(ToText(s), s.spec);
           ASSERT_TRUE(text0.ok()) << what << ": " << text0.status();
           EXPECT_FALSE(text0->lowered);
@@ -195,6 +196,17 @@ TEST(GeneratorTest, BadSpecsAreRefused) {
   ASSERT_TRUE(zbv.ok());
   EXPECT_EQ(zbv->spec.chunks, 2);
   EXPECT_EQ(zbv->num_stages, 8);
+  EXPECT_FALSE(GenerateSchedule(Spec(ScheduleKind::kDualPipeV, 4, 8, 3)).ok());
+  auto few = GenerateSchedule(Spec(ScheduleKind::kDualPipeV, 4, 7));
+  ASSERT_FALSE(few.ok());
+  EXPECT_NE(few.status().message().find("micro-batches >= 2 x pipeline ranks (p=4): got m=7, "
+                                        "try m=8"),
+            std::string::npos)
+      << few.status();
+  auto dpv = GenerateSchedule(Spec(ScheduleKind::kDualPipeV, 4, 8, 1));  // default chunks -> 2
+  ASSERT_TRUE(dpv.ok()) << dpv.status();
+  EXPECT_EQ(dpv->num_stages, 8);
+  EXPECT_EQ(dpv->stage_rank, (std::vector<int>{0, 1, 2, 3, 3, 2, 1, 0}));
 }
 
 TEST(GeneratorTest, PeakInFlight1F1BAndGpipe) {
@@ -286,6 +298,43 @@ TEST(GeneratorTest, ZbVMemoryAndMakespan) {
       }
       if (m >= p) {
         EXPECT_LE(ms, 3.0 * m + p - 1) << "p=" << p << " m=" << m << ": no worse than ZB-H1";
+      }
+    }
+  }
+}
+
+// DualPipeV (Note [DualPipeV]) with F = I = W = 1 per whole stage: the phase structure as
+// DeepSeek describes it (rank r starts with 2(p - r - 1) + 1 chunk-0 forwards, ends with W's),
+// every rank runs each chunk's F, I and W in micro-batch order, the peak in flight per rank
+// is at most the 2p chunks (p whole stages) of zb-v's cap plus one, and the bubble is below
+// 1F1B's at every p and m >= 2p.
+TEST(GeneratorTest, DualPipeVShapeMemoryAndBubble) {
+  for (int p = 1; p <= 8; ++p) {
+    for (int m = 2 * p; m <= 4 * p + 3; ++m) {
+      const std::string what = absl::StrCat("p=", p, " m=", m);
+      auto gen = GenerateSchedule(Spec(ScheduleKind::kDualPipeV, p, m));
+      ASSERT_TRUE(gen.ok()) << what << ": " << gen.status();
+      for (const Program& prog : gen->programs) {
+        const int r = prog.rank;
+        int lead = 0;
+        while (prog.actions[lead].kind == ActionKind::kF && prog.actions[lead].virtual_stage == r)
+          ++lead;
+        EXPECT_EQ(lead, 2 * (p - r - 1) + 1) << what << " rank " << r;
+        EXPECT_EQ(prog.actions.back().kind, ActionKind::kW) << what << " rank " << r;
+        int next[3][2] = {};  // per kind (F, I, W) and chunk: the next micro-batch
+        for (const Action& a : prog.actions) {
+          const int kind = a.kind == ActionKind::kF ? 0 : a.kind == ActionKind::kI ? 1 : 2;
+          const int chunk = a.virtual_stage == r ? 0 : 1;
+          EXPECT_EQ(a.micro_batch, next[kind][chunk]++)
+              << what << " rank " << r << " " << a.ToString();
+        }
+      }
+      Schedule s = Lowered(Spec(ScheduleKind::kDualPipeV, p, m));
+      for (int peak : PeakInFlight(s)) EXPECT_LE(peak, 2 * p + 1) << what;
+      auto dpv = Simulate(s, 0.5, 0, 0.5, 0.5);
+      auto base = Simulate(Lowered(Spec(ScheduleKind::k1F1B, p, m)), 1, 2, 1, 1);
+      if (p > 1) {
+        EXPECT_LT(dpv.makespan, base.makespan) << what;
       }
     }
   }

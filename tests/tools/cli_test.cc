@@ -55,7 +55,8 @@ TEST(CliPipeline, SameLossesForEveryScheduleAndDepth) {
        {"--pp 4 --schedule 1f1b --micro-batches 8", "--pp 2 --schedule gpipe --micro-batches 8",
         "--pp 4 --schedule 1f1b --recompute full --micro-batches 8",
         "--pp 2 --schedule interleaved --chunks 2 --micro-batches 8",
-        "--pp 2 --schedule zb-h1 --micro-batches 8", "--pp 2 --schedule zb-v --micro-batches 8"}) {
+        "--pp 2 --schedule zb-h1 --micro-batches 8", "--pp 2 --schedule zb-v --micro-batches 8",
+        "--pp 4 --schedule dualpipev --micro-batches 8"}) {
     Result r = RunCli(base + args);
     ASSERT_EQ(r.exit_code, 0) << args << ": " << r.err;
     EXPECT_EQ(Losses(r), want) << args;
