@@ -401,21 +401,14 @@ absl::StatusOr<Schedule> GenerateSchedule(const ScheduleSpec& spec) {
       }
       break;
     case ScheduleKind::kZbV:
-      // chunks = 1 is the spec's default and means "the zb-v default", 2.
+    case ScheduleKind::kDualPipeV:
+      // chunks = 1 is the spec's default and means "the V's default", 2.
       if (spec.chunks != 1 && spec.chunks != 2) {
         return absl::InvalidArgumentError(
-            absl::StrCat("zb-v runs exactly two chunks per rank in a V: chunks must be 2 (got ",
+            absl::StrCat(name, " runs exactly two chunks per rank in a V: chunks must be 2 (got ",
                          spec.chunks, ")"));
       }
-      s.spec.chunks = 2;
-      break;
-    case ScheduleKind::kDualPipeV:
-      if (spec.chunks != 1 && spec.chunks != 2) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "dualpipev runs exactly two chunks per rank in a V: chunks must be 2 (got ",
-            spec.chunks, ")"));
-      }
-      if (m < 2 * p) {
+      if (spec.kind == ScheduleKind::kDualPipeV && m < 2 * p) {
         return absl::InvalidArgumentError(
             absl::StrCat("dualpipev needs micro-batches >= 2 x pipeline ranks (p=", p,
                          "): got m=", m, ", try m=", 2 * p, " (or zb-v, which runs any m)"));
