@@ -87,6 +87,11 @@ class StageCosts {
       params_[i + 1] = params_[i] + l.params;
       act_[i + 1] = act_[i] + l.activation_bytes;
       max_layer_ = std::max(max_layer_, f + b);
+      if (!l.tied_to.empty()) {
+        for (int o = 0; o < i; ++o) {
+          if (model.layers[o].name == l.tied_to) ties_.push_back({i, o, l.params});
+        }
+      }
     }
     // Virtual stages of one rank share its memory; each gets an equal share (a sufficient
     // condition, exact for one chunk per rank; docs/memory.md).
@@ -106,14 +111,22 @@ class StageCosts {
     return i == 0 ? model_.input_bytes : model_.layers[i - 1].output_bytes;
   }
   const ParamBytes& param_bytes() const { return pb_; }
+  // A tied layer (LayerCost::tied_to): its index, its owner's and its parameter count.
+  struct Tie {
+    int copy = 0, owner = 0;
+    int64_t params = 0;
+  };
+  const std::vector<Tie>& ties() const { return ties_; }
   const std::vector<int>& inflight() const { return inflight_; }
 
+  // A tied layer whose owner is in the same stage holds a gradient only (its weight is the
+  // owner's tensor; Note [Tied parameters] in runtime/model.cc).
   StageMemory Memory(int k, int i, int j, Recompute rc) const {
     StageMemory m;
-    const int64_t p = params(i, j);
-    m.params = p * pb_.weights;
+    const int64_t p = params(i, j), linked = linked_params(i, j);
+    m.params = (p - linked) * pb_.weights;
     m.grads = p * pb_.grads;
-    m.optimizer = p * pb_.optimizer;
+    m.optimizer = (p - linked) * pb_.optimizer;
     const int64_t saved = act_[j] - act_[i];
     const int64_t held = inflight_[k];
     m.activations = rc == Recompute::kFull ? held * input_bytes(i) + saved : held * saved;
@@ -122,7 +135,16 @@ class StageCosts {
   }
   // Never above the memory of any recompute choice, and never shrinking as the range grows.
   int64_t MemoryLowerBound(int i, int j) const {
-    return params(i, j) * pb_.total() + (act_[j] - act_[i]);
+    return params(i, j) * pb_.total() - linked_params(i, j) * (pb_.weights + pb_.optimizer) +
+           (act_[j] - act_[i]);
+  }
+  // Parameters of tied layers in [i, j) whose owner is in [i, j) too.
+  int64_t linked_params(int i, int j) const {
+    int64_t n = 0;
+    for (const Tie& t : ties_) {
+      if (i <= t.copy && t.copy < j && i <= t.owner && t.owner < j) n += t.params;
+    }
+    return n;
   }
 
   // Per-micro-batch time of stage k on [i, j) and its recomputation; kInf when nothing fits.
@@ -156,6 +178,7 @@ class StageCosts {
   std::vector<int> inflight_;
   std::vector<double> f_, b_;
   std::vector<int64_t> params_, act_;
+  std::vector<Tie> ties_;
   double max_layer_ = 0;
   int64_t budget_ = 0;
 };
@@ -338,6 +361,25 @@ absl::Status PredictWith(const StageCosts& c, const ModelCosts& model, const Dev
       worst = f + b + rc;
       plan.predicted.bottleneck_stage = k;
     }
+  }
+  // A tied layer whose owner is in another stage of the same rank (a V schedule's first and
+  // last) is linked to it too: its stage holds its gradient only.
+  for (const StageCosts::Tie& t : c.ties()) {
+    int copy_stage = -1, owner_stage = -1;
+    for (int k = 0; k < S; ++k) {
+      if (plan.stages[k].begin <= t.copy && t.copy < plan.stages[k].end) copy_stage = k;
+      if (plan.stages[k].begin <= t.owner && t.owner < plan.stages[k].end) owner_stage = k;
+    }
+    if (copy_stage < 0 || owner_stage < 0 || copy_stage == owner_stage ||
+        sched.stage_rank[copy_stage] != sched.stage_rank[owner_stage]) {
+      continue;
+    }
+    StageMemory& m = plan.stages[copy_stage].memory;
+    const int64_t freed = t.params * (c.param_bytes().weights + c.param_bytes().optimizer);
+    m.params -= t.params * c.param_bytes().weights;
+    m.optimizer -= t.params * c.param_bytes().optimizer;
+    m.total -= freed;
+    rank_memory[sched.stage_rank[copy_stage]] -= freed;
   }
   costs.comm_latency = dev.link_latency_s;
   costs.comm_per_byte = 1.0 / dev.link_bandwidth;

@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "pipewright/ops.h"
 #include "runtime/sha256.h"
 
 namespace pipewright {
@@ -15,12 +16,67 @@ namespace pipewright {
 Stage::Stage(int begin, std::vector<std::string> names, std::vector<std::unique_ptr<Layer>> layers)
     : begin_(begin), names_(std::move(names)), layers_(std::move(layers)) {}
 
+// Note [Tied parameters]. A tied LM head (layers::LmHead(..., tied_to)) uses the embedding's
+// token table as its weight. Its Parameter is a copy naming its owner (Parameter::tied_to) with
+// a gradient of its own:
+//  - owner and copy on one rank (one stage, or the first and last stage of a V schedule): the
+//    copy shares the owner's value tensor (LinkTiedParameters) and is not trained; one tensor,
+//    one optimizer state, plus the copy's gradient buffer.
+//  - on two ranks: each holds the weight, trained alike from equal starting values; the
+//    embedding group (the two ranks of a replica) all-reduces the two gradients.
+// Either way the gradients accumulate apart over the micro-batches (the head's backward and the
+// embedding's interleave differently at different depths), each is reduced over the replicas by
+// the gradient synchronization, and then owner + copy is formed — a single addition, which is
+// commutative, so every rank and every depth gets the same bits (pp = k is bit-identical to
+// pp = 1). The copy is not counted again in the gradient norm (GradSquaredNorm skips it) and a
+// checkpoint stores the owner only; a copy loads its owner's value and optimizer state.
+absl::StatusOr<std::vector<TiedLink>> LinkTiedParameters(const std::vector<Parameter*>& params) {
+  std::vector<TiedLink> links;
+  for (Parameter* c : params) {
+    if (c->tied_to.empty()) continue;
+    Parameter* owner = nullptr;
+    for (Parameter* o : params) {
+      if (o->tied_to.empty() && o->name == c->tied_to) owner = o;
+    }
+    if (owner == nullptr) continue;
+    if (owner->value.shape() != c->value.shape() || owner->value.dtype() != c->value.dtype()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          c->name, " is tied to ", owner->name, ", but has shape ", c->value.ShapeString(),
+          " where ", owner->name, " has ", owner->value.ShapeString()));
+    }
+    c->value = owner->value;
+    links.push_back({c, owner});
+  }
+  return links;
+}
+
+absl::Status AddTiedGradients(const std::vector<TiedLink>& links, Allocator* exec) {
+  for (const TiedLink& l : links) {
+    PW_RETURN_IF_ERROR(ops::AddInPlace(ops::Exec{exec}, l.owner->grad, l.copy->grad));
+    l.copy->grad.SetZero();
+  }
+  return absl::OkStatus();
+}
+
 std::vector<Parameter*> Stage::Parameters() {
   std::vector<Parameter*> out;
   for (auto& l : layers_) {
-    for (Parameter* p : l->Parameters()) out.push_back(p);
+    for (Parameter* p : l->Parameters()) {
+      bool linked = false;
+      for (const TiedLink& t : tied_) linked = linked || t.copy == p;
+      if (!linked) out.push_back(p);
+    }
   }
   return out;
+}
+
+absl::Status Stage::LinkTied() {
+  std::vector<Parameter*> all;
+  for (auto& l : layers_) {
+    for (Parameter* p : l->Parameters()) all.push_back(p);
+  }
+  PW_ASSIGN_OR_RETURN(tied_, LinkTiedParameters(all));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<Tensor> Stage::Forward(const Tensor& x, const LayerContext& ctx,
@@ -96,7 +152,9 @@ absl::StatusOr<std::unique_ptr<Stage>> LayerGraph::Instantiate(int begin, int en
     names.push_back(nodes_[i].name);
     built.push_back(std::move(layer));
   }
-  return std::make_unique<Stage>(begin, std::move(names), std::move(built));
+  auto stage = std::make_unique<Stage>(begin, std::move(names), std::move(built));
+  PW_RETURN_IF_ERROR(stage->LinkTied());
+  return stage;
 }
 
 std::string LayerGraph::Fingerprint() const {
@@ -108,6 +166,43 @@ std::string LayerGraph::Fingerprint() const {
   }
   return absl::StrCat("sha256:", Sha256Hex(text));
 }
+
+namespace {
+
+// The value of `key` in a spec's "key=value,..." configuration, or "".
+std::string ConfigValue(const std::string& config, absl::string_view key) {
+  for (absl::string_view kv : absl::StrSplit(config, ',')) {
+    std::pair<absl::string_view, absl::string_view> p = absl::StrSplit(kv, absl::MaxSplits('=', 1));
+    if (p.first == key) return std::string(p.second);
+  }
+  return "";
+}
+
+// A tied layer names an earlier Embedding node of its own vocabulary and width.
+absl::Status CheckTie(const std::vector<LayerNode>& earlier, size_t i, const std::string& name,
+                      const LayerSpec& spec, const std::string& tied_to) {
+  for (const LayerNode& n : earlier) {
+    if (n.name != tied_to) continue;
+    if (n.spec->kind() != "embedding") {
+      return absl::InvalidArgumentError(absl::StrCat("layers[", i, "] (", name, "): tied_to '",
+                                                     tied_to, "' is a ", n.spec->kind(),
+                                                     " node; it must name an embedding"));
+    }
+    const std::string a = spec.Config(), b = n.spec->Config();
+    for (absl::string_view key : {"vocab", "dim"}) {
+      if (ConfigValue(a, key) != ConfigValue(b, key)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "layers[", i, "] (", name, "): tied to '", tied_to, "' but its ", key, " is ",
+            ConfigValue(a, key), " where the embedding's is ", ConfigValue(b, key)));
+      }
+    }
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("layers[", i, "] (", name, "): tied_to '", tied_to, "' names no earlier layer"));
+}
+
+}  // namespace
 
 ModelBuilder::ModelBuilder(std::string name, MicroBatchShape shape)
     : name_(std::move(name)), shape_(shape) {}
@@ -140,6 +235,9 @@ absl::StatusOr<LayerGraph> ModelBuilder::Build() const {
       return absl::InvalidArgumentError(
           absl::StrCat("layers[", i, "]: duplicate layer name '", name, "'"));
     }
+    if (const std::string t = spec->tied_to(); !t.empty()) {
+      PW_RETURN_IF_ERROR(CheckTie(g.nodes_, i, name, *spec, t));
+    }
     LayerNode node{name, spec, spec->GetCost(shape_, input_bytes)};
     input_bytes = node.cost.output_bytes;
     if (spec->kind() == "transformer_block") ++blocks;
@@ -164,7 +262,7 @@ absl::StatusOr<LayerGraph> GptModel(const std::string& name, const GptConfig& c,
     b.Add(absl::StrCat("blocks.", i), layers::TransformerBlock(c.hidden, c.heads));
   }
   b.Add("ln_f", layers::LayerNorm(c.hidden));
-  b.Add("lm_head", layers::LmHead(c.hidden, c.vocab));
+  b.Add("lm_head", layers::LmHead(c.hidden, c.vocab, c.tied ? "embed" : ""));
   b.Add("loss", layers::CrossEntropyLoss());
   return b.Build();
 }
@@ -185,6 +283,7 @@ ModelCosts ToModelCosts(const LayerGraph& graph) {
     c.backward_flops = n.cost.backward_flops;
     c.activation_bytes = n.cost.activation_bytes;
     c.output_bytes = n.cost.output_bytes;
+    c.tied_to = n.spec->tied_to();
     m.layers.push_back(std::move(c));
   }
   return m;
@@ -198,10 +297,11 @@ struct GptPreset {
   int64_t default_micro_batch_size;
 };
 
-// The runnable presets keep the runtime's untied head. The analytic ones are the published
-// models: GPT-3 175B (Brown et al. 2020) and the weak-scaling series of Narayanan et al. 2021
-// ("Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"), Table 1,
-// whose published sizes (1.7B ... 1008.0B) are 12lh^2 + 13lh + (V + s)h with a tied head.
+// gpt-tiny and gpt-small keep an untied head (their losses are the project's reference numbers);
+// gpt2-124m is GPT-2's real tied model. The analytic ones are the published models: GPT-3 175B
+// (Brown et al. 2020) and the weak-scaling series of Narayanan et al. 2021 ("Efficient
+// Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"), Table 1, whose
+// published sizes (1.7B ... 1008.0B) are 12lh^2 + 13lh + (V + s)h with a tied head.
 constexpr int64_t kPaperSeq = 2048, kPaperVocab = 51200;
 constexpr GptConfig Paper(int64_t heads, int64_t hidden, int64_t layers) {
   return {.layers = layers,
@@ -214,11 +314,13 @@ constexpr GptConfig Paper(int64_t heads, int64_t hidden, int64_t layers) {
 const GptPreset kGptPresets[] = {
     {"gpt-tiny", {.layers = 4, .hidden = 64, .heads = 4, .seq = 32, .vocab = 256}, 8},
     {"gpt-small", {.layers = 6, .hidden = 256, .heads = 8, .seq = 128, .vocab = 256}, 8},
-    // GPT-2 small's shape (Radford et al. 2019): 124M parameters with GPT-2's tied embedding;
-    // 163M here, where the LM head is its own 50304 x 768 matrix. The vocabulary is padded to a
-    // multiple of 128 (50257 -> 50304) as nanoGPT and Megatron do; byte-level data uses only
-    // the first 256 rows. Sized for GPU runs (scripts/gpu-check); trainable on the CPU but slow.
-    {"gpt2-124m", {.layers = 12, .hidden = 768, .heads = 12, .seq = 1024, .vocab = 50304}, 8},
+    // GPT-2 small (Radford et al. 2019): 124M parameters, the LM head tied to the token
+    // embedding. The vocabulary is padded to a multiple of 128 (50257 -> 50304) as nanoGPT and
+    // Megatron do; byte-level data uses only the first 256 rows. Sized for GPU runs
+    // (scripts/gpu-check); trainable on the CPU but slow.
+    {"gpt2-124m",
+     {.layers = 12, .hidden = 768, .heads = 12, .seq = 1024, .vocab = 50304, .tied = true},
+     8},
     {"gpt3-175b", Paper(96, 12288, 96), 1},
     {"megatron-1.7b", Paper(24, 2304, 24), 1},
     {"megatron-3.6b", Paper(32, 3072, 30), 1},
@@ -372,13 +474,7 @@ absl::StatusOr<ModelCosts> GptModelCosts(const std::string& name, const GptConfi
   if (micro_batch_size < 1) return absl::InvalidArgumentError("micro-batch size must be >= 1");
   PW_RETURN_IF_ERROR(CheckGptFits(c, micro_batch_size));
   PW_ASSIGN_OR_RETURN(LayerGraph graph, GptModel(name, c, micro_batch_size));
-  ModelCosts m = ToModelCosts(graph);
-  if (c.tied) {
-    for (LayerCost& l : m.layers) {
-      if (l.name == "lm_head") l.tied_to = "embed";
-    }
-  }
-  return m;
+  return ToModelCosts(graph);
 }
 
 absl::StatusOr<ModelCosts> PresetModelCosts(absl::string_view preset, int64_t micro_batch_size) {

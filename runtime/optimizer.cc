@@ -59,6 +59,7 @@ std::vector<std::pair<std::string, Tensor>> Optimizer::State() const {
   std::vector<std::pair<std::string, Tensor>> out;
   bool adam = config_.kind == OptimizerKind::kAdamW;
   for (size_t i = 0; i < params_.size(); ++i) {
+    if (!params_[i]->tied_to.empty()) continue;  // a tied copy's state is its owner's
     out.emplace_back(absl::StrCat(adam ? "exp_avg." : "momentum_buffer.", params_[i]->name), m_[i]);
     if (adam) out.emplace_back(absl::StrCat("exp_avg_sq.", params_[i]->name), v_[i]);
   }
@@ -66,29 +67,28 @@ std::vector<std::pair<std::string, Tensor>> Optimizer::State() const {
 }
 
 absl::Status Optimizer::LoadState(const std::map<std::string, Tensor>& state, int64_t step) {
+  // Every (state tensor, saved name) pair; a tied copy loads its owner's state.
+  const bool adam = config_.kind == OptimizerKind::kAdamW;
+  std::vector<std::pair<Tensor*, std::string>> wanted;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const std::string& name = StoredName(*params_[i]);
+    wanted.emplace_back(&m_[i], absl::StrCat(adam ? "exp_avg." : "momentum_buffer.", name));
+    if (adam) wanted.emplace_back(&v_[i], absl::StrCat("exp_avg_sq.", name));
+  }
   // Validate everything first so a failure leaves the optimizer untouched.
-  std::vector<std::pair<Tensor*, const Tensor*>> copies;
-  auto named = State();
-  for (size_t i = 0; i < named.size(); ++i) {
-    auto it = state.find(named[i].first);
+  for (const auto& [t, name] : wanted) {
+    auto it = state.find(name);
     if (it == state.end()) {
-      return absl::NotFoundError(absl::StrCat("optimizer state '", named[i].first, "' missing"));
+      return absl::NotFoundError(absl::StrCat("optimizer state '", name, "' missing"));
     }
-    if (it->second.shape() != named[i].second.shape() || it->second.dtype() != DType::kF32) {
-      return absl::InvalidArgumentError(absl::StrCat("optimizer state '", named[i].first,
-                                                     "' has shape ", it->second.ShapeString(),
-                                                     ", expected ", named[i].second.ShapeString()));
+    if (it->second.shape() != t->shape() || it->second.dtype() != DType::kF32) {
+      return absl::InvalidArgumentError(absl::StrCat("optimizer state '", name, "' has shape ",
+                                                     it->second.ShapeString(), ", expected ",
+                                                     t->ShapeString()));
     }
   }
-  bool adam = config_.kind == OptimizerKind::kAdamW;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const std::string& name = params_[i]->name;
-    const Tensor& m = state.at(absl::StrCat(adam ? "exp_avg." : "momentum_buffer.", name));
-    PW_RETURN_IF_ERROR(ops::Copy(ops::Exec{allocator_}, m, m_[i]));
-    if (adam) {
-      const Tensor& v = state.at(absl::StrCat("exp_avg_sq.", name));
-      PW_RETURN_IF_ERROR(ops::Copy(ops::Exec{allocator_}, v, v_[i]));
-    }
+  for (const auto& [t, name] : wanted) {
+    PW_RETURN_IF_ERROR(ops::Copy(ops::Exec{allocator_}, state.at(name), *t));
   }
   step_ = step;
   return absl::OkStatus();
@@ -100,7 +100,9 @@ void ZeroGrads(const std::vector<Parameter*>& params) {
 
 absl::StatusOr<double> GradSquaredNorm(const std::vector<Parameter*>& params, Allocator* exec) {
   std::vector<const Tensor*> grads;
-  for (Parameter* p : params) grads.push_back(&p->grad);
+  for (Parameter* p : params) {
+    if (p->tied_to.empty()) grads.push_back(&p->grad);  // a tied copy's owner counts the sum
+  }
   return ops::SumSquares(ops::Exec{exec}, grads);
 }
 

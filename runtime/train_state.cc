@@ -171,13 +171,14 @@ void RestoreLossScaler(const ResumePoint& at, LossScaler* scaler) {
 absl::Status CheckParameters(const std::string& dir, const std::map<std::string, Tensor>& tensors,
                              const std::vector<Parameter*>& params) {
   for (Parameter* p : params) {
-    auto it = tensors.find(p->name);
+    const std::string& name = StoredName(*p);  // a tied copy loads its owner
+    auto it = tensors.find(name);
     if (it == tensors.end()) {
       return absl::InvalidArgumentError(
-          absl::StrCat(dir, "/model.safetensors: tensor '", p->name, "' missing"));
+          absl::StrCat(dir, "/model.safetensors: tensor '", name, "' missing"));
     }
     if (it->second.shape() != p->value.shape() || it->second.dtype() != DType::kF32) {
-      return absl::InvalidArgumentError(absl::StrCat(dir, "/model.safetensors: tensor '", p->name,
+      return absl::InvalidArgumentError(absl::StrCat(dir, "/model.safetensors: tensor '", name,
                                                      "' is ", it->second.ShapeString(),
                                                      ", expected ", p->value.ShapeString()));
     }

@@ -233,14 +233,15 @@ void RegisterModel(CLI::App& app, int* exit_code) {
       "\n"
       "Tied LM head: --gpt ties the head to the token embedding unless tied=0 (GPT-3 and\n"
       "Megatron-LM do; the tied head's V*h weights are then not counted again). The presets\n"
-      "gpt3-175b and megatron-* are tied; gpt-tiny, gpt-small and mlp are untied, as the\n"
-      "runtime trains them.\n"
+      "gpt2-124m, gpt3-175b and megatron-* are tied; gpt-tiny, gpt-small and mlp are untied.\n"
+      "The runtime trains either (docs/memory.md, \"Tied embeddings\").\n"
       "\n"
       "--profile runs the model on this CPU (one BLAS thread, like every rank of `pipewright\n"
       "train`) and records each layer's median forward and backward seconds; models whose fp32\n"
       "weights and gradients exceed 4 GiB are refused.");
   cmd->add_option("--preset", f->preset,
-                  "mlp | gpt-tiny | gpt-small | gpt3-175b | megatron-1.7b | megatron-3.6b | "
+                  "mlp | gpt-tiny | gpt-small | gpt2-124m | gpt3-175b | megatron-1.7b | "
+                  "megatron-3.6b | "
                   "megatron-7.5b | megatron-18.4b | megatron-39.1b | megatron-76.1b | "
                   "megatron-145.6b | megatron-310.1b | megatron-529.6b | megatron-1t");
   cmd->add_option("--gpt", f->gpt,

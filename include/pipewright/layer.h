@@ -35,7 +35,20 @@ struct Parameter {
   Tensor value;              // f32 master weights
   Tensor grad;               // f32, same shape; accumulated across micro-batches
   bool weight_decay = true;  // false for biases, LayerNorm and embeddings' positions
+  // A tied copy (layers::LmHead(..., tied_to)): the global name of the parameter whose weight
+  // this one is ("embed.wte.weight"); empty for a parameter of its own. A copy is initialised
+  // from that name, so it starts equal to its owner. Where the owner is on the same rank the
+  // copy shares the owner's value tensor and is not trained itself; elsewhere it is trained like
+  // the owner. Either way its gradient is accumulated on its own and added to the owner's before
+  // the optimizer step (Note [Tied parameters] in runtime/model.cc), it is not counted again in
+  // the gradient norm, and checkpoints hold the owner only.
+  std::string tied_to;
 };
+
+// The name a parameter is initialised from and stored under: its owner's for a tied copy.
+inline const std::string& StoredName(const Parameter& p) {
+  return p.tied_to.empty() ? p.name : p.tied_to;
+}
 
 // What one layer keeps between the passes of one micro-batch. Composite layers nest.
 struct Saved {
@@ -115,6 +128,13 @@ class LayerSpec {
   virtual std::vector<int64_t> OutputShape(const std::vector<int64_t>& input) const {
     return input;
   }
+  // The earlier node whose weight this layer shares (a tied LM head: the embedding's name), or
+  // "". ModelBuilder::Build checks that it names an earlier node.
+  virtual std::string tied_to() const { return ""; }
+  // The global name of that node's parameter this layer's tied copy stands for (a tied LM head:
+  // "<tied_to>.wte.weight"), or "": what the engine matches across ranks without building the
+  // layer.
+  virtual std::string tied_parameter() const { return ""; }
 };
 
 using LayerSpecPtr = std::shared_ptr<const LayerSpec>;
@@ -132,8 +152,11 @@ LayerSpecPtr CausalSelfAttention(int64_t dim, int64_t heads);
 LayerSpecPtr TransformerBlock(int64_t dim, int64_t heads);
 // tokens [B, T] i32 -> wte[token] + wpe[t]
 LayerSpecPtr Embedding(int64_t vocab, int64_t max_seq, int64_t dim);
-// Linear(dim, vocab) without bias, untied from the embedding.
-LayerSpecPtr LmHead(int64_t dim, int64_t vocab);
+// Linear(dim, vocab) without bias. Untied by default; with `tied_to` the name of an Embedding
+// node of the same vocab and dim, its weight is that node's token table "<tied_to>.wte.weight"
+// (GPT-2's tied LM head): one tensor when both sit on one rank, two kept equal otherwise
+// (Parameter::tied_to).
+LayerSpecPtr LmHead(int64_t dim, int64_t vocab, const std::string& tied_to = "");
 // logits [B, T, V] + ctx.targets -> [1] mean cross-entropy over tokens
 LayerSpecPtr CrossEntropyLoss();
 // Synthetic layer for engine overhead benchmarks: identity on [B, T, dim] activations that

@@ -30,6 +30,22 @@ struct LayerNode {
   Cost cost;  // for the graph's micro-batch shape
 };
 
+// A tied copy (Parameter::tied_to) linked to its owner: the copy's value is the owner's tensor.
+struct TiedLink {
+  Parameter* copy = nullptr;
+  Parameter* owner = nullptr;
+};
+
+// Links every tied copy in `params` whose owner (the parameter named copy->tied_to) is in
+// `params` too: the copy's value becomes the owner's tensor (shared storage). Copies whose
+// owner is elsewhere are left alone. An owner of another shape or dtype is an error naming both.
+absl::StatusOr<std::vector<TiedLink>> LinkTiedParameters(const std::vector<Parameter*>& params);
+
+// The tie reduction of linked copies: owner.grad += copy.grad, then copy.grad = 0 (so the copy
+// starts the next step at zero). Run after the data-parallel reduction, before the gradient
+// norm and the optimizer (Note [Tied parameters] in runtime/model.cc).
+absl::Status AddTiedGradients(const std::vector<TiedLink>& links, Allocator* exec = nullptr);
+
 // The layers [begin, end) of a graph, instantiated with their global names and weights.
 class Stage {
  public:
@@ -39,7 +55,14 @@ class Stage {
   int size() const { return static_cast<int>(layers_.size()); }
   Layer& layer(int i) { return *layers_[i]; }
   const std::string& name(int i) const { return names_[i]; }
+  // The parameters this stage trains, in layer order: every layer's, less the tied copies
+  // linked to an owner within the stage (they share its value; see tied()).
   std::vector<Parameter*> Parameters();
+  // Links the tied copies whose owner is in this stage (LinkTiedParameters). Instantiate calls
+  // it; call it again after replacing an owner's value tensor (a move to another device).
+  absl::Status LinkTied();
+  // The copies linked within this stage; after each step's backward, AddTiedGradients(tied()).
+  const std::vector<TiedLink>& tied() const { return tied_; }
 
   // One micro-batch through every layer; `saved` gets one entry per layer.
   absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx,
@@ -52,6 +75,7 @@ class Stage {
   int begin_;
   std::vector<std::string> names_;
   std::vector<std::unique_ptr<Layer>> layers_;
+  std::vector<TiedLink> tied_;
 };
 
 class LayerGraph {
@@ -92,16 +116,17 @@ class ModelBuilder {
 };
 
 // Presets. Runnable (small enough to train here): "mlp", "gpt-tiny", "gpt-small" (untied LM
-// head, default micro-batch size 8); "gpt2-124m" (GPT-2 small's shape, seq 1024, vocabulary
-// 50304, untied head: 163M parameters) is runnable too but meant for a GPU. Analytic (for planning
-// only; their graphs allocate nothing, but LayerGraph::Instantiate of the whole model would need
-// terabytes): "gpt3-175b" and the weak-scaling configurations of Narayanan et al. 2021, Table 1
+// head, default micro-batch size 8); "gpt2-124m" (GPT-2 small, seq 1024, vocabulary 50304, the
+// LM head tied to the embedding: 124M parameters) is runnable too but meant for a GPU. Analytic
+// (for planning only; their graphs allocate nothing, but LayerGraph::Instantiate of the whole model
+// would need terabytes): "gpt3-175b" and the weak-scaling configurations of Narayanan et al. 2021,
+// Table 1
 // ("megatron-1.7b" ... "megatron-1t"), all with sequence 2048, vocabulary 51200, a tied LM head and
 // default micro-batch size 1. `micro_batch_size` 0 keeps the preset's default.
 struct GptConfig {
   int64_t layers = 4, hidden = 64, heads = 4, seq = 32, vocab = 256;
-  // LM head shares the embedding's weights. Only the cost model knows ties (ModelCosts
-  // tied_to); the runtime's GPT keeps an untied head (docs/checkpoint.md).
+  // The LM head is the token embedding's weight (layers::LmHead(..., "embed"); Note [Tied
+  // parameters] in runtime/model.cc), as in GPT-2 and GPT-3.
   bool tied = false;
 };
 absl::StatusOr<LayerGraph> GptModel(const std::string& name, const GptConfig& config,
@@ -110,9 +135,8 @@ absl::StatusOr<LayerGraph> PresetModel(absl::string_view preset, int64_t micro_b
 // Every preset name, runnable ones first.
 std::vector<std::string> PresetNames();
 
-// The partitioner's view of a graph (plan.h): every node's Cost, the fingerprint and the
-// input bytes of one micro-batch. A LayerGraph knows no ties, so no layer gets tied_to; use
-// GptModelCosts / PresetModelCosts for a GPT whose LM head is tied.
+// The partitioner's view of a graph (plan.h): every node's Cost, the fingerprint, the input
+// bytes of one micro-batch, and each tied layer's tied_to (LayerSpec::tied_to).
 ModelCosts ToModelCosts(const LayerGraph& graph);
 
 // `pipewright model --gpt SPEC`: "layers=96,hidden=12288,heads=96,seq=2048,vocab=51200" with an
@@ -124,13 +148,14 @@ absl::StatusOr<GptConfig> ParseGptSpec(absl::string_view spec);
 // The GptConfig of a GPT preset (every preset but "mlp"); InvalidArgument otherwise.
 absl::StatusOr<GptConfig> PresetGptConfig(absl::string_view preset);
 
-// GptModel(name, config, micro_batch_size) as ModelCosts. With config.tied the "lm_head" layer
-// gets tied_to = "embed": its V*h weights are the embedding's token table, so
+// ToModelCosts(GptModel(name, config, micro_batch_size)) after an overflow check. With
+// config.tied the "lm_head" layer gets tied_to = "embed": its V*h weights are the embedding's
+// token table, so
 // ModelCosts::UniqueParams() leaves them out (the embedding's own count is (V + s) * h, token
 // and position tables). Costs are analytic: nothing is allocated, whatever the model's size.
 absl::StatusOr<ModelCosts> GptModelCosts(const std::string& name, const GptConfig& config,
                                          int64_t micro_batch_size);
-// A preset's costs with its ties: GptModelCosts for the GPT presets, ToModelCosts for "mlp".
+// A preset's costs: GptModelCosts for the GPT presets, ToModelCosts for "mlp".
 absl::StatusOr<ModelCosts> PresetModelCosts(absl::string_view preset, int64_t micro_batch_size);
 
 // Measured per-layer times (`pipewright model --profile`, runtime/profile.cc): instantiates the

@@ -40,9 +40,11 @@ class Optimizer {
   // The updates taken so far (AdamW's bias correction counts them), for state assembled from
   // elsewhere (asynchronous DP's owners).
   void set_step_count(int64_t step) { step_ = step; }
-  // State tensors ("exp_avg.<name>", "exp_avg_sq.<name>" or "momentum_buffer.<name>").
+  // State tensors ("exp_avg.<name>", "exp_avg_sq.<name>" or "momentum_buffer.<name>"), tied
+  // copies left out (their state equals their owner's: Note [Tied parameters]).
   std::vector<std::pair<std::string, Tensor>> State() const;
-  // Restores state written by State(); every tensor must be present with the right shape.
+  // Restores state written by State(); every tensor must be present with the right shape. A
+  // tied copy takes its owner's (StoredName).
   absl::Status LoadState(const std::map<std::string, Tensor>& state, int64_t step);
 
  private:
@@ -57,7 +59,8 @@ class Optimizer {
 // The gradient helpers run where the gradients live; `exec` is the allocator whose device (and
 // CUDA stream) runs them (nullptr: the host).
 void ZeroGrads(const std::vector<Parameter*>& params);
-// Sum of squares of every gradient, in double (combine across stages before the sqrt).
+// Sum of squares of every gradient, in double (combine across stages before the sqrt). Tied
+// copies are skipped: after the tie reduction their owner holds the same summed gradient.
 absl::StatusOr<double> GradSquaredNorm(const std::vector<Parameter*>& params,
                                        Allocator* exec = nullptr);
 // Multiplies every gradient by `scale`.

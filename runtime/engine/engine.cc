@@ -80,9 +80,35 @@ absl::Status CheckTrainOptions(const TrainOptions& o) {
   return absl::OkStatus();
 }
 
+// A tied weight whose owner and copy are on different pipeline ranks (Note [Tied parameters]).
+struct CrossRankTie {
+  std::string owner;  // the owner parameter's global name
+  int owner_pipe = 0, copy_pipe = 0;
+};
+
+std::vector<CrossRankTie> CrossRankTies(const LayerGraph& graph, const RunSpec& run) {
+  auto pipe_of = [&](int layer) {
+    for (int s = 0; s < run.num_stages(); ++s) {
+      if (layer < run.boundaries[s + 1]) return run.schedule.stage_rank[s];
+    }
+    return -1;
+  };
+  std::vector<CrossRankTie> ties;
+  for (int i = 0; i < graph.num_layers(); ++i) {
+    const LayerSpec& spec = *graph.node(i).spec;
+    if (spec.tied_parameter().empty()) continue;
+    for (int o = 0; o < i; ++o) {
+      if (graph.node(o).name != spec.tied_to()) continue;
+      if (pipe_of(o) != pipe_of(i)) ties.push_back({spec.tied_parameter(), pipe_of(o), pipe_of(i)});
+    }
+  }
+  return ties;
+}
+
 // What asynchronous DP needs of the run (Note [Async DP] in async_dp.cc).
 absl::Status CheckAsync(const TrainOptions& o, const RunSpec& run, const World& world,
-                        const std::vector<RankEndpoint>& endpoints) {
+                        const std::vector<RankEndpoint>& endpoints,
+                        const std::vector<CrossRankTie>& ties) {
   if (o.slow_replica >= run.data_parallel) {
     return absl::InvalidArgumentError(absl::StrCat("--slow-replica ", o.slow_replica,
                                                    ": there are only ", run.data_parallel,
@@ -96,6 +122,12 @@ absl::Status CheckAsync(const TrainOptions& o, const RunSpec& run, const World& 
   }
   if (world.options().device.is_cuda()) {
     return absl::InvalidArgumentError("--dp-mode async runs on the CPU only (--device cpu)");
+  }
+  if (!ties.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--dp-mode async does not support a tied weight split across pipeline ranks (",
+        ties[0].owner, " on pipeline rank ", ties[0].owner_pipe, " and ", ties[0].copy_pipe,
+        "): the owners would update its two copies apart; put them on one rank or untie them"));
   }
   if (!endpoints.empty() && !endpoints[0].comm->capabilities().concurrent_p2p) {
     return absl::InvalidArgumentError(
@@ -193,6 +225,10 @@ absl::StatusOr<StageRt> BuildStage(RankExecutor& ex, const Engine::Impl& m, int 
       p->value = std::move(v);
       p->grad = Tensor::Zeros(p->value.shape(), DType::kF32, ex.alloc.get());
     }
+    for (const TiedLink& t : st.stage->tied()) {  // a linked copy: its gradient on the device
+      t.copy->grad = Tensor::Zeros(t.copy->value.shape(), DType::kF32, ex.alloc.get());
+    }
+    PW_RETURN_IF_ERROR(st.stage->LinkTied());  // to the owners' device tensors
     PW_RETURN_IF_ERROR(ex.Sync());
   }
   st.in_shape = shape_at[st.begin];
@@ -230,9 +266,20 @@ absl::StatusOr<std::unique_ptr<RankExecutor>> BuildRank(
     ex->local[s] = static_cast<int>(ex->stages.size());
     ex->stages.push_back(std::move(st));
   }
+  // Tied copies whose owner is in another of this rank's stages (V schedules put the first and
+  // last stage on one rank) are linked like those within a stage.
+  std::vector<Parameter*> trained;
   for (StageRt& st : ex->stages) {
-    for (Parameter* p : st.stage->Parameters()) ex->params.push_back(p);
+    for (Parameter* p : st.stage->Parameters()) trained.push_back(p);
+    for (const TiedLink& t : st.stage->tied()) ex->tied_local.push_back(t);
   }
+  PW_ASSIGN_OR_RETURN(std::vector<TiedLink> across, LinkTiedParameters(trained));
+  for (Parameter* p : trained) {
+    bool linked = false;
+    for (const TiedLink& t : across) linked = linked || t.copy == p;
+    if (!linked) ex->params.push_back(p);
+  }
+  ex->tied_local.insert(ex->tied_local.end(), across.begin(), across.end());
   const TrainOptions& to = m.options;
   if (ex->on_cuda() && to.optimizer.kind != OptimizerKind::kAdamW) {
     return absl::InvalidArgumentError("--device cuda supports --optimizer adamw only");
@@ -247,6 +294,48 @@ absl::StatusOr<std::unique_ptr<RankExecutor>> BuildRank(
   return ex;
 }
 
+std::pair<int, int> PipePair(const CrossRankTie& t) {
+  return {std::min(t.owner_pipe, t.copy_pipe), std::max(t.owner_pipe, t.copy_pipe)};
+}
+
+// The embedding groups: for each pair of pipeline ranks that share a tied weight, a
+// communicator of the pair within each replica (every world rank takes part in each Split, in
+// the same order), and this rank's end of every tie over it.
+absl::Status ConnectTies(RankExecutor& r, const std::vector<CrossRankTie>& ties,
+                         absl::Duration timeout) {
+  std::vector<std::pair<int, int>> pairs;
+  for (const CrossRankTie& t : ties) {
+    if (std::find(pairs.begin(), pairs.end(), PipePair(t)) == pairs.end()) {
+      pairs.push_back(PipePair(t));
+    }
+  }
+  std::vector<Communicator*> group(pairs.size(), nullptr);
+  for (size_t k = 0; k < pairs.size(); ++k) {
+    const bool member = r.pipe == pairs[k].first || r.pipe == pairs[k].second;
+    PW_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> c,
+                        r.world->Split(member ? r.replica : -1, r.pipe, timeout));
+    group[k] = c.get();
+    if (c != nullptr) r.tie_groups.push_back(std::move(c));
+  }
+  for (const CrossRankTie& t : ties) {
+    if (r.pipe != t.owner_pipe && r.pipe != t.copy_pipe) continue;
+    const size_t k = std::find(pairs.begin(), pairs.end(), PipePair(t)) - pairs.begin();
+    Parameter* mine = nullptr;
+    for (Parameter* p : r.params) {
+      if (r.pipe == t.owner_pipe ? p->name == t.owner && p->tied_to.empty()
+                                 : p->tied_to == t.owner) {
+        mine = p;
+      }
+    }
+    if (mine == nullptr) {
+      return absl::InternalError(
+          absl::StrCat(r.Who(), ": holds no end of the tied weight ", t.owner));
+    }
+    r.tied_remote.push_back({mine, group[k]});
+  }
+  return absl::OkStatus();
+}
+
 // Splits every rank's data-parallel group off the world (collective, one thread per rank) and
 // gives each rank its gradient synchronization over it.
 absl::Status ConnectReplicas(Engine::Impl& m) {
@@ -256,10 +345,12 @@ absl::Status ConnectReplicas(Engine::Impl& m) {
   const GradCompression compression = m.options.grad_compression;
   const bool async = m.options.dp_mode == DpMode::kAsync;
   const int pp = m.ctx.topo.pp;
+  const std::vector<CrossRankTie> ties = CrossRankTies(m.graph, m.run);
   return m.OnEveryRank([=](RankExecutor& r) -> absl::Status {
     if (dp > 1) {
       PW_ASSIGN_OR_RETURN(r.dp_comm, r.world->Split(r.pipe, r.replica, timeout));
     }
+    PW_RETURN_IF_ERROR(ConnectTies(r, ties, timeout));
     if (async && pp > 1) {
       PW_ASSIGN_OR_RETURN(r.replica_comm, r.world->Split(r.replica, r.pipe, timeout));
     }
@@ -318,7 +409,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const LayerGraph& graph, 
   m.lr.min_ratio = options.min_lr_ratio;
 
   PW_ASSIGN_OR_RETURN(std::vector<RankEndpoint> endpoints, m.world->Connect(m.ctx.topo));
-  PW_RETURN_IF_ERROR(CheckAsync(m.options, m.run, *m.world, endpoints));
+  PW_RETURN_IF_ERROR(
+      CheckAsync(m.options, m.run, *m.world, endpoints, CrossRankTies(m.graph, m.run)));
   if (!endpoints.empty() && !endpoints[0].comm->capabilities().tagged_p2p) {
     PW_RETURN_IF_ERROR(CheckFifoOrder(m.run.schedule));
   }
@@ -351,6 +443,7 @@ Engine::~Engine() {
   // Communicators first: a backend may still hold buffers from any rank's allocator (a
   // receive posted before an abort), and every allocator must outlive them.
   for (auto& r : impl_->ranks) r->replica_comm.reset();
+  for (auto& r : impl_->ranks) r->tie_groups.clear();
   for (auto& r : impl_->ranks) r->dp_comm.reset();
   for (auto& r : impl_->ranks) r->world.reset();
   for (auto& r : impl_->ranks) {
@@ -497,6 +590,7 @@ NamedTensors Engine::Weights() const {
     RankExecutor& r = *rp;
     PW_CHECK(r.BindDevice().ok());
     for (Parameter* q : r.Local(s)->stage->Parameters()) {
+      if (!q->tied_to.empty()) continue;  // stored once, as its owner
       // A device that fails a copy of its own weights has failed; internal invariant.
       absl::StatusOr<Tensor> h = r.ToHost(q->value);
       PW_CHECK(h.ok());
@@ -602,7 +696,8 @@ absl::Status Engine::Resume(const std::string& dir, std::vector<std::string>* wa
   for (auto& r : m.ranks) {
     PW_RETURN_IF_ERROR(r->BindDevice());
     for (Parameter* p : r->params) {
-      PW_RETURN_IF_ERROR(ops::Copy(ops::Exec{r->alloc.get()}, ck.model.at(p->name), p->value));
+      PW_RETURN_IF_ERROR(
+          ops::Copy(ops::Exec{r->alloc.get()}, ck.model.at(StoredName(*p)), p->value));
     }
     PW_RETURN_IF_ERROR(r->Sync());
     internal::RestoreLossScaler(at, &r->scaler);

@@ -181,6 +181,7 @@ absl::Status RankExecutor::AsyncPush(float lr, StepOutcome* out) {
   Clock::time_point t = Clock::now();
   PW_RETURN_IF_ERROR(WaitSends());
   PW_RETURN_IF_ERROR(grad_sync->Finish());
+  PW_RETURN_IF_ERROR(ReduceTied());  // linked copies only: CheckAsync refuses ties across ranks
   // The replica's agreement (Note [Step agreement], over its pipeline only): its losses and every
   // layer's squared gradient norm, each entry written by the one rank that has it.
   const int64_t M = ctx->layout.micro_batches, L = ctx->graph->num_layers();

@@ -91,7 +91,18 @@ class RankExecutor {
   std::unique_ptr<cpu::ThreadPool> pool;
   std::vector<StageRt> stages;
   std::vector<int> local;  // virtual stage -> index in stages, or -1
+  // What this rank trains: its stages' parameters, less tied copies linked to an owner here.
   std::vector<Parameter*> params;
+  // Tied parameters (Note [Tied parameters] in runtime/model.cc): copies linked to an owner on
+  // this rank (within a stage or across two of its stages), and the tied weights whose other
+  // end is on another rank of the replica, each reduced over its embedding group.
+  std::vector<TiedLink> tied_local;
+  struct RemoteTie {
+    Parameter* param = nullptr;     // this rank's owner or copy
+    Communicator* group = nullptr;  // the replica's two ranks holding it (tie_groups)
+  };
+  std::vector<RemoteTie> tied_remote;
+  std::vector<std::unique_ptr<Communicator>> tie_groups;
   std::unique_ptr<Optimizer> optimizer;
   std::unique_ptr<GradSync> grad_sync;
   std::unique_ptr<DataLoader> loader;
@@ -155,6 +166,9 @@ class RankExecutor {
   absl::Status Backward(StageRt& st, const Action& a, int index);
   absl::Status WeightBackward(StageRt& st, const Action& a, int index);
   absl::Status Agree(int64_t step, float lr, StepOutcome* out);
+  // The tie reduction, after the data-parallel one: every tied weight's gradient becomes owner +
+  // copy (AddTiedGradients here, an all-reduce over the embedding group across ranks).
+  absl::Status ReduceTied();
   bool async() const { return ctx->options->dp_mode == DpMode::kAsync; }
   // Asynchronous DP (rank_async.cc).
   absl::Status AsyncLoop(const AsyncRun& run);

@@ -312,6 +312,16 @@ absl::Status RankExecutor::WeightBackward(StageRt& st, const Action& a, int inde
   return absl::OkStatus();
 }
 
+absl::Status RankExecutor::ReduceTied() {
+  PW_RETURN_IF_ERROR(AddTiedGradients(tied_local, alloc.get()));
+  for (const RemoteTie& t : tied_remote) {
+    std::unique_ptr<Work> w = t.group->AllReduce(t.param->grad);
+    PW_RETURN_IF_ERROR(
+        WaitOrAbort(*w, absl::StrCat("the tied-weight all-reduce of ", t.param->name)));
+  }
+  return absl::OkStatus();
+}
+
 // Note [Step agreement]. Every replica's micro-batch losses and every layer's squared gradient
 // norm go into one vector, each entry written by exactly one rank (zeros elsewhere, so the sum
 // is exact), summed over the world in a fixed order. Every rank then sees the same sums and
@@ -323,6 +333,7 @@ absl::Status RankExecutor::Agree(int64_t step, float lr, StepOutcome* out) {
   Clock::time_point t = Clock::now();
   PW_RETURN_IF_ERROR(WaitSends());
   PW_RETURN_IF_ERROR(grad_sync->Finish());
+  PW_RETURN_IF_ERROR(ReduceTied());
   const int64_t M = ctx->layout.micro_batches, R = ctx->layout.replicas;
   const int64_t L = ctx->graph->num_layers();
   // The last entry counts the ranks whose process was asked to stop (train.h, RequestStop).

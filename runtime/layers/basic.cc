@@ -35,10 +35,11 @@ absl::StatusOr<Tensor> Layer::Backward(const Tensor& dy, const LayerContext& ctx
 namespace {
 
 // Every random initialiser of `p` draws from this key: the seed and the parameter's global name
-// only, so the value is independent of which stage creates it and of creation order.
+// only (its owner's for a tied copy), so the value is independent of which stage creates it and
+// of creation order.
 uint64_t InitKey(const Parameter& p, const InitContext& init) {
   uint64_t key = HashCombine(init.seed, 0x5057ull);
-  for (char c : p.name) key = HashCombine(key, static_cast<uint8_t>(c));
+  for (char c : StoredName(p)) key = HashCombine(key, static_cast<uint8_t>(c));
   return key;
 }
 
@@ -113,9 +114,10 @@ std::vector<int64_t> WithLastDim(const std::vector<int64_t>& shape, int64_t last
 
 // ---------------------------------------------------------------------------------------------
 LinearLayer::LinearLayer(const InitContext& init, int64_t in, int64_t out, bool bias, float std,
-                         Activation activation)
+                         Activation activation, const std::string& tied_weight)
     : in_(in), out_(out), has_bias_(bias), activation_(activation) {
   weight_ = MakeParameter(init, "weight", {out, in}, true);
+  weight_.tied_to = tied_weight;
   InitNormal(weight_, init, std);
   if (has_bias_) {
     bias_ = MakeParameter(init, "bias", {out}, false);

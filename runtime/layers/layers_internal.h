@@ -18,8 +18,9 @@ std::vector<int64_t> WithLastDim(const std::vector<int64_t>& shape, int64_t last
 class LinearLayer final : public Layer {
  public:
   enum class Activation { kNone, kGelu };
+  // `tied_weight`: the global name of the parameter the weight is a tied copy of (or "").
   LinearLayer(const InitContext& init, int64_t in, int64_t out, bool bias, float std,
-              Activation activation = Activation::kNone);
+              Activation activation = Activation::kNone, const std::string& tied_weight = "");
   absl::string_view kind() const override { return "linear"; }
   absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
   absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,

@@ -67,12 +67,15 @@ template <typename Fn>
 class SimpleSpec final : public LayerSpec {
  public:
   SimpleSpec(std::string kind, std::string config,
-             std::function<Cost(const MicroBatchShape&, int64_t)> cost, Fn make, ShapeFn shape)
+             std::function<Cost(const MicroBatchShape&, int64_t)> cost, Fn make, ShapeFn shape,
+             std::string tied_to, std::string tied_parameter)
       : kind_(std::move(kind)),
         config_(std::move(config)),
         cost_(std::move(cost)),
         make_(std::move(make)),
-        shape_(std::move(shape)) {}
+        shape_(std::move(shape)),
+        tied_to_(std::move(tied_to)),
+        tied_parameter_(std::move(tied_parameter)) {}
   std::string kind() const override { return kind_; }
   Cost GetCost(const MicroBatchShape& shape, int64_t input_bytes) const override {
     return cost_(shape, input_bytes);
@@ -84,20 +87,25 @@ class SimpleSpec final : public LayerSpec {
   std::vector<int64_t> OutputShape(const std::vector<int64_t>& input) const override {
     return shape_ ? shape_(input) : input;
   }
+  std::string tied_to() const override { return tied_to_; }
+  std::string tied_parameter() const override { return tied_parameter_; }
 
  private:
   std::string kind_, config_;
   std::function<Cost(const MicroBatchShape&, int64_t)> cost_;
   Fn make_;
   ShapeFn shape_;  // empty: the output keeps the input's shape
+  std::string tied_to_, tied_parameter_;
 };
 
 template <typename Fn>
 LayerSpecPtr MakeSpec(std::string kind, std::string config,
                       std::function<Cost(const MicroBatchShape&, int64_t)> cost, Fn make,
-                      ShapeFn shape = nullptr) {
+                      ShapeFn shape = nullptr, std::string tied_to = "",
+                      std::string tied_parameter = "") {
   return std::make_shared<SimpleSpec<Fn>>(std::move(kind), std::move(config), std::move(cost),
-                                          std::move(make), std::move(shape));
+                                          std::move(make), std::move(shape), std::move(tied_to),
+                                          std::move(tied_parameter));
 }
 
 // Output shape of a layer that maps the last dimension to `last` ([B, T, in] -> [B, T, last]).
@@ -199,15 +207,21 @@ LayerSpecPtr Embedding(int64_t vocab, int64_t max_seq, int64_t dim) {
       });
 }
 
-LayerSpecPtr LmHead(int64_t dim, int64_t vocab) {
+LayerSpecPtr LmHead(int64_t dim, int64_t vocab, const std::string& tied_to) {
   PW_CHECK(dim > 0 && vocab > 0);
+  // A tied head's weight is the embedding's token table, initialised from its name with the
+  // embedding's std (0.02), so a copy on another stage starts equal to it.
+  const std::string weight = tied_to.empty() ? "" : absl::StrCat(tied_to, ".wte.weight");
+  std::string config = absl::StrFormat("dim=%d,vocab=%d", dim, vocab);
+  if (!tied_to.empty()) absl::StrAppend(&config, ",tied_to=", tied_to);
   return MakeSpec(
-      "lm_head", absl::StrFormat("dim=%d,vocab=%d", dim, vocab),
+      "lm_head", std::move(config),
       [=](const MicroBatchShape& s, int64_t) { return LinearCost(s.tokens(), dim, vocab, false); },
       [=](const InitContext& init) -> std::unique_ptr<Layer> {
-        return std::make_unique<internal::LinearLayer>(init, dim, vocab, false, 0.02f);
+        return std::make_unique<internal::LinearLayer>(
+            init, dim, vocab, false, 0.02f, internal::LinearLayer::Activation::kNone, weight);
       },
-      LastDimShape(vocab));
+      LastDimShape(vocab), tied_to, weight);
 }
 
 LayerSpecPtr CrossEntropyLoss() {

@@ -48,7 +48,9 @@ TEST(ParallelPartition, PartsAreContiguousBalancedAndGrainAligned) {
           }
         }
         ASSERT_EQ(next, n);
-        if (largest > 0) EXPECT_LE(largest - smallest, grain) << n << " " << grain;
+        if (largest > 0) {
+          EXPECT_LE(largest - smallest, grain) << n << " " << grain;
+        }
       }
     }
   }

@@ -43,18 +43,10 @@ TrainOptions Train(int64_t steps = kSteps) {
   return o;
 }
 
-using WeightMap = std::map<std::string, std::vector<float>>;
-
-WeightMap ToMap(const std::vector<std::pair<std::string, Tensor>>& named) {
-  WeightMap m;
-  for (const auto& [name, t] : named) m[name] = t.ToVector();
-  return m;
-}
-
-struct RunResult {
-  std::vector<double> losses;
-  WeightMap weights;
-};
+using testing_util::ExpectSameRun;
+using testing_util::RunResult;
+using testing_util::ToMap;
+using testing_util::WeightMap;
 
 // The single-stage reference: a plain training loop that shares no scheduling code with the
 // engine (engine_util.h).
@@ -237,18 +229,6 @@ EngineSetup WithThreads(int pp, int threads) {
   EngineSetup o = Options(pp, 1, ScheduleKind::k1F1B, 1, Recompute::kNone, 2);
   o.train.threads_per_rank = threads;
   return o;
-}
-
-void ExpectSameRun(const RunResult& got, const RunResult& want, const std::string& what) {
-  ASSERT_EQ(got.losses.size(), want.losses.size()) << what;
-  EXPECT_EQ(got.losses, want.losses) << what;
-  ASSERT_EQ(got.weights.size(), want.weights.size()) << what;
-  for (const auto& [name, w] : want.weights) {
-    const std::vector<float>& v = got.weights.at(name);
-    ASSERT_EQ(v.size(), w.size()) << what << ": " << name;
-    EXPECT_EQ(std::memcmp(v.data(), w.data(), w.size() * sizeof(float)), 0)
-        << what << ": " << name << " differs";
-  }
 }
 
 // docs/runtime.md, "Threads per rank": pp = 2 with 2 threads per rank is pp = 1 with 2 threads

@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -66,8 +68,37 @@ inline absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const LayerGraph& grap
   return Engine::Create(graph, std::move(run), s.train, std::move(data), std::move(world));
 }
 
+using WeightMap = std::map<std::string, std::vector<float>>;
+
+inline WeightMap ToMap(const std::vector<std::pair<std::string, Tensor>>& named) {
+  WeightMap m;
+  for (const auto& [name, t] : named) m[name] = t.ToVector();
+  return m;
+}
+
+// A run's per-step losses and final weights.
+struct RunResult {
+  std::vector<double> losses;
+  WeightMap weights;
+};
+
+// Bit-identical losses and weights.
+inline void ExpectSameRun(const RunResult& got, const RunResult& want, const std::string& what) {
+  ASSERT_EQ(got.losses.size(), want.losses.size()) << what;
+  EXPECT_EQ(got.losses, want.losses) << what;
+  ASSERT_EQ(got.weights.size(), want.weights.size()) << what;
+  for (const auto& [name, w] : want.weights) {
+    ASSERT_EQ(got.weights.count(name), 1u) << what << ": " << name << " missing";
+    const std::vector<float>& v = got.weights.at(name);
+    ASSERT_EQ(v.size(), w.size()) << what << ": " << name;
+    EXPECT_EQ(std::memcmp(v.data(), w.data(), w.size() * sizeof(float)), 0)
+        << what << ": " << name << " differs";
+  }
+}
+
 // The single-stage reference: the whole model on one CPU stage, micro-batch after micro-batch
-// (forward, input backward, weight backward), per-layer squared norms summed in model order,
+// (forward, input backward, weight backward), the tied head's gradient added to the embedding's,
+// per-layer squared norms summed in model order,
 // clipping, the optimizer, the LR schedule — written directly against Stage, Optimizer and the
 // data, independent of the engine's programs, executors and synchronization. fp32/bf16 only.
 class ReferenceLoop {
@@ -107,6 +138,7 @@ class ReferenceLoop {
       PW_RETURN_IF_ERROR(stage_->BackwardInput(dloss, ctx, &saved).status());
       PW_RETURN_IF_ERROR(stage_->BackwardWeight(ctx, &saved));
     }
+    PW_RETURN_IF_ERROR(AddTiedGradients(stage_->tied(), alloc_.get()));  // a tied LM head
     double norm2 = 0;
     for (int i = 0; i < stage_->size(); ++i) {
       PW_ASSIGN_OR_RETURN(double n2, GradSquaredNorm(stage_->layer(i).Parameters(), alloc_.get()));
