@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "pipewright/checkpoint.h"
+#include "pipewright/model.h"
 #include "pipewright/train.h"
 
 namespace pipewright {
@@ -34,6 +35,25 @@ absl::StatusOr<LayerGraph> CheckpointPresetModel(const std::string& dir) {
     PW_ASSIGN_OR_RETURN(json m, ReadManifest(dir));
     const json& model = m["model"];
     const std::string name = model.value("name", "");
+    if (model.contains("gpt") && model["gpt"].is_object()) {  // a GPT: rebuilt from its shape
+      const json& a = model["gpt"];
+      // Through the --gpt parser: the same range and overflow checks as a command line.
+      absl::StatusOr<GptConfig> c = ParseGptSpec(absl::StrCat(
+          "layers=", a.at("layers").get<int64_t>(), ",hidden=", a.at("hidden").get<int64_t>(),
+          ",heads=", a.at("heads").get<int64_t>(), ",seq=", a.at("seq").get<int64_t>(),
+          ",vocab=", a.at("vocab").get<int64_t>(), ",tied=", a.at("tied").get<bool>() ? 1 : 0));
+      if (!c.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(dir, "/manifest.json: model.gpt: ", c.status().message()));
+      }
+      absl::StatusOr<LayerGraph> graph =
+          GptModel(name, *c, model.value("micro_batch_size", int64_t{1}));
+      if (!graph.ok() || graph->Fingerprint() != model.value("fingerprint", "")) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            dir, "/manifest.json: model.gpt does not rebuild the model of model.fingerprint"));
+      }
+      return graph;
+    }
     if (!model.contains("preset") || !model["preset"].is_string()) {
       return absl::InvalidArgumentError(absl::StrCat(
           dir, " holds the custom model '", name,
@@ -81,14 +101,19 @@ absl::StatusOr<EvalResult> EvaluateCheckpoint(const LayerGraph& graph, const std
     BatchLayout layout{1, graph.shape().batch, graph.shape().seq_len, 1};
     constexpr int64_t kHeldOutStep = int64_t{1} << 40;  // far from any training step
     double sum = 0;
+    std::vector<Tensor> inputs, targets;
     for (int64_t i = 0; i < batches; ++i) {
       StepBatch b = MakeStepBatch(data, layout, kHeldOutStep / layout.global_batch() + i, 0);
       LayerContext ctx{nullptr, &b.targets[0]};
       std::vector<Saved> saved;
       PW_ASSIGN_OR_RETURN(Tensor loss, stage->Forward(b.inputs[0], ctx, &saved));
       sum += loss.data<float>()[0];
+      inputs.push_back(b.inputs[0]);
+      targets.push_back(b.targets[0]);
     }
     EvalResult r;
+    r.inputs = std::move(inputs);
+    r.targets = std::move(targets);
     r.loss = sum / batches;
     r.perplexity = std::exp(r.loss);
     r.tokens = batches * layout.global_batch() * layout.seq_len;

@@ -469,6 +469,36 @@ absl::StatusOr<GptConfig> ParseGptSpec(absl::string_view spec) {
   return c;
 }
 
+absl::StatusOr<GptConfig> GptConfigOf(const LayerGraph& graph) {
+  const int n = graph.num_layers();
+  auto not_gpt = [&] {
+    return absl::NotFoundError(absl::StrCat("model '", graph.name(), "' is not a GPT"));
+  };
+  if (n < 5 || graph.node(0).spec->kind() != "embedding" ||
+      graph.node(1).spec->kind() != "transformer_block" ||
+      graph.node(n - 2).spec->kind() != "lm_head") {
+    return not_gpt();
+  }
+  auto number = [](const LayerNode& node, absl::string_view key) {
+    int64_t v = 0;
+    return absl::SimpleAtoi(ConfigValue(node.spec->Config(), key), &v) ? v : int64_t{0};
+  };
+  GptConfig c;
+  c.layers = n - 4;
+  c.hidden = number(graph.node(0), "dim");
+  c.seq = number(graph.node(0), "max_seq");
+  c.vocab = number(graph.node(0), "vocab");
+  c.heads = number(graph.node(1), "heads");
+  c.tied = !graph.node(n - 2).spec->tied_to().empty();
+  if (c.layers < 1 || c.hidden < 1 || c.seq < 1 || c.vocab < 1 || c.heads < 1 ||
+      c.hidden % c.heads != 0) {
+    return not_gpt();
+  }
+  absl::StatusOr<LayerGraph> rebuilt = GptModel(graph.name(), c, graph.shape().batch);
+  if (!rebuilt.ok() || rebuilt->Fingerprint() != graph.Fingerprint()) return not_gpt();
+  return c;
+}
+
 absl::StatusOr<ModelCosts> GptModelCosts(const std::string& name, const GptConfig& c,
                                          int64_t micro_batch_size) {
   if (micro_batch_size < 1) return absl::InvalidArgumentError("micro-batch size must be >= 1");

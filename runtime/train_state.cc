@@ -33,6 +33,11 @@ std::string BuildManifest(const ManifestInfo& info) {
     layers.push_back({{"name", n.name}, {"kind", n.spec->kind()}, {"config", n.spec->Config()}});
   }
   m["model"]["layers"] = std::move(layers);
+  // The architecture, so a checkpoint of any GPT is self-describing (eval, export).
+  if (absl::StatusOr<GptConfig> c = GptConfigOf(graph); c.ok()) {
+    m["model"]["gpt"] = {{"layers", c->layers}, {"hidden", c->hidden}, {"heads", c->heads},
+                         {"seq", c->seq},       {"vocab", c->vocab},   {"tied", c->tied}};
+  }
   m["plan"] = {{"pipeline_parallel", info.pp},
                {"data_parallel", info.dp},
                {"schedule", info.schedule},

@@ -20,6 +20,8 @@ void RegisterModel(CLI::App& app, int* exit_code);
 void RegisterPlan(CLI::App& app, int* exit_code);
 void RegisterValidate(CLI::App& app, int* exit_code);
 void RegisterData(CLI::App& app, int* exit_code);
+void RegisterExport(CLI::App& app, int* exit_code);
+void RegisterImport(CLI::App& app, int* exit_code);
 
 // Prints "pipewright: <message>" on stderr and returns the exit code for `status`:
 // 2 for InvalidArgument / NotFound / FailedPrecondition / OutOfRange / Unimplemented, 1 otherwise.

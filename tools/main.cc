@@ -39,6 +39,8 @@ int main(int argc, char** argv) {
   pipewright::tools::RegisterPlan(app, &exit_code);
   pipewright::tools::RegisterValidate(app, &exit_code);
   pipewright::tools::RegisterData(app, &exit_code);
+  pipewright::tools::RegisterExport(app, &exit_code);
+  pipewright::tools::RegisterImport(app, &exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

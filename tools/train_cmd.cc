@@ -65,6 +65,7 @@ struct TrainFlags {
   std::string inject_failure;  // "RANK:STEP", tests of failure handling
   int64_t loss_scale_window = 1000;
   int data_workers = 1;
+  int tied = -1;              // --tied 0|1: the LM head tied to the embedding (-1: the preset's)
   int64_t data_delay_us = 0;  // benchmark-only: an artificially slow data source
   bool json = false;
   std::set<std::string> given;  // flags the user gave explicitly
@@ -219,9 +220,23 @@ struct LoadedModel {
   std::optional<Plan> plan;
 };
 
+// A preset's graph, its LM head tied or untied as --tied says.
+absl::StatusOr<LayerGraph> PresetGraph(const std::string& preset, int64_t micro_batch_size,
+                                       int tied) {
+  PW_ASSIGN_OR_RETURN(LayerGraph graph, PresetModel(preset, micro_batch_size));
+  if (tied < 0) return graph;
+  absl::StatusOr<GptConfig> c = PresetGptConfig(preset);
+  if (!c.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tied: preset '", preset, "' is not a GPT (it has no LM head to tie)"));
+  }
+  c->tied = tied == 1;
+  return GptModel(preset, *c, graph.shape().batch);
+}
+
 absl::StatusOr<LoadedModel> LoadModel(const TrainFlags& f) {
   if (f.plan.empty()) {
-    PW_ASSIGN_OR_RETURN(LayerGraph graph, PresetModel(f.preset, f.micro_batch_size));
+    PW_ASSIGN_OR_RETURN(LayerGraph graph, PresetGraph(f.preset, f.micro_batch_size, f.tied));
     return LoadedModel{std::move(graph), std::nullopt};
   }
   PW_ASSIGN_OR_RETURN(std::string text, ReadFile(f.plan, "--plan"));
@@ -236,7 +251,7 @@ absl::StatusOr<LoadedModel> LoadModel(const TrainFlags& f) {
         absl::StrCat(f.plan, ": model.name '", preset, "' is not a preset train can run (",
                      absl::StrJoin(runnable, ", "), "); pass --preset"));
   }
-  PW_ASSIGN_OR_RETURN(LayerGraph graph, PresetModel(preset, plan->micro_batch_size));
+  PW_ASSIGN_OR_RETURN(LayerGraph graph, PresetGraph(preset, plan->micro_batch_size, f.tied));
   const ModelCosts costs = ToModelCosts(graph);
   std::vector<std::string> problems = ValidatePlan(*plan, &costs);
   if (!problems.empty()) {
@@ -566,6 +581,10 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
   CLI::App* cmd = app.add_subcommand("train", "Train a model: pp x dp ranks on CPU threads");
   cmd->add_option("--preset", f->preset, "Model preset: mlp, gpt-tiny, gpt-small, gpt2-124m")
       ->check(CLI::IsMember(TrainablePresets()));
+  cmd->add_option("--tied", f->tied,
+                  "1: tie the LM head to the token embedding (GPT-2's weight tying); 0: untie it "
+                  "(default: the preset's; gpt2-124m is tied, gpt-tiny and gpt-small are not)")
+      ->check(CLI::Range(0, 1));
   cmd->add_option("--pp", f->pp, "Pipeline-parallel stages");
   cmd->add_option("--dp", f->dp, "Data-parallel replicas");
   cmd->add_option("--schedule", f->schedule, "Pipeline schedule")
@@ -664,7 +683,7 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
 
 void RegisterEval(CLI::App& app, int* exit_code) {
   struct EvalFlags {
-    std::string checkpoint, data = "synthetic";
+    std::string checkpoint, data = "synthetic", dump;
     int64_t batches = 16;
     bool json = false;
   };
@@ -674,12 +693,32 @@ void RegisterEval(CLI::App& app, int* exit_code) {
   cmd->add_option("--data", f->data, "synthetic, a token file, or a text file");
   cmd->add_option("--batches", f->batches, "Held-out batches to evaluate");
   cmd->add_flag("--json", f->json, "Print JSON");
+  cmd->add_option("--dump", f->dump,
+                  "Also write the evaluated tokens and targets as JSON to FILE (scripts/hf-check "
+                  "runs the same tokens through transformers)");
   cmd->callback([f, exit_code] {
     SetCpuKernelThreads(1);
     auto r = EvaluateCheckpoint(f->checkpoint, f->data, f->batches);
     if (!r.ok()) {
       *exit_code = ReportError(r.status());
       return;
+    }
+    if (!f->dump.empty()) {
+      json d = {{"loss", r->loss}, {"inputs", json::array()}, {"targets", json::array()}};
+      for (size_t i = 0; i < r->inputs.size(); ++i) {
+        const Tensor& in = r->inputs[i];
+        const Tensor& t = r->targets[i];
+        for (int64_t b = 0; b < in.dim(0); ++b) {
+          const int32_t* x = in.data<int32_t>() + b * in.dim(1);
+          const int32_t* y = t.data<int32_t>() + b * t.dim(1);
+          d["inputs"].push_back(std::vector<int32_t>(x, x + in.dim(1)));
+          d["targets"].push_back(std::vector<int32_t>(y, y + t.dim(1)));
+        }
+      }
+      if (absl::Status s = WriteFile(f->dump, d.dump()); !s.ok()) {
+        *exit_code = ReportError(s);
+        return;
+      }
     }
     if (f->json) {
       json j = {{"model", r->model},

@@ -11,6 +11,7 @@
 
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -93,6 +94,21 @@ absl::Status SaveCheckpointStep(const std::string& dir, int64_t step, int keep,
 // Removes what interrupted saves left: DIR.tmp-* and DIR.old-* beside DIR, step-NNNNNN.tmp-*,
 // step-NNNNNN.old-* and latest.tmp-* inside it. Returns the paths removed.
 absl::StatusOr<std::vector<std::string>> RemoveCheckpointDebris(const std::string& dir);
+// ---- Hugging Face interop (docs/checkpoint.md, "Hugging Face") ----
+// Writes the GPT in `checkpoint` (any checkpoint eval reads) as a transformers GPT2LMHeadModel
+// directory `out` (which must not exist or be empty): config.json (tie_word_embeddings as
+// trained) and model.safetensors with Hugging Face's names and Conv1D [in, out] layouts.
+// InvalidArgument for a model that is not a GPT.
+absl::Status ExportHuggingFace(const std::string& checkpoint, const std::string& out);
+// Reads a GPT-2 directory (config.json, model.safetensors; F32, BF16 or F16) into the GPT preset
+// `preset` — same layers, width and heads; the vocabulary may be padded and the positions cut to
+// the preset's; tied as config.json's tie_word_embeddings says — and writes a step-0 checkpoint
+// `out` (which must not exist or be empty) that `train --resume` starts from, with the run seed
+// `seed` (unset: the one an export recorded in config.json, else 1). InvalidArgument naming the
+// field for a model this runtime does not compute.
+absl::Status ImportHuggingFace(const std::string& in, const std::string& preset,
+                               const std::string& out, std::optional<uint64_t> seed);
+
 }  // namespace pipewright
 
 #endif  // PIPEWRIGHT_CHECKPOINT_H_

@@ -145,6 +145,10 @@ ModelCosts ToModelCosts(const LayerGraph& graph);
 // token embedding; tied=0 unties it). Errors are InvalidArgument naming the key.
 absl::StatusOr<GptConfig> ParseGptSpec(absl::string_view spec);
 
+// The GptConfig of a graph GptModel built (checked by rebuilding it: same fingerprint);
+// NotFound for any other graph. What a checkpoint records as its architecture.
+absl::StatusOr<GptConfig> GptConfigOf(const LayerGraph& graph);
+
 // The GptConfig of a GPT preset (every preset but "mlp"); InvalidArgument otherwise.
 absl::StatusOr<GptConfig> PresetGptConfig(absl::string_view preset);
 

@@ -158,12 +158,16 @@ struct EvalResult {
   int64_t tokens = 0;
   std::string model;
   int64_t step = 0;
+  // The evaluated batches' tokens and next-token targets, [B, T] i32 each (`eval --dump`), so
+  // another implementation can check the loss on the same tokens.
+  std::vector<Tensor> inputs, targets;
 };
 absl::StatusOr<EvalResult> EvaluateCheckpoint(const LayerGraph& graph, const std::string& dir,
                                               const Dataset& data, int64_t batches);
-// The graph of a checkpoint whose model is a preset (its manifest's model.preset, recorded only
-// when the trained graph was exactly that preset's, checked by fingerprint). InvalidArgument
-// naming the model for a custom one, whose LayerGraph only its author can build.
+// The graph of a checkpoint whose model is a GPT (its manifest's model.gpt architecture) or a
+// preset (model.preset, recorded only when the trained graph was exactly that preset's), checked
+// by fingerprint. InvalidArgument naming the model for a custom one, whose LayerGraph only its
+// author can build.
 absl::StatusOr<LayerGraph> CheckpointPresetModel(const std::string& dir);
 // EvaluateCheckpoint of a preset checkpoint on OpenDataset(`data`) with the checkpoint's seed:
 // what `pipewright eval` runs.
