@@ -64,17 +64,34 @@ std::string Bytes(int64_t b) {
   return absl::StrCat(b, " B");
 }
 
+// Whether the schedule runs weight gradients apart from input gradients (W actions).
+bool SplitsBackward(const Schedule& s) {
+  for (const Program& p : s.programs) {
+    for (const Action& a : p.actions) {
+      if (a.kind == ActionKind::kW) return true;
+    }
+  }
+  return false;
+}
+
 // Costs of any layer range of one model at one micro-batch size, for one schedule.
 class StageCosts {
  public:
+  // `split_backward`: the schedule runs input and weight gradients apart (I, W), so a selective
+  // stage holds its remade tensors from I to W: selective counts as none there (an upper bound).
   StageCosts(const ModelCosts& model, const DeviceSpec& dev, Precision precision,
-             std::vector<int> inflight, int chunks)
-      : model_(model), pb_(BytesPerParam(precision)), inflight_(std::move(inflight)) {
+             std::vector<int> inflight, int chunks, bool split_backward = false)
+      : model_(model),
+        pb_(BytesPerParam(precision)),
+        inflight_(std::move(inflight)),
+        split_backward_(split_backward) {
     const int L = model.num_layers();
     f_.assign(L + 1, 0);
     b_.assign(L + 1, 0);
     params_.assign(L + 1, 0);
     act_.assign(L + 1, 0);
+    sel_bytes_.assign(L + 1, 0);
+    sel_time_.assign(L + 1, 0);
     const double flops_per_s = dev.tflops * 1e12;
     for (int i = 0; i < L; ++i) {
       const LayerCost& l = model.layers[i];
@@ -86,6 +103,12 @@ class StageCosts {
       b_[i + 1] = b_[i] + b;
       params_[i + 1] = params_[i] + l.params;
       act_[i + 1] = act_[i] + l.activation_bytes;
+      sel_bytes_[i + 1] = sel_bytes_[i] + std::min(l.selective_saving_bytes, l.activation_bytes);
+      // The remaking runs at the forward's speed (measured forward times scale by FLOPs).
+      const double sel = l.selective_recompute_flops <= 0 ? 0
+                         : l.forward_flops > 0 ? f * l.selective_recompute_flops / l.forward_flops
+                                               : l.selective_recompute_flops / flops_per_s;
+      sel_time_[i + 1] = sel_time_[i] + sel;
       max_layer_ = std::max(max_layer_, f + b);
       if (!l.tied_to.empty()) {
         for (int o = 0; o < i; ++o) {
@@ -103,6 +126,17 @@ class StageCosts {
   double forward(int i, int j) const { return f_[j] - f_[i]; }
   double backward(int i, int j) const { return b_[j] - b_[i]; }
   double compute(int i, int j) const { return forward(i, j) + backward(i, j); }
+  // Seconds of a selective stage's remaking per micro-batch; what it does not keep.
+  double selective(int i, int j) const { return sel_time_[j] - sel_time_[i]; }
+  int64_t selective_saving(int i, int j) const {
+    return split_backward_ ? 0 : sel_bytes_[j] - sel_bytes_[i];
+  }
+  // Extra seconds per micro-batch of recomputation `rc` on [i, j).
+  double recompute_time(int i, int j, Recompute rc) const {
+    if (rc == Recompute::kFull) return forward(i, j);
+    if (rc == Recompute::kSelective) return selective(i, j);
+    return 0;
+  }
   double total_compute() const { return f_.back() + b_.back(); }
   double total_forward() const { return f_.back(); }
   double max_layer() const { return max_layer_; }
@@ -129,14 +163,23 @@ class StageCosts {
     m.optimizer = (p - linked) * pb_.optimizer;
     const int64_t saved = act_[j] - act_[i];
     const int64_t held = inflight_[k];
-    m.activations = rc == Recompute::kFull ? held * input_bytes(i) + saved : held * saved;
+    if (rc == Recompute::kFull) {
+      m.activations = held * input_bytes(i) + saved;
+    } else if (rc == Recompute::kSelective) {
+      // The micro-batch in its backward holds at most one layer's remade tensors beside it;
+      // counted as the whole stage's (an upper bound).
+      const int64_t saving = selective_saving(i, j);
+      m.activations = held * (saved - saving) + (saving > 0 ? MaxSelective(i, j) : 0);
+    } else {
+      m.activations = held * saved;
+    }
     m.total = m.params + m.grads + m.optimizer + m.activations;
     return m;
   }
   // Never above the memory of any recompute choice, and never shrinking as the range grows.
   int64_t MemoryLowerBound(int i, int j) const {
     return params(i, j) * pb_.total() - linked_params(i, j) * (pb_.weights + pb_.optimizer) +
-           (act_[j] - act_[i]);
+           (act_[j] - act_[i]) - selective_saving(i, j);
   }
   // Parameters of tied layers in [i, j) whose owner is in [i, j) too.
   int64_t linked_params(int i, int j) const {
@@ -147,29 +190,32 @@ class StageCosts {
     return n;
   }
 
-  // Per-micro-batch time of stage k on [i, j) and its recomputation; kInf when nothing fits.
+  // Per-micro-batch time of stage k on [i, j) and its recomputation — the fastest of none,
+  // selective and full that fits; kInf when nothing fits.
   double Time(int k, int i, int j, bool allow_recompute, Recompute* rc) const {
-    if (Memory(k, i, j, Recompute::kNone).total <= budget_) {
-      *rc = Recompute::kNone;
-      return compute(i, j);
-    }
-    if (allow_recompute && Memory(k, i, j, Recompute::kFull).total <= budget_) {
-      *rc = Recompute::kFull;
-      return compute(i, j) + forward(i, j);
+    for (Recompute r : {Recompute::kNone, Recompute::kSelective, Recompute::kFull}) {
+      if (r != Recompute::kNone && !allow_recompute) break;
+      if (r == Recompute::kSelective && selective_saving(i, j) == 0) continue;
+      if (Memory(k, i, j, r).total <= budget_) {
+        *rc = r;
+        return compute(i, j) + recompute_time(i, j, r);
+      }
     }
     return kInf;
   }
   // The smallest memory of stage k on [i, j) over the allowed recompute choices.
   StageMemory LeastMemory(int k, int i, int j, bool allow_recompute, Recompute* rc) const {
-    StageMemory none = Memory(k, i, j, Recompute::kNone);
+    StageMemory best = Memory(k, i, j, Recompute::kNone);
     *rc = Recompute::kNone;
-    if (!allow_recompute) return none;
-    StageMemory full = Memory(k, i, j, Recompute::kFull);
-    if (full.total < none.total) {
-      *rc = Recompute::kFull;
-      return full;
+    if (!allow_recompute) return best;
+    for (Recompute r : {Recompute::kSelective, Recompute::kFull}) {
+      StageMemory m = Memory(k, i, j, r);
+      if (m.total < best.total) {
+        best = m;
+        *rc = r;
+      }
     }
-    return none;
+    return best;
   }
 
  private:
@@ -177,7 +223,15 @@ class StageCosts {
   ParamBytes pb_;
   std::vector<int> inflight_;
   std::vector<double> f_, b_;
-  std::vector<int64_t> params_, act_;
+  // The largest selective saving of one layer in [i, j).
+  int64_t MaxSelective(int i, int j) const {
+    int64_t most = 0;
+    for (int l = i; l < j; ++l) most = std::max(most, sel_bytes_[l + 1] - sel_bytes_[l]);
+    return most;
+  }
+  bool split_backward_ = false;
+  std::vector<int64_t> params_, act_, sel_bytes_;
+  std::vector<double> sel_time_;
   std::vector<Tie> ties_;
   double max_layer_ = 0;
   int64_t budget_ = 0;
@@ -340,7 +394,7 @@ absl::Status PredictWith(const StageCosts& c, const ModelCosts& model, const Dev
           absl::StrCat("stages[", k, "].layers: range [", i, ", ", j, ") is not valid"));
     }
     const double f = c.forward(i, j), b = c.backward(i, j);
-    const double rc = st.recompute == Recompute::kFull ? f : 0;
+    const double rc = c.recompute_time(i, j, st.recompute);
     st.forward_s = f;
     st.backward_s = b + rc;
     st.memory = c.Memory(k, i, j, st.recompute);
@@ -520,7 +574,8 @@ absl::StatusOr<Plan> internal::Partition(const ModelCosts& model, const DeviceSp
                                                    " non-empty stages (pp ", o.pp, " x chunks ",
                                                    spec.chunks, ")"));
   }
-  StageCosts c(scaled, dev, o.precision, PeakInflightPerStage(sched), spec.chunks);
+  StageCosts c(scaled, dev, o.precision, PeakInflightPerStage(sched), spec.chunks,
+               SplitsBackward(sched));
   const double bottleneck = OptimalBottleneck(c, S, o.allow_recompute);
   Plan plan = EmptyPlan(scaled, dev, spec, o.dp, b);
   Split split;
@@ -541,8 +596,10 @@ absl::StatusOr<Plan> internal::Partition(const ModelCosts& model, const DeviceSp
         "%s, %d micro-batch(es) in flight%s) needs %s (%s) but a %s holds %s%s: %s short",
         model.name, absl::StrJoin(split.bounds, ", "), worst, split.bounds[worst],
         split.bounds[worst + 1], ScheduleKindName(spec.kind), c.inflight()[worst],
-        split.recompute[worst] == Recompute::kFull ? ", recomputing" : "", Bytes(worst_mem.total),
-        DescribeStageMemory(worst_mem),
+        split.recompute[worst] == Recompute::kFull        ? ", recomputing"
+        : split.recompute[worst] == Recompute::kSelective ? ", recomputing selectively"
+                                                          : "",
+        Bytes(worst_mem.total), DescribeStageMemory(worst_mem),
         spec.chunks > 1 ? absl::StrCat("1/", spec.chunks, " share of a device") : "device",
         Bytes(c.budget()),
         dev.reserve_bytes ? absl::StrCat(" after a ", Bytes(dev.reserve_bytes), " reserve") : "",
@@ -572,7 +629,8 @@ absl::Status Predict(const ModelCosts& model, const DeviceSpec& dev, Precision p
                      Plan& plan) {
   const ModelCosts scaled = model.WithMicroBatchSize(plan.micro_batch_size);
   PW_ASSIGN_OR_RETURN(Schedule sched, GenerateSchedule(plan.schedule));
-  StageCosts c(scaled, dev, precision, PeakInflightPerStage(sched), sched.spec.chunks);
+  StageCosts c(scaled, dev, precision, PeakInflightPerStage(sched), sched.spec.chunks,
+               SplitsBackward(sched));
   return PredictWith(c, scaled, dev, plan);
 }
 

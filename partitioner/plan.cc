@@ -9,12 +9,22 @@ namespace pipewright {
 
 absl::StatusOr<Recompute> ParseRecompute(absl::string_view name) {
   if (name == "none") return Recompute::kNone;
+  if (name == "selective") return Recompute::kSelective;
   if (name == "full") return Recompute::kFull;
   return absl::InvalidArgumentError(
-      absl::StrCat("--recompute must be none or full, not '", name, "'"));
+      absl::StrCat("--recompute must be none, selective or full, not '", name, "'"));
 }
 
-const char* RecomputeName(Recompute r) { return r == Recompute::kFull ? "full" : "none"; }
+const char* RecomputeName(Recompute r) {
+  switch (r) {
+    case Recompute::kFull:
+      return "full";
+    case Recompute::kSelective:
+      return "selective";
+    default:
+      return "none";
+  }
+}
 
 int64_t ModelCosts::UniqueParams() const {
   int64_t n = 0;
@@ -35,6 +45,8 @@ ModelCosts ModelCosts::WithMicroBatchSize(int64_t b) const {
     l.forward_flops *= r;
     l.backward_flops *= r;
     l.activation_bytes = scale(l.activation_bytes);
+    l.selective_saving_bytes = scale(l.selective_saving_bytes);
+    l.selective_recompute_flops *= r;
     l.output_bytes = scale(l.output_bytes);
     if (l.forward_time_s) *l.forward_time_s *= r;
     if (l.backward_time_s) *l.backward_time_s *= r;

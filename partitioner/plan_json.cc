@@ -284,7 +284,8 @@ void ReadLayers(const json& layers, ModelCosts& m, Problems& p) {
     const std::string path = Element("layers", i);
     Fields f(&layers[i], path,
              {"name", "kind", "params", "forward_flops", "backward_flops", "activation_bytes",
-              "output_bytes", "forward_time_s", "backward_time_s", "tied_to"},
+              "output_bytes", "forward_time_s", "backward_time_s", "tied_to",
+              "selective_saving_bytes", "selective_recompute_flops"},
              p);
     LayerCost c;
     if (std::optional<std::string> name = f.String("name")) {
@@ -300,6 +301,14 @@ void ReadLayers(const json& layers, ModelCosts& m, Problems& p) {
     if (auto v = f.Number("backward_flops")) c.backward_flops = *v;
     if (auto v = f.Int("activation_bytes", 0, kInt64Max)) c.activation_bytes = *v;
     if (auto v = f.Int("output_bytes", 0, kInt64Max)) c.output_bytes = *v;
+    if (f.Find("selective_saving_bytes") != nullptr) {
+      if (auto v = f.Int("selective_saving_bytes", 0, c.activation_bytes)) {
+        c.selective_saving_bytes = *v;
+      }
+    }
+    if (f.Find("selective_recompute_flops") != nullptr) {
+      if (auto v = f.Number("selective_recompute_flops")) c.selective_recompute_flops = *v;
+    }
     if (const json* v = f.Find("forward_time_s"))
       c.forward_time_s = ReadNumber(*v, f.At("forward_time_s"), p);
     if (const json* v = f.Find("backward_time_s"))
@@ -482,12 +491,13 @@ void ReadStages(const json& stages, const StageContext& ctx, Plan& plan, Problem
       next_known = false;
     }
 
-    if (auto r = f.String("recompute", false, "\"none\" or \"full\"")) {
+    if (auto r = f.String("recompute", false, "\"none\", \"selective\" or \"full\"")) {
       absl::StatusOr<Recompute> rc = ParseRecompute(*r);
       if (rc.ok()) {
         s.recompute = *rc;
       } else {
-        p.Add(f.At("recompute"), absl::StrCat("must be \"none\" or \"full\", got \"", *r, "\""));
+        p.Add(f.At("recompute"),
+              absl::StrCat("must be \"none\", \"selective\" or \"full\", got \"", *r, "\""));
       }
     }
 
@@ -657,6 +667,9 @@ std::string ModelCostsToJson(const ModelCosts& model) {
     if (l.forward_time_s) o["forward_time_s"] = *l.forward_time_s;
     if (l.backward_time_s) o["backward_time_s"] = *l.backward_time_s;
     if (!l.tied_to.empty()) o["tied_to"] = l.tied_to;
+    if (l.selective_saving_bytes > 0) o["selective_saving_bytes"] = l.selective_saving_bytes;
+    if (l.selective_recompute_flops > 0)
+      o["selective_recompute_flops"] = l.selective_recompute_flops;
     layers.push_back(std::move(o));
   }
   j["layers"] = std::move(layers);

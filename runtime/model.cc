@@ -283,6 +283,8 @@ ModelCosts ToModelCosts(const LayerGraph& graph) {
     c.backward_flops = n.cost.backward_flops;
     c.activation_bytes = n.cost.activation_bytes;
     c.output_bytes = n.cost.output_bytes;
+    c.selective_saving_bytes = n.cost.selective_saving_bytes;
+    c.selective_recompute_flops = n.cost.selective_recompute_flops;
     c.tied_to = n.spec->tied_to();
     m.layers.push_back(std::move(c));
   }

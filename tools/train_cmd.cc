@@ -593,7 +593,8 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
   cmd->add_option("--micro-batches", f->micro_batches, "Micro-batches per step (per replica)");
   cmd->add_option("--micro-batch-size", f->micro_batch_size,
                   "Sequences per micro-batch (0: the preset's default)");
-  cmd->add_option("--recompute", f->recompute, "Activation recomputation: none|full");
+  cmd->add_option("--recompute", f->recompute,
+                  "Activation recomputation: none|selective|full (docs/memory.md)");
   cmd->add_option("--plan", f->plan, "Partition plan JSON");
   cmd->add_option("--program", f->program,
                   "A hand-written schedule: one 'rank R: F0@s0 ...' line per rank "

@@ -19,12 +19,19 @@ struct Cost {
   double backward_flops = 0;     // input + weight gradients
   int64_t activation_bytes = 0;  // bytes the layer saves between forward and backward
   int64_t output_bytes = 0;      // bytes of the layer's output (what a stage boundary sends)
+  // Selective recomputation (--recompute selective, docs/memory.md): the part of
+  // activation_bytes the layer then does not keep, and the forward FLOPs that remake it in the
+  // backward. Zero for a layer without a selective mode.
+  int64_t selective_saving_bytes = 0;
+  double selective_recompute_flops = 0;
 
   Cost& operator+=(const Cost& o) {
     params += o.params;
     forward_flops += o.forward_flops;
     backward_flops += o.backward_flops;
     activation_bytes += o.activation_bytes;
+    selective_saving_bytes += o.selective_saving_bytes;
+    selective_recompute_flops += o.selective_recompute_flops;
     output_bytes = o.output_bytes;  // a sequence's output is its last part's output
     return *this;
   }

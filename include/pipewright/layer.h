@@ -70,6 +70,11 @@ struct LayerContext {
   // Linear layers round their input, weight and output gradient to 16 bits, accumulate in
   // fp32 and keep the 16-bit copies as their saved activations.
   DType compute_dtype = DType::kF32;
+  // --recompute selective on this stage (docs/memory.md): a layer with a selective mode keeps
+  // only what cannot be remade cheaply and remakes the rest at the start of BackwardInput, bit
+  // for bit (the transformer block drops its LayerNorm and GELU outputs). Forward and the
+  // backward of one micro-batch must see the same value.
+  bool selective_recompute = false;
 };
 
 class Layer {

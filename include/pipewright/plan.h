@@ -26,10 +26,12 @@ namespace pipewright {
 inline constexpr char kModelFormat[] = "pipewright.model/v1";
 inline constexpr char kPlanFormat[] = "pipewright.plan/v1";
 
-// Activation recomputation of one stage: keep every layer's saved tensors (none) or only the
-// stage input, recomputing the forward before the backward (full).
-enum class Recompute { kNone, kFull };
-absl::StatusOr<Recompute> ParseRecompute(absl::string_view name);  // "none" | "full"
+// Activation recomputation of one stage: keep every layer's saved tensors (none); keep what the
+// matrix products need but remake the cheap pointwise outputs in the backward (selective: a
+// transformer block's LayerNorm and GELU outputs, LayerContext::selective_recompute); or keep
+// only the stage input, recomputing the forward before the backward (full).
+enum class Recompute { kNone, kFull, kSelective };
+absl::StatusOr<Recompute> ParseRecompute(absl::string_view name);  // "none" | "selective" | "full"
 const char* RecomputeName(Recompute r);
 
 // ---------------------------------------------------------------------------------------------
@@ -46,6 +48,9 @@ struct LayerCost {
   // Measured seconds per micro-batch (`pipewright model --profile`); they replace the
   // FLOP-derived times when present.
   std::optional<double> forward_time_s, backward_time_s;
+  // Cost::selective_saving_bytes / selective_recompute_flops (0: no selective mode).
+  int64_t selective_saving_bytes = 0;
+  double selective_recompute_flops = 0;
   // Name of an earlier layer whose parameters these are (a tied LM head). The stage holding
   // this layer still stores (and all-reduces) a copy, so memory counts them; the model's
   // unique parameter count does not.

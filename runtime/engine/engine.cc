@@ -216,6 +216,7 @@ absl::StatusOr<StageRt> BuildStage(RankExecutor& ex, const Engine::Impl& m, int 
   st.first = s == 0;
   st.last = s == run.num_stages() - 1;
   st.recompute = run.recompute[s] == Recompute::kFull;
+  st.selective = run.recompute[s] == Recompute::kSelective;
   PW_ASSIGN_OR_RETURN(st.stage, m.graph.Instantiate(st.begin, st.end, m.options.seed,
                                                     ex.on_cuda() ? ex.host.get() : ex.alloc.get()));
   if (ex.on_cuda()) {

@@ -39,6 +39,7 @@ struct StageRt {
   int begin = 0, end = 0;
   bool first = false, last = false;
   bool recompute = false;  // keep only the stage input; recompute the forward before backward
+  bool selective = false;  // layers keep what the products need (LayerContext::selective_recompute)
   std::unique_ptr<Stage> stage;
   std::vector<int64_t> in_shape, out_shape;
   DType in_dtype = DType::kF32;

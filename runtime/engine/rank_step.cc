@@ -172,7 +172,9 @@ absl::StatusOr<LayerContext> RankExecutor::ContextFor(const StageRt& st, int mb)
   if (st.last) {
     PW_ASSIGN_OR_RETURN(targets, Targets(mb));
   }
-  return LayerContext{alloc.get(), targets, ComputeDType(ctx->options->precision)};
+  LayerContext lc{alloc.get(), targets, ComputeDType(ctx->options->precision)};
+  lc.selective_recompute = st.selective;
+  return lc;
 }
 
 absl::Status RankExecutor::Forward(StageRt& st, int mb) {

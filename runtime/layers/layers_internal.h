@@ -149,6 +149,10 @@ class TransformerBlockLayer final : public Layer {
   std::vector<Parameter*> Parameters() override;
 
  private:
+  static Tensor& QkvInput(Saved& s);
+  static Tensor& FcInput(Saved& s);
+  static Tensor& MlpProjInput(Saved& s);
+  absl::Status Remake(const LayerContext& ctx, Saved* saved);
   std::unique_ptr<Layer> ln_1_, attn_, ln_2_, mlp_;
 };
 

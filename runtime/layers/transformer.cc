@@ -129,7 +129,44 @@ absl::StatusOr<Tensor> TransformerBlockLayer::Forward(const Tensor& x, const Lay
   PW_ASSIGN_OR_RETURN(Tensor c, ln_2_->Forward(h, ctx, &saved->children[2]));
   PW_ASSIGN_OR_RETURN(Tensor d, mlp_->Forward(c, ctx, &saved->children[3]));
   PW_RETURN_IF_ERROR(ops::AddInPlace(ops::ExecOf(ctx), d, h));
+  if (ctx.selective_recompute) {
+    // Note [Selective recomputation]. The inputs the products kept that are pointwise functions
+    // of other kept tensors: ln_1(x) and ln_2(h) (their LayerNorms keep x and h) and
+    // GELU(pre) (the fc layer keeps pre). Dropped here, remade by Remake in the backward.
+    QkvInput(*saved) = Tensor();
+    FcInput(*saved) = Tensor();
+    MlpProjInput(*saved) = Tensor();
+  }
   return d;
+}
+
+// The Linear layers' saved inputs inside the block's Saved (LinearLayer keeps its input first;
+// attn = {qkv, core, proj}, mlp = {fc + GELU, proj}).
+Tensor& TransformerBlockLayer::QkvInput(Saved& s) { return s.children[1].children[0].tensors[0]; }
+Tensor& TransformerBlockLayer::FcInput(Saved& s) { return s.children[3].children[0].tensors[0]; }
+Tensor& TransformerBlockLayer::MlpProjInput(Saved& s) {
+  return s.children[3].children[1].tensors[0];
+}
+
+// Remakes what Forward dropped under selective recomputation, with the same kernels on the same
+// inputs (so the same bits), rounded to the precision the products ran in.
+absl::Status TransformerBlockLayer::Remake(const LayerContext& ctx, Saved* saved) {
+  const ops::Exec e = ops::ExecOf(ctx);
+  auto as_saved = [&](Tensor t) -> absl::StatusOr<Tensor> {
+    if (ctx.compute_dtype == DType::kF32) return t;
+    return ops::Cast(e, t, ctx.compute_dtype);
+  };
+  Saved scratch;
+  const Tensor& x = saved->children[0].tensors.at(0);                // ln_1's input
+  const Tensor& h = saved->children[2].tensors.at(0);                // ln_2's input
+  const Tensor& pre = saved->children[3].children[0].tensors.at(1);  // fc's pre-activation
+  PW_ASSIGN_OR_RETURN(Tensor a, ln_1_->Forward(x, ctx, &scratch));
+  PW_ASSIGN_OR_RETURN(QkvInput(*saved), as_saved(std::move(a)));
+  PW_ASSIGN_OR_RETURN(Tensor c, ln_2_->Forward(h, ctx, &scratch));
+  PW_ASSIGN_OR_RETURN(FcInput(*saved), as_saved(std::move(c)));
+  PW_ASSIGN_OR_RETURN(Tensor g, ops::GeluForward(e, pre));
+  PW_ASSIGN_OR_RETURN(MlpProjInput(*saved), as_saved(std::move(g)));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<Tensor> TransformerBlockLayer::BackwardInput(const Tensor& dy,
@@ -137,6 +174,7 @@ absl::StatusOr<Tensor> TransformerBlockLayer::BackwardInput(const Tensor& dy,
   if (saved->children.size() != 4) {
     return absl::FailedPreconditionError("transformer_block: backward without forward");
   }
+  if (!QkvInput(*saved).defined()) PW_RETURN_IF_ERROR(Remake(ctx, saved));
   PW_ASSIGN_OR_RETURN(Tensor dc, mlp_->BackwardInput(dy, ctx, &saved->children[3]));
   PW_ASSIGN_OR_RETURN(Tensor dh, ln_2_->BackwardInput(dc, ctx, &saved->children[2]));
   PW_RETURN_IF_ERROR(ops::AddInPlace(ops::ExecOf(ctx), dh, dy));

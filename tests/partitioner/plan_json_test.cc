@@ -94,6 +94,8 @@ ModelCosts MakeModel(int layers = 10) {
     l.output_bytes = 2048;
     if (i == 2) l.forward_time_s = 0.1;
     if (i == 2) l.backward_time_s = 1e-300;
+    if (i == 3) l.selective_saving_bytes = 1024;
+    if (i == 3) l.selective_recompute_flops = 1e6;
     m.layers.push_back(l);
   }
   m.layers.back().tied_to = "l0";
@@ -231,6 +233,8 @@ TEST(PlanJson, RoundTripModel) {
     EXPECT_EQ(a.forward_time_s, b.forward_time_s);
     EXPECT_EQ(a.backward_time_s, b.backward_time_s);
     EXPECT_EQ(a.tied_to, b.tied_to);
+    EXPECT_EQ(a.selective_saving_bytes, b.selective_saving_bytes);
+    EXPECT_EQ(a.selective_recompute_flops, b.selective_recompute_flops);
   }
   EXPECT_EQ(ModelCostsToJson(*parsed), text);
   // Optional keys are written only when set.
@@ -239,6 +243,8 @@ TEST(PlanJson, RoundTripModel) {
   EXPECT_FALSE(j["layers"][0].contains("tied_to"));
   EXPECT_TRUE(j["layers"][2].contains("forward_time_s"));
   EXPECT_EQ(j["layers"][9]["tied_to"], "l0");
+  EXPECT_FALSE(j["layers"][0].contains("selective_saving_bytes"));
+  EXPECT_EQ(j["layers"][3]["selective_saving_bytes"], 1024);
   EXPECT_EQ(j["format"], kModelFormat);
 }
 
@@ -511,7 +517,7 @@ TEST(PlanJsonRules, LastStageEndsAtNumLayers) {
 
 TEST(PlanJsonRules, Recompute) {
   EXPECT_PROBLEM([](json& j) { j["stages"][1]["recompute"] = "partial"; }, "stages[1].recompute",
-                 "\"none\" or \"full\"");
+                 "\"none\", \"selective\" or \"full\"");
   EXPECT_PROBLEM([](json& j) { j["stages"][1]["recompute"] = true; }, "stages[1].recompute", "");
 }
 
@@ -654,6 +660,10 @@ TEST(ModelJsonRules, Layers) {
                        "layers[3].backward_time_s", ">= 0");
   EXPECT_MODEL_PROBLEM([](json& j) { j["layers"][3]["activation_bytes"] = 1.5; },
                        "layers[3].activation_bytes", "integer");
+  EXPECT_MODEL_PROBLEM([](json& j) { j["layers"][3]["selective_saving_bytes"] = 1 << 20; },
+                       "layers[3].selective_saving_bytes", "<=");
+  EXPECT_MODEL_PROBLEM([](json& j) { j["layers"][3]["selective_recompute_flops"] = -1.0; },
+                       "layers[3].selective_recompute_flops", ">= 0");
   EXPECT_MODEL_PROBLEM([](json& j) { j["layers"][3].erase("kind"); }, "layers[3].kind", "missing");
   EXPECT_MODEL_PROBLEM([](json& j) { j["layers"][3]["flops"] = 1; }, "layers[3].flops",
                        "unknown key");
