@@ -79,12 +79,15 @@ class StageCosts {
  public:
   // `split_backward`: the schedule runs input and weight gradients apart (I, W), so a selective
   // stage holds its remade tensors from I to W: selective counts as none there (an upper bound).
+  // `optimizer_shards`: the replicas the optimizer state is split over (ZeRO-1: dp; else 1).
   StageCosts(const ModelCosts& model, const DeviceSpec& dev, Precision precision,
-             std::vector<int> inflight, int chunks, bool split_backward = false)
+             std::vector<int> inflight, int chunks, bool split_backward = false,
+             int optimizer_shards = 1)
       : model_(model),
         pb_(BytesPerParam(precision)),
         inflight_(std::move(inflight)),
-        split_backward_(split_backward) {
+        split_backward_(split_backward),
+        shards_(std::max(1, optimizer_shards)) {
     const int L = model.num_layers();
     f_.assign(L + 1, 0);
     b_.assign(L + 1, 0);
@@ -145,6 +148,12 @@ class StageCosts {
     return i == 0 ? model_.input_bytes : model_.layers[i - 1].output_bytes;
   }
   const ParamBytes& param_bytes() const { return pb_; }
+  int optimizer_shards() const { return shards_; }
+  // Optimizer state of `params` parameters on one replica: an even share under ZeRO-1 (the
+  // runtime splits by whole tensors, so a rank may hold up to one tensor's state more).
+  int64_t OptimizerBytes(int64_t params) const {
+    return (params * pb_.optimizer + shards_ - 1) / shards_;
+  }
   // A tied layer (LayerCost::tied_to): its index, its owner's and its parameter count.
   struct Tie {
     int copy = 0, owner = 0;
@@ -160,7 +169,7 @@ class StageCosts {
     const int64_t p = params(i, j), linked = linked_params(i, j);
     m.params = (p - linked) * pb_.weights;
     m.grads = p * pb_.grads;
-    m.optimizer = (p - linked) * pb_.optimizer;
+    m.optimizer = OptimizerBytes(p - linked);
     const int64_t saved = act_[j] - act_[i];
     const int64_t held = inflight_[k];
     if (rc == Recompute::kFull) {
@@ -178,8 +187,9 @@ class StageCosts {
   }
   // Never above the memory of any recompute choice, and never shrinking as the range grows.
   int64_t MemoryLowerBound(int i, int j) const {
-    return params(i, j) * pb_.total() - linked_params(i, j) * (pb_.weights + pb_.optimizer) +
-           (act_[j] - act_[i]) - selective_saving(i, j);
+    const int64_t p = params(i, j) - linked_params(i, j);
+    return params(i, j) * pb_.grads + p * pb_.weights + OptimizerBytes(p) + (act_[j] - act_[i]) -
+           selective_saving(i, j);
   }
   // Parameters of tied layers in [i, j) whose owner is in [i, j) too.
   int64_t linked_params(int i, int j) const {
@@ -230,6 +240,7 @@ class StageCosts {
     return most;
   }
   bool split_backward_ = false;
+  int shards_ = 1;
   std::vector<int64_t> params_, act_, sel_bytes_;
   std::vector<double> sel_time_;
   std::vector<Tie> ties_;
@@ -360,6 +371,10 @@ absl::Status CheckInputs(const ModelCosts& model, const DeviceSpec& dev,
     return absl::InvalidArgumentError("link latency must be finite and >= 0");
   }
   if (o.pp < 1 || o.dp < 1) return absl::InvalidArgumentError("--pp and --dp must be >= 1");
+  if (o.zero != 0 && o.zero != 1) return absl::InvalidArgumentError("--zero must be 0 or 1");
+  if (o.zero == 1 && o.dp < 2) {
+    return absl::InvalidArgumentError("--zero 1 splits the optimizer state over dp >= 2 replicas");
+  }
   if (int64_t{o.pp} * o.dp != dev.count) {
     return absl::InvalidArgumentError(absl::StrCat("--pp ", o.pp, " x --dp ", o.dp, " = ",
                                                    int64_t{o.pp} * o.dp, " ranks, but there are ",
@@ -429,9 +444,12 @@ absl::Status PredictWith(const StageCosts& c, const ModelCosts& model, const Dev
       continue;
     }
     StageMemory& m = plan.stages[copy_stage].memory;
-    const int64_t freed = t.params * (c.param_bytes().weights + c.param_bytes().optimizer);
+    const PlanStage& st = plan.stages[copy_stage];
+    const int64_t trained = c.params(st.begin, st.end) - c.linked_params(st.begin, st.end);
+    const int64_t before = m.params + m.optimizer;
     m.params -= t.params * c.param_bytes().weights;
-    m.optimizer -= t.params * c.param_bytes().optimizer;
+    m.optimizer = c.OptimizerBytes(trained - t.params);
+    const int64_t freed = before - (m.params + m.optimizer);
     m.total -= freed;
     rank_memory[sched.stage_rank[copy_stage]] -= freed;
   }
@@ -444,11 +462,18 @@ absl::Status PredictWith(const StageCosts& c, const ModelCosts& model, const Dev
     const double bytes = static_cast<double>(max_stage_params) * c.param_bytes().grads;
     costs.reduce_time =
         2.0 * (dp - 1) / dp * bytes / dev.link_bandwidth + 2.0 * (dp - 1) * dev.link_latency_s;
+    if (plan.zero == 1) {
+      // ZeRO-1 then sends the updated weights from their owners: (dp - 1) / dp of them.
+      costs.reduce_time += static_cast<double>(dp - 1) / dp *
+                               static_cast<double>(max_stage_params) * c.param_bytes().weights /
+                               dev.link_bandwidth +
+                           (dp - 1) * dev.link_latency_s;
+    }
   }
   // The optimizer reads every parameter's state once and writes weights and moments back.
   const int64_t most_params = *std::max_element(rank_params.begin(), rank_params.end());
   costs.optimizer_time =
-      static_cast<double>(most_params) *
+      static_cast<double>(most_params) / c.optimizer_shards() *
       (c.param_bytes().total() + c.param_bytes().weights + c.param_bytes().optimizer) /
       dev.memory_bandwidth;
   PW_ASSIGN_OR_RETURN(SimResult sim, Simulate(sched, costs));
@@ -575,9 +600,10 @@ absl::StatusOr<Plan> internal::Partition(const ModelCosts& model, const DeviceSp
                                                    spec.chunks, ")"));
   }
   StageCosts c(scaled, dev, o.precision, PeakInflightPerStage(sched), spec.chunks,
-               SplitsBackward(sched));
+               SplitsBackward(sched), o.zero == 1 ? o.dp : 1);
   const double bottleneck = OptimalBottleneck(c, S, o.allow_recompute);
   Plan plan = EmptyPlan(scaled, dev, spec, o.dp, b);
+  plan.zero = o.zero;
   Split split;
   if (bottleneck == kInf) {
     split = LeastOverflow(c, S, o.allow_recompute);
@@ -630,7 +656,7 @@ absl::Status Predict(const ModelCosts& model, const DeviceSpec& dev, Precision p
   const ModelCosts scaled = model.WithMicroBatchSize(plan.micro_batch_size);
   PW_ASSIGN_OR_RETURN(Schedule sched, GenerateSchedule(plan.schedule));
   StageCosts c(scaled, dev, precision, PeakInflightPerStage(sched), sched.spec.chunks,
-               SplitsBackward(sched));
+               SplitsBackward(sched), plan.zero == 1 ? plan.data_parallel : 1);
   return PredictWith(c, scaled, dev, plan);
 }
 

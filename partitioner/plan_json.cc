@@ -534,8 +534,8 @@ void ReadStages(const json& stages, const StageContext& ctx, Plan& plan, Problem
 
 void ReadPlan(const json& doc, const ModelCosts* model, Plan& plan, Problems& p) {
   Fields top(&doc, "",
-             {"format", "model", "devices", "pipeline_parallel", "data_parallel", "schedule",
-              "stages", "predicted"},
+             {"format", "model", "devices", "pipeline_parallel", "data_parallel", "zero",
+              "schedule", "stages", "predicted"},
              p, "plan");
   if (!top.ok()) return;
   top.Format(kPlanFormat);
@@ -560,6 +560,15 @@ void ReadPlan(const json& doc, const ModelCosts* model, Plan& plan, Problems& p)
   std::optional<int64_t> dp = top.Int("data_parallel", 1, kIntMax);
   if (ctx.pp) plan.pipeline_parallel = static_cast<int>(*ctx.pp);
   if (dp) plan.data_parallel = static_cast<int>(*dp);
+  if (top.Find("zero") != nullptr) {
+    if (std::optional<int64_t> z = top.Int("zero", 0, 1)) {
+      plan.zero = static_cast<int>(*z);
+      if (plan.zero == 1 && dp && *dp < 2) {
+        p.Add("zero",
+              "1 splits the optimizer state over the replicas: it needs data_parallel >= 2");
+      }
+    }
+  }
   if (ctx.pp && dp && count && *ctx.pp * *dp != *count) {
     p.Add("pipeline_parallel", absl::StrCat(*ctx.pp, " x data_parallel ", *dp, " = ", *ctx.pp * *dp,
                                             " ranks but devices.count is ", *count));
@@ -693,6 +702,7 @@ std::string PlanToJson(const Plan& plan) {
   j["devices"] = {{"count", plan.devices}, {"memory_bytes", plan.device_memory_bytes}};
   j["pipeline_parallel"] = plan.pipeline_parallel;
   j["data_parallel"] = plan.data_parallel;
+  if (plan.zero != 0) j["zero"] = plan.zero;
   j["schedule"] = {{"kind", ScheduleKindName(plan.schedule.kind)},
                    {"micro_batches", plan.schedule.micro_batches},
                    {"micro_batch_size", plan.micro_batch_size},

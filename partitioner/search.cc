@@ -59,39 +59,44 @@ absl::StatusOr<SearchResult> SearchPlans(const ModelCosts& model, const DeviceSp
       if ((G / dp) % b != 0 || (o.micro_batch_size && *o.micro_batch_size != b)) continue;
       const int64_t m = G / dp / b;
       if (m > (int64_t{1} << 20)) continue;
-      for (const Choice& ch : Schedules(o, pp)) {
-        PartitionOptions po;
-        po.pp = pp;
-        po.dp = dp;
-        po.schedule = ch.kind;
-        po.chunks = ch.chunks;
-        po.micro_batches = static_cast<int>(m);
-        po.micro_batch_size = b;
-        po.precision = o.precision;
-        po.allow_recompute = o.allow_recompute;
-        po.suggest = false;
-        // Configurations the schedule or the layer count rule out are not candidates.
-        absl::StatusOr<Schedule> sched =
-            GenerateSchedule({ch.kind, pp, static_cast<int>(m), ch.chunks});
-        if (!sched.ok()) {
-          last_invalid = std::string(sched.status().message());
-          continue;
+      for (const Choice& ch : Schedules(o, pp))
+        for (int zero : {0, 1}) {
+          if (o.zero ? *o.zero != zero : (zero == 1 && dp < 2)) continue;
+          if (zero == 1 && dp < 2) continue;
+          PartitionOptions po;
+          po.pp = pp;
+          po.dp = dp;
+          po.zero = zero;
+          po.schedule = ch.kind;
+          po.chunks = ch.chunks;
+          po.micro_batches = static_cast<int>(m);
+          po.micro_batch_size = b;
+          po.precision = o.precision;
+          po.allow_recompute = o.allow_recompute;
+          po.suggest = false;
+          // Configurations the schedule or the layer count rule out are not candidates.
+          absl::StatusOr<Schedule> sched =
+              GenerateSchedule({ch.kind, pp, static_cast<int>(m), ch.chunks});
+          if (!sched.ok()) {
+            last_invalid = std::string(sched.status().message());
+            continue;
+          }
+          if (sched->num_stages > model.num_layers()) continue;
+          ++result.candidates;
+          int64_t shortfall = 0;
+          absl::StatusOr<Plan> plan = internal::Partition(model, dev, po, &shortfall);
+          if (plan.ok()) {
+            ++result.feasible;
+            result.best.push_back(*std::move(plan));
+          } else if (plan.status().code() == absl::StatusCode::kFailedPrecondition) {
+            misses.emplace_back(
+                shortfall,
+                absl::StrCat("pp=", pp, " dp=", dp, zero ? " zero=1" : "", " b=", b, " m=", m, " ",
+                             ScheduleKindName(ch.kind), ": ", plan.status().message()));
+          } else {
+            return plan.status();
+          }
         }
-        if (sched->num_stages > model.num_layers()) continue;
-        ++result.candidates;
-        int64_t shortfall = 0;
-        absl::StatusOr<Plan> plan = internal::Partition(model, dev, po, &shortfall);
-        if (plan.ok()) {
-          ++result.feasible;
-          result.best.push_back(*std::move(plan));
-        } else if (plan.status().code() == absl::StatusCode::kFailedPrecondition) {
-          misses.emplace_back(
-              shortfall, absl::StrCat("pp=", pp, " dp=", dp, " b=", b, " m=", m, " ",
-                                      ScheduleKindName(ch.kind), ": ", plan.status().message()));
-        } else {
-          return plan.status();
-        }
-      }
     }
   }
   if (result.best.empty()) {

@@ -55,6 +55,13 @@ absl::Status Optimizer::Step(float lr, float grad_scale) {
   return absl::OkStatus();
 }
 
+int64_t Optimizer::StateBytes() const {
+  int64_t n = 0;
+  for (const Tensor& t : m_) n += static_cast<int64_t>(t.nbytes());
+  for (const Tensor& t : v_) n += static_cast<int64_t>(t.nbytes());
+  return n;
+}
+
 std::vector<std::pair<std::string, Tensor>> Optimizer::State() const {
   std::vector<std::pair<std::string, Tensor>> out;
   bool adam = config_.kind == OptimizerKind::kAdamW;

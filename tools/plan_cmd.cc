@@ -22,7 +22,7 @@ struct PlanFlags {
   std::string model, preset, out;
   int devices = 1;
   std::string device_memory = "80GiB", reserve = "0";
-  int pp = 0, dp = 0, chunks = 0;
+  int pp = 0, dp = 0, chunks = 0, zero = -1;  // zero -1: try both
   std::string schedule, precision = "fp32";
   int64_t micro_batch_size = 0, micro_batches = 0, global_batch = 0;
   double tflops = 100, link_gbps = 25, latency_us = 10, hbm_gbps = 2000;
@@ -62,16 +62,17 @@ json PlanRow(const Plan& p) {
 
 void PrintTable(const std::vector<Plan>& plans) {
   std::printf(
-      "  #   pp  dp  schedule     v     b      m     step s   bubble  peak GiB  "
+      "  #   pp  dp zero  schedule     v     b      m     step s   bubble  peak GiB  "
       "bottleneck  gap to bound\n");
   for (size_t i = 0; i < plans.size(); ++i) {
     const Plan& p = plans[i];
-    std::printf("  %-3zu %3d %3d  %-11s %2d %5lld %6d %10.4g %7.1f%% %9s  stage %-4d %8.1f%%\n",
-                i + 1, p.pipeline_parallel, p.data_parallel, ScheduleKindName(p.schedule.kind),
-                p.schedule.chunks, static_cast<long long>(p.micro_batch_size),
-                p.schedule.micro_batches, p.predicted.step_time_s,
-                100 * p.predicted.bubble_fraction, GiB(p.predicted.peak_memory_bytes).c_str(),
-                p.predicted.bottleneck_stage, 100 * p.predicted.lower_bound_gap);
+    std::printf("  %-3zu %3d %3d %4d  %-11s %2d %5lld %6d %10.4g %7.1f%% %9s  stage %-4d %8.1f%%\n",
+                i + 1, p.pipeline_parallel, p.data_parallel, p.zero,
+                ScheduleKindName(p.schedule.kind), p.schedule.chunks,
+                static_cast<long long>(p.micro_batch_size), p.schedule.micro_batches,
+                p.predicted.step_time_s, 100 * p.predicted.bubble_fraction,
+                GiB(p.predicted.peak_memory_bytes).c_str(), p.predicted.bottleneck_stage,
+                100 * p.predicted.lower_bound_gap);
   }
 }
 
@@ -122,6 +123,7 @@ int RunPlan(const PlanFlags& f) {
   if (!precision.ok()) return ReportError(precision.status());
   o.precision = *precision;
   o.allow_recompute = !f.no_recompute;
+  if (f.zero >= 0) o.zero = f.zero;
   o.global_batch = f.global_batch;
   if (f.micro_batches) {
     // --micro-batches fixes the global batch once dp and the micro-batch size are known.
@@ -178,12 +180,13 @@ int RunPlan(const PlanFlags& f) {
       static_cast<long long>(best.global_batch()), r->candidates, r->feasible, r->best.size());
   PrintTable(r->best);
   std::printf(
-      "best: pp=%d dp=%d %s, %d x %lld per replica: %.4g s/step, %.4g samples/s, "
+      "best: pp=%d dp=%d%s %s, %d x %lld per replica: %.4g s/step, %.4g samples/s, "
       "lower bound %.4g s (gap %.1f%%)\n",
-      best.pipeline_parallel, best.data_parallel, ScheduleKindName(best.schedule.kind),
-      best.schedule.micro_batches, static_cast<long long>(best.micro_batch_size),
-      best.predicted.step_time_s, best.predicted.samples_per_s,
-      best.predicted.lower_bound_step_time_s, 100 * best.predicted.lower_bound_gap);
+      best.pipeline_parallel, best.data_parallel, best.zero ? " zero=1" : "",
+      ScheduleKindName(best.schedule.kind), best.schedule.micro_batches,
+      static_cast<long long>(best.micro_batch_size), best.predicted.step_time_s,
+      best.predicted.samples_per_s, best.predicted.lower_bound_step_time_s,
+      100 * best.predicted.lower_bound_gap);
   PrintStages(best, model->WithMicroBatchSize(best.micro_batch_size));
   if (!f.out.empty()) std::printf("plan written to %s\n", f.out.c_str());
   return 0;
@@ -246,6 +249,10 @@ void RegisterPlan(CLI::App& app, int* exit_code) {
   cmd->add_option("--hbm-gbps", f->hbm_gbps, "Device memory GB/s (optimizer step)")
       ->check(CLI::PositiveNumber);
   cmd->add_flag("--no-recompute", f->no_recompute, "Never recompute activations to fit");
+  cmd->add_option("--zero", f->zero,
+                  "0: every replica keeps its stage's optimizer state; 1: ZeRO-1, split over the "
+                  "dp replicas (default: try both where dp >= 2)")
+      ->check(CLI::Range(0, 1));
   cmd->add_option("-o,--output", f->out, "Write the best plan here");
   cmd->add_flag("--json", f->json, "Print the five best and the plan as JSON");
   cmd->callback([f, exit_code] { *exit_code = RunPlan(*f); });

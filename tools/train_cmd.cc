@@ -66,6 +66,7 @@ struct TrainFlags {
   int64_t loss_scale_window = 1000;
   int data_workers = 1;
   int tied = -1;              // --tied 0|1: the LM head tied to the embedding (-1: the preset's)
+  int zero = -1;              // --zero 0|1 (-1: the plan's, else 0)
   int64_t data_delay_us = 0;  // benchmark-only: an artificially slow data source
   bool json = false;
   std::set<std::string> given;  // flags the user gave explicitly
@@ -179,6 +180,7 @@ absl::StatusOr<TrainOptions> OptionsFromFlags(const TrainFlags& f) {
   o.threads_per_rank = f.threads_per_rank;
   o.data_workers = f.data_workers;
   PW_ASSIGN_OR_RETURN(o.dp_mode, ParseDpMode(f.dp_mode));
+  o.zero = std::max(0, f.zero);
   o.staleness = f.staleness;
   if (!f.slow_replica.empty()) {
     std::vector<std::string> parts = absl::StrSplit(f.slow_replica, ':');
@@ -517,6 +519,7 @@ absl::Status RunTrain(const TrainFlags& f) {
   PW_ASSIGN_OR_RETURN(LoadedModel model, LoadModel(f));
   PW_ASSIGN_OR_RETURN(RunSpec run, RunFromFlags(f, model));
   PW_ASSIGN_OR_RETURN(TrainOptions options, OptionsFromFlags(f));
+  if (model.plan && f.zero < 0) options.zero = model.plan->zero;  // the plan's choice
   PW_ASSIGN_OR_RETURN(WorldOptions world_options, WorldFromFlags(f));
   PW_ASSIGN_OR_RETURN(std::shared_ptr<const Dataset> data, OpenTrainData(f, model.graph));
   // Under mpirun or srun this process is one rank of the pp x dp grid (docs/cluster.md).
@@ -584,6 +587,11 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
   cmd->add_option("--tied", f->tied,
                   "1: tie the LM head to the token embedding (GPT-2's weight tying); 0: untie it "
                   "(default: the preset's; gpt2-124m is tied, gpt-tiny and gpt-small are not)")
+      ->check(CLI::Range(0, 1));
+  cmd->add_option("--zero", f->zero,
+                  "1: the distributed optimizer (ZeRO-1): each dp replica keeps and updates the "
+                  "optimizer state of its share of the parameters (dp >= 2; default: the plan's, "
+                  "else 0)")
       ->check(CLI::Range(0, 1));
   cmd->add_option("--pp", f->pp, "Pipeline-parallel stages");
   cmd->add_option("--dp", f->dp, "Data-parallel replicas");

@@ -34,6 +34,7 @@ json RankJson(const RankTimes& t) {
           {"peak_memory_bytes", t.peak_memory_bytes},
           {"peak_activation_bytes", t.peak_activation_bytes},
           {"static_memory_bytes", t.static_memory_bytes},
+          {"optimizer_state_bytes", t.optimizer_state_bytes},
           {"grad_bytes_sent", t.grad_bytes_sent},
           {"grad_bytes_uncompressed", t.grad_bytes_uncompressed}};
 }
@@ -42,17 +43,17 @@ void PrintRankTable(const RunSummary& s) {
   const double n = std::max<int64_t>(1, s.steps);
   std::printf(
       "  rank  pp dp  stages      compute  recompute   p2p wait  all-reduce  optimizer  data wait"
-      "       idle   peak MiB  act MiB\n");
+      "       idle   peak MiB  act MiB  optim MiB\n");
   for (const RankTimes& t : s.ranks) {
     std::string stages;
     for (int st : t.stages) stages += absl::StrCat(stages.empty() ? "" : ",", st);
     std::printf(
         "  %4d  %2d %2d  %-8s %8.1fms %8.1fms %8.1fms %9.1fms %8.1fms %8.1fms %8.1fms"
-        " %10.2f %8.2f%s\n",
+        " %10.2f %8.2f %10.2f%s\n",
         t.global_rank, t.pipeline_rank, t.replica, stages.c_str(), 1e3 * t.compute / n,
         1e3 * t.recompute / n, 1e3 * t.p2p_wait / n, 1e3 * t.all_reduce / n, 1e3 * t.optimizer / n,
         1e3 * t.data_wait / n, 1e3 * t.idle / n, t.peak_memory_bytes / 1048576.0,
-        t.peak_activation_bytes / 1048576.0,
+        t.peak_activation_bytes / 1048576.0, t.optimizer_state_bytes / 1048576.0,
         t.global_rank == s.bottleneck_rank ? "  <- bottleneck" : "");
   }
   std::printf(

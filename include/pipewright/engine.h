@@ -71,6 +71,7 @@ struct RankTimes {
   int64_t peak_memory_bytes = 0;                  // allocator peak over any step
   int64_t peak_activation_bytes = 0;              // peak above the step's starting usage
   int64_t static_memory_bytes = 0;                // weights + gradients + optimizer state
+  int64_t optimizer_state_bytes = 0;              // of which optimizer state (÷ dp under ZeRO-1)
   std::vector<int> stages;                        // virtual stages on this rank
   std::vector<double> stage_f, stage_b, stage_w;  // mean seconds per micro-batch, per stage
   // Gradient bytes this rank handed to its data-parallel collectives (the payload it

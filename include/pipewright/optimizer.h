@@ -37,6 +37,8 @@ class Optimizer {
   // leaves it unscaled (clipping without a pass of its own). Does not zero grads.
   absl::Status Step(float lr, float grad_scale = 1.0f);
   int64_t step_count() const { return step_; }
+  // Bytes of optimizer state (moments or momentum) this optimizer holds.
+  int64_t StateBytes() const;
   // The updates taken so far (AdamW's bias correction counts them), for state assembled from
   // elsewhere (asynchronous DP's owners).
   void set_step_count(int64_t step) { step_ = step; }

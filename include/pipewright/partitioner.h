@@ -54,6 +54,7 @@ struct PartitionOptions {
   int micro_batches = 1;         // per replica
   int64_t micro_batch_size = 0;  // 0: the model's
   Precision precision = Precision::kFp32;
+  int zero = 0;  // 1: ZeRO-1, each stage's optimizer state split over the dp replicas (dp >= 2)
   bool allow_recompute = true;  // recompute a stage when (and only when) it does not fit without
   // When nothing fits, partition alternatives (recomputation, 1f1b, smaller micro-batches, more
   // stages) and name those that would fit in the error.
@@ -89,6 +90,8 @@ struct SearchOptions {
   int64_t global_batch = 0;  // sequences per step; 0: devices * the model's micro-batch size
   // Fixed choices; unset means "try every value".
   std::optional<int> pp, dp, chunks;
+  // ZeRO-1 (Plan::zero); unset: both where dp >= 2, 0 otherwise.
+  std::optional<int> zero;
   std::optional<ScheduleKind> schedule;
   std::optional<int64_t> micro_batch_size;
   Precision precision = Precision::kFp32;

@@ -112,6 +112,10 @@ struct Plan {
   int64_t device_memory_bytes = 0;
   int pipeline_parallel = 1;
   int data_parallel = 1;
+  // 1: the distributed optimizer (ZeRO-1, TrainOptions::zero): each stage's optimizer state is
+  // split over its data_parallel replicas. Optional in the JSON ("zero", default 0); 1 needs
+  // data_parallel >= 2.
+  int zero = 0;
   ScheduleSpec schedule;          // kind, ranks (= pipeline_parallel), micro_batches, chunks
   int64_t micro_batch_size = 1;   // sequences per micro-batch
   std::vector<PlanStage> stages;  // model order; pipeline_parallel * chunks of them

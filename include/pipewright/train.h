@@ -67,6 +67,11 @@ struct TrainOptions {
   // kAsync needs dp >= 2, the CPU, fp32 or bf16, no gradient compression and a backend whose
   // point-to-point operations may be posted from two threads (local, mpi).
   DpMode dp_mode = DpMode::kSync;
+  // 1: the distributed optimizer (ZeRO-1; docs/runtime.md, "Distributed optimizer"): each
+  // data-parallel replica keeps the optimizer state of the parameters it owns (an even split by
+  // size), updates only those and broadcasts them to the other replicas. Losses and weights are
+  // bit-identical to 0. Needs dp >= 2 and synchronous DP.
+  int zero = 0;
   int staleness = 1;  // kAsync: the most steps a replica may run ahead of the slowest (>= 0)
   // Benchmarks and tests: replica `slow_replica` (-1: none) sleeps slow_factor - 1 times the
   // length of each of its compute intervals after it, so it computes slow_factor times slower.

@@ -64,7 +64,15 @@ absl::Status CheckTrainOptions(const TrainOptions& o) {
   if (!(o.slow_factor >= 1) || !(o.slow_factor <= 1000)) {
     return absl::InvalidArgumentError("--slow-replica's factor must be in [1, 1000]");
   }
+  if (o.zero != 0 && o.zero != 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--zero ", o.zero, ": must be 0 or 1"));
+  }
   if (o.dp_mode == DpMode::kAsync) {
+    if (o.zero == 1) {
+      return absl::InvalidArgumentError(
+          "--zero 1 needs synchronous DP: under --dp-mode async the owners already hold the "
+          "optimizer state apart");
+    }
     if (o.grad_compression.enabled()) {
       return absl::InvalidArgumentError(
           absl::StrCat("--dp-mode async does not combine with --grad-compression ",
@@ -285,7 +293,17 @@ absl::StatusOr<std::unique_ptr<RankExecutor>> BuildRank(
   if (ex->on_cuda() && to.optimizer.kind != OptimizerKind::kAdamW) {
     return absl::InvalidArgumentError("--device cuda supports --optimizer adamw only");
   }
-  ex->optimizer = Optimizer::Create(to.optimizer, ex->params, ex->alloc.get());
+  if (to.zero == 1) {
+    // ZeRO-1: the optimizer holds the state of the parameters this replica owns only.
+    ex->zero_owner = internal::AssignOwners(ex->params, m.run.data_parallel);
+    std::vector<Parameter*> owned;
+    for (size_t i = 0; i < ex->params.size(); ++i) {
+      if (ex->zero_owner[i] == ex->replica) owned.push_back(ex->params[i]);
+    }
+    ex->optimizer = Optimizer::Create(to.optimizer, std::move(owned), ex->alloc.get());
+  } else {
+    ex->optimizer = Optimizer::Create(to.optimizer, ex->params, ex->alloc.get());
+  }
   if (to.precision == Precision::kFp16) ex->scaler = LossScaler(to.loss_scale);
   ex->static_bytes = ex->alloc->current_bytes();
   ex->total.global_rank = ex->global;
@@ -386,6 +404,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const LayerGraph& graph, 
     return absl::InvalidArgumentError(
         absl::StrCat("--grad-compression ", GradCompressionName(options.grad_compression),
                      " needs data parallelism (dp >= 2): with dp = 1 no gradients are exchanged"));
+  }
+  if (options.zero == 1 && run.data_parallel < 2) {
+    return absl::InvalidArgumentError(
+        "--zero 1 shards the optimizer state over the data-parallel replicas: it needs dp >= 2");
   }
   if (data == nullptr) return absl::InvalidArgumentError("Engine::Create: no dataset");
   PW_RETURN_IF_ERROR(CheckData(*data, graph));
@@ -635,10 +657,12 @@ absl::Status Engine::Save(const std::string& dir) const {
   info.optimizer_step = m.ranks[0]->optimizer->step_count();
   info.lr = m.lr;
   info.scaler = &m.ranks[0]->scaler;
-  // Replica 0 holds every stage: weights in model order, and every rank's optimizer state.
+  // Replica 0 holds every stage: weights in model order, and every rank's optimizer state (under
+  // ZeRO-1 each replica holds its own parameters' state: all of them write theirs).
+  const bool zero = m.options.zero == 1;
   NamedTensors model = Weights(), opt;
   for (const auto& r : m.ranks) {
-    if (r->replica != 0) continue;
+    if (r->replica != 0 && !zero) continue;
     PW_RETURN_IF_ERROR(r->BindDevice());
     for (auto& [name, t] : r->optimizer->State()) {
       PW_ASSIGN_OR_RETURN(Tensor h, r->ToHost(t));
@@ -661,7 +685,11 @@ absl::Status Engine::Save(const std::string& dir) const {
   internal::RankExecutor& r = *m.ranks[0];
   std::vector<std::pair<std::string, const NamedTensors*>> files;
   if (!model.empty()) files.emplace_back(absl::StrCat("model-p", r.pipe, ".safetensors"), &model);
-  if (!opt.empty()) files.emplace_back(absl::StrCat("optimizer-p", r.pipe, ".safetensors"), &opt);
+  if (!opt.empty()) {
+    files.emplace_back(zero ? absl::StrCat("optimizer-p", r.pipe, "-r", r.replica, ".safetensors")
+                            : absl::StrCat("optimizer-p", r.pipe, ".safetensors"),
+                       &opt);
+  }
   if (!sync.empty()) {
     files.emplace_back(absl::StrCat("grad_sync-r", r.global, ".safetensors"), &sync);
   }

@@ -169,6 +169,7 @@ void RankExecutor::EndStep(Clock::time_point t0, int64_t start_bytes) {
   t.peak_memory_bytes = alloc->peak_bytes();
   t.peak_activation_bytes = alloc->peak_bytes() - start_bytes;
   t.static_memory_bytes = static_bytes;
+  t.optimizer_state_bytes = optimizer->StateBytes();
   const GradSyncBytes bytes = grad_sync->StepBytes();
   t.grad_bytes_sent += bytes.sent;  // (asynchronous DP counted its pushes already)
   t.grad_bytes_uncompressed += bytes.uncompressed;
@@ -195,6 +196,7 @@ RankTimes RankExecutor::Totals() const {
   t.pipeline_rank = pipe;
   t.replica = replica;
   t.static_memory_bytes = static_bytes;
+  t.optimizer_state_bytes = optimizer->StateBytes();
   for (const StageRt& st : stages) {
     t.stages.push_back(st.index);
     auto mean = [](double v, int64_t k) { return k > 0 ? v / k : 0.0; };

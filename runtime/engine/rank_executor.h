@@ -105,6 +105,9 @@ class RankExecutor {
   std::vector<RemoteTie> tied_remote;
   std::vector<std::unique_ptr<Communicator>> tie_groups;
   std::unique_ptr<Optimizer> optimizer;
+  // ZeRO-1 (TrainOptions::zero): the replica owning each of `params` (AssignOwners); empty
+  // otherwise. The optimizer holds the owned ones only.
+  std::vector<int> zero_owner;
   std::unique_ptr<GradSync> grad_sync;
   std::unique_ptr<DataLoader> loader;
   // fp16 dynamic loss scaling; every rank keeps an identical copy, updated from the agreed
@@ -170,6 +173,8 @@ class RankExecutor {
   // The tie reduction, after the data-parallel one: every tied weight's gradient becomes owner +
   // copy (AddTiedGradients here, an all-reduce over the embedding group across ranks).
   absl::Status ReduceTied();
+  // ZeRO-1, after the optimizer step: every parameter from its owner to the other replicas.
+  absl::Status BroadcastOwned();
   bool async() const { return ctx->options->dp_mode == DpMode::kAsync; }
   // Asynchronous DP (rank_async.cc).
   absl::Status AsyncLoop(const AsyncRun& run);

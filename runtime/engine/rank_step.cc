@@ -378,6 +378,32 @@ absl::Status RankExecutor::Agree(int64_t step, float lr, StepOutcome* out) {
       optimizer->Step(lr, ClipScale(out->grad_norm, ctx->options->clip_norm) / scale));
   PW_RETURN_IF_ERROR(Sync());
   Record(EventKind::kOptimizer, a, o);
+  if (!zero_owner.empty()) {
+    Clock::time_point b = Clock::now();
+    PW_RETURN_IF_ERROR(BroadcastOwned());
+    Record(EventKind::kAllReduce, a, b);
+  }
+  return absl::OkStatus();
+}
+
+// Note [Distributed optimizer]. Under ZeRO-1 every replica still receives the summed gradient
+// of every parameter (the bucketed all-reduce, overlapped with the backward), so the norm,
+// clipping and loss-scale decisions are the ones of --zero 0. Each replica then updates only the
+// parameters it owns — AdamW is elementwise, so an owned parameter gets exactly the update
+// --zero 0 gives it — and broadcasts them, which copies bits: losses and weights are
+// bit-identical to --zero 0 on every backend whose all-reduce is (tested). What it saves is the
+// optimizer state (two fp32 moments per parameter) on all but one replica; it sends the
+// parameters once more per step. A reduce-scatter in place of the all-reduce would halve the
+// gradient traffic; the communicator has none yet.
+absl::Status RankExecutor::BroadcastOwned() {
+  std::vector<std::unique_ptr<Work>> works;
+  for (size_t i = 0; i < params.size(); ++i) {
+    works.push_back(dp_comm->Broadcast(params[i]->value, zero_owner[i]));
+  }
+  for (size_t i = 0; i < works.size(); ++i) {
+    PW_RETURN_IF_ERROR(
+        WaitOrAbort(*works[i], absl::StrCat("ZeRO-1 broadcast of ", params[i]->name)));
+  }
   return absl::OkStatus();
 }
 

@@ -440,10 +440,15 @@ TEST(Search, TriesEveryShapeAndRanksByStepTime) {
       EXPECT_LE(r->best[i - 1].predicted.step_time_s, p.predicted.step_time_s);
     }
   }
-  // Fixing pp, dp and the schedule leaves only the micro-batch sizes to try.
+  // Fixing pp, dp and the schedule leaves the micro-batch sizes and ZeRO-1 to try (dp >= 2),
+  // and fixing zero too only the micro-batch sizes.
   o.pp = 4;
   o.dp = 2;
   o.schedule = ScheduleKind::k1F1B;
+  auto both = SearchPlans(model, Devices(8, int64_t{1} << 40), o);
+  ASSERT_TRUE(both.ok());
+  EXPECT_EQ(both->candidates, 8);  // b in {1, 2, 4, 8} with dp * b | 16, zero in {0, 1}
+  o.zero = 0;
   auto fixed = SearchPlans(model, Devices(8, int64_t{1} << 40), o);
   ASSERT_TRUE(fixed.ok());
   EXPECT_EQ(fixed->candidates, 4);  // b in {1, 2, 4, 8} with dp * b | 16

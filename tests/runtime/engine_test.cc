@@ -81,18 +81,7 @@ EngineSetup Options(int pp, int dp, ScheduleKind kind, int chunks, Recompute rc,
 }
 
 RunResult RunEngine(const EngineSetup& o, const LayerGraph& g) {
-  auto e = MakeEngine(g, o);
-  EXPECT_TRUE(e.ok()) << e.status();
-  RunResult r;
-  if (!e.ok()) return r;
-  for (int i = 0; i < kSteps; ++i) {
-    auto s = (*e)->Step();
-    EXPECT_TRUE(s.ok()) << s.status();
-    if (!s.ok()) break;
-    r.losses.push_back(s->result.loss);
-  }
-  r.weights = ToMap((*e)->Weights());
-  return r;
+  return testing_util::RunSteps(g, o, kSteps);
 }
 
 struct ParityCase {

@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -94,6 +95,37 @@ inline void ExpectSameRun(const RunResult& got, const RunResult& want, const std
     EXPECT_EQ(std::memcmp(v.data(), w.data(), w.size() * sizeof(float)), 0)
         << what << ": " << name << " differs";
   }
+}
+
+// gpt-tiny's shape with the LM head tied to the embedding, 2 sequences per micro-batch.
+inline GptConfig TiedTinyConfig() {
+  return {.layers = 4, .hidden = 64, .heads = 4, .seq = 32, .vocab = 256, .tied = true};
+}
+inline LayerGraph TiedTiny() {
+  auto g = GptModel("gpt-tiny-tied", TiedTinyConfig(), 2);
+  EXPECT_TRUE(g.ok()) << g.status();
+  return *std::move(g);
+}
+
+// `steps` steps of a fresh engine: the losses and final weights; each step's report in
+// `reports`, and `after` called with the engine when the steps are done.
+inline RunResult RunSteps(const LayerGraph& g, const EngineSetup& o, int steps,
+                          std::vector<StepReport>* reports = nullptr,
+                          const std::function<void(Engine&)>& after = nullptr) {
+  auto e = MakeEngine(g, o);
+  EXPECT_TRUE(e.ok()) << e.status();
+  RunResult r;
+  if (!e.ok()) return r;
+  for (int i = 0; i < steps; ++i) {
+    auto s = (*e)->Step();
+    EXPECT_TRUE(s.ok()) << s.status();
+    if (!s.ok()) break;
+    r.losses.push_back(s->result.loss);
+    if (reports != nullptr) reports->push_back(*s);
+  }
+  r.weights = ToMap((*e)->Weights());
+  if (after) after(**e);
+  return r;
 }
 
 // The single-stage reference: the whole model on one CPU stage, micro-batch after micro-batch

@@ -67,22 +67,15 @@ EngineSetup Layout(int pp, ScheduleKind kind, int chunks, Recompute rc) {
 }
 
 RunResult Train(const EngineSetup& o, int64_t* peak_activations = nullptr) {
-  auto e = MakeEngine(testing_util::Tiny(), o);
-  EXPECT_TRUE(e.ok()) << e.status();
-  RunResult r;
-  if (!e.ok()) return r;
-  for (int i = 0; i < o.train.steps; ++i) {
-    auto s = (*e)->Step();
-    EXPECT_TRUE(s.ok()) << s.status();
-    if (!s.ok()) break;
-    r.losses.push_back(s->result.loss);
-    if (peak_activations != nullptr) {
-      for (const RankTimes& t : s->ranks) {
+  std::vector<StepReport> reports;
+  RunResult r = testing_util::RunSteps(testing_util::Tiny(), o, o.train.steps, &reports);
+  for (const StepReport& s : reports) {
+    for (const RankTimes& t : s.ranks) {
+      if (peak_activations != nullptr) {
         *peak_activations = std::max(*peak_activations, t.peak_activation_bytes);
       }
     }
   }
-  r.weights = ToMap((*e)->Weights());
   return r;
 }
 

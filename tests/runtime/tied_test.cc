@@ -28,15 +28,8 @@ using testing_util::ToMap;
 constexpr int kSteps = 3;
 constexpr int64_t kMicroBatches = 8;
 
-GptConfig TiedTiny() {
-  return {.layers = 4, .hidden = 64, .heads = 4, .seq = 32, .vocab = 256, .tied = true};
-}
-
-LayerGraph Tied() {
-  auto g = GptModel("gpt-tiny-tied", TiedTiny(), 2);
-  EXPECT_TRUE(g.ok()) << g.status();
-  return *std::move(g);
-}
+GptConfig TiedTinyConfig() { return testing_util::TiedTinyConfig(); }
+LayerGraph Tied() { return testing_util::TiedTiny(); }
 
 TrainOptions Train() {
   TrainOptions o;
@@ -77,23 +70,16 @@ EngineSetup Layout(int pp, int dp, ScheduleKind kind, int chunks, Recompute rc) 
 
 // Runs the engine; also checks that every rank's tied copy equals the embedding's weight.
 RunResult RunEngine(const EngineSetup& o) {
-  auto e = MakeEngine(Tied(), o);
-  EXPECT_TRUE(e.ok()) << e.status();
   RunResult r;
-  if (!e.ok()) return r;
-  for (int i = 0; i < kSteps; ++i) {
-    auto s = (*e)->Step();
-    EXPECT_TRUE(s.ok()) << s.status();
-    if (!s.ok()) break;
-    r.losses.push_back(s->result.loss);
-  }
-  r.weights = ToMap((*e)->Weights());
-  for (int g = 0; g < o.pp * o.dp; ++g) {
-    for (Parameter* p : (*e)->RankParameters(g)) {
-      if (p->tied_to.empty()) continue;
-      EXPECT_EQ(p->value.ToVector(), r.weights.at(p->tied_to)) << "rank " << g << " " << p->name;
+  r = testing_util::RunSteps(Tied(), o, kSteps, nullptr, [&](Engine& e) {
+    const testing_util::WeightMap w = ToMap(e.Weights());
+    for (int g = 0; g < o.pp * o.dp; ++g) {
+      for (Parameter* p : e.RankParameters(g)) {
+        if (p->tied_to.empty()) continue;
+        EXPECT_EQ(p->value.ToVector(), w.at(p->tied_to)) << "rank " << g << " " << p->name;
+      }
     }
-  }
+  });
   return r;
 }
 
@@ -118,12 +104,12 @@ TEST(TiedModel, OneTensorOnOneStageAndTheHeadStartsAsTheEmbedding) {
   EXPECT_EQ(hp[0]->tied_to, "embed.wte.weight");
   EXPECT_EQ(hp[0]->value.ToVector(), link.owner->value.ToVector());
   // The tie is part of the model's identity, and the untied model has 256 x 64 more weights.
-  GptConfig untied = TiedTiny();
+  GptConfig untied = TiedTinyConfig();
   untied.tied = false;
   auto u = GptModel("gpt-tiny-tied", untied, 2);
   ASSERT_TRUE(u.ok());
   EXPECT_NE(u->Fingerprint(), g.Fingerprint());
-  auto tc = GptModelCosts("t", TiedTiny(), 2);
+  auto tc = GptModelCosts("t", TiedTinyConfig(), 2);
   auto uc = GptModelCosts("t", untied, 2);
   ASSERT_TRUE(tc.ok() && uc.ok());
   EXPECT_EQ(uc->UniqueParams() - tc->UniqueParams(), 256 * 64);
@@ -214,7 +200,7 @@ TEST(TiedModel, OneRankHoldsTheWeightOnce) {
     EXPECT_TRUE(e.ok()) << e.status();
     return e.ok() ? (*e)->RankMemoryBytes(0) : int64_t{0};
   };
-  GptConfig untied = TiedTiny();
+  GptConfig untied = TiedTinyConfig();
   untied.tied = false;
   auto u = GptModel("u", untied, 2);
   ASSERT_TRUE(u.ok());

@@ -1,0 +1,181 @@
+// The distributed optimizer (ZeRO-1, issue 17 part 1; Note [Distributed optimizer] in
+// runtime/engine/rank_step.cc): each replica keeps the optimizer state of the parameters it
+// owns. Losses and weights equal --zero 0's bit for bit; the state is split; checkpoints hold the
+// whole state and resume under either setting; the planner's memory model counts the share.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "pipewright/engine.h"
+#include "pipewright/model.h"
+#include "pipewright/partitioner.h"
+#include "tests/runtime/engine_util.h"
+#include "tests/test_util.h"
+
+namespace pipewright {
+namespace {
+
+using testing_util::EngineSetup;
+using testing_util::ExpectSameRun;
+using testing_util::MakeEngine;
+using testing_util::RunResult;
+using testing_util::ToMap;
+
+EngineSetup Layout(int pp, int dp, int zero, ScheduleKind kind = ScheduleKind::k1F1B,
+                   int chunks = 1) {
+  EngineSetup o;
+  o.train.steps = 4;
+  o.train.seed = 7;
+  o.train.lr = 1e-2f;
+  o.train.warmup_steps = 1;
+  o.train.zero = zero;
+  o.micro_batches = 4;
+  o.pp = pp;
+  o.dp = dp;
+  o.schedule = kind;
+  o.chunks = chunks;
+  o.timeout = absl::Seconds(30);
+  return o;
+}
+
+LayerGraph TiedTiny() { return testing_util::TiedTiny(); }
+
+// Steps [0, steps) of a fresh engine; each rank's optimizer state bytes after the first step in
+// `state` (by global rank).
+RunResult Train(const LayerGraph& g, const EngineSetup& o, int steps,
+                std::vector<int64_t>* state = nullptr) {
+  std::vector<StepReport> reports;
+  RunResult r = testing_util::RunSteps(g, o, steps, &reports);
+  if (state != nullptr && !reports.empty()) {
+    state->assign(o.pp * o.dp, 0);
+    for (const RankTimes& t : reports[0].ranks) (*state)[t.global_rank] = t.optimizer_state_bytes;
+  }
+  return r;
+}
+
+TEST(Zero, BitIdenticalToKeepingTheWholeState) {
+  const LayerGraph tiny = testing_util::Tiny(), tied = TiedTiny();
+  struct Case {
+    const LayerGraph* graph;
+    int pp, dp;
+    ScheduleKind kind;
+    int chunks;
+  };
+  for (const Case& c :
+       {Case{&tiny, 1, 2, ScheduleKind::k1F1B, 1}, Case{&tiny, 2, 2, ScheduleKind::k1F1B, 1},
+        Case{&tiny, 2, 2, ScheduleKind::kZbV, 2},
+        Case{&tied, 2, 2, ScheduleKind::k1F1B, 1},  // the tie across ranks
+        Case{&tiny, 1, 4, ScheduleKind::k1F1B, 1}}) {
+    EngineSetup zero0 = Layout(c.pp, c.dp, 0, c.kind, c.chunks);
+    EngineSetup zero1 = Layout(c.pp, c.dp, 1, c.kind, c.chunks);
+    zero0.micro_batches = zero1.micro_batches = 8 / c.dp;
+    const RunResult want = Train(*c.graph, zero0, 4);
+    ASSERT_EQ(want.losses.size(), 4u);
+    EXPECT_GT(want.losses.front(), want.losses.back());
+    ExpectSameRun(
+        Train(*c.graph, zero1, 4), want,
+        absl::StrCat(c.graph->name(), " pp ", c.pp, " dp ", c.dp, " ", ScheduleKindName(c.kind)));
+  }
+}
+
+// Each pipeline rank's optimizer state is split over its replicas: together exactly the whole,
+// each within one parameter tensor's state of an even share.
+TEST(Zero, SplitsTheOptimizerStateOverTheReplicas) {
+  const LayerGraph g = testing_util::Tiny();
+  std::vector<int64_t> whole, split;
+  Train(g, Layout(2, 2, 0), 1, &whole);
+  Train(g, Layout(2, 2, 1), 1, &split);
+  ASSERT_EQ(whole.size(), 4u);
+  ASSERT_EQ(split.size(), 4u);
+  int64_t largest_tensor = 0;  // bytes of state (two fp32 moments) of the largest parameter
+  auto stage = g.Instantiate(0, g.num_layers(), 7);
+  ASSERT_TRUE(stage.ok());
+  for (Parameter* p : (*stage)->Parameters()) {
+    largest_tensor = std::max<int64_t>(largest_tensor, 8 * p->value.numel());
+  }
+  for (int pipe = 0; pipe < 2; ++pipe) {
+    const int64_t r0 = split[pipe], r1 = split[2 + pipe];  // global rank = replica * pp + pipe
+    EXPECT_EQ(whole[pipe], whole[2 + pipe]);
+    EXPECT_EQ(r0 + r1, whole[pipe]) << "pipeline rank " << pipe;
+    EXPECT_LE(std::max(r0, r1), whole[pipe] / 2 + largest_tensor) << "pipeline rank " << pipe;
+    EXPECT_GT(std::min(r0, r1), 0);
+  }
+}
+
+TEST(Zero, RefusesWhatItCannotDo) {
+  auto one = MakeEngine(testing_util::Tiny(), Layout(2, 1, 1));
+  ASSERT_FALSE(one.ok());
+  EXPECT_NE(one.status().message().find("needs dp >= 2"), std::string::npos) << one.status();
+  EngineSetup async = Layout(1, 2, 1);
+  async.train.dp_mode = DpMode::kAsync;
+  auto a = MakeEngine(testing_util::Tiny(), async);
+  ASSERT_FALSE(a.ok());
+  EXPECT_NE(a.status().message().find("--zero 1 needs synchronous DP"), std::string::npos)
+      << a.status();
+}
+
+class ZeroCheckpointTest : public testing_util::ScratchDirTest {};
+
+// A checkpoint holds the whole optimizer state whichever setting wrote it, so --zero 1 resumes
+// --zero 0's and the other way round, bit-identically to the run that never stopped.
+TEST_F(ZeroCheckpointTest, ResumesUnderEitherSetting) {
+  const LayerGraph g = testing_util::Tiny();
+  const RunResult whole = Train(g, Layout(2, 2, 0), 4);
+  ASSERT_EQ(whole.losses.size(), 4u);
+  for (int written : {0, 1}) {
+    const std::string dir = Path(absl::StrCat("zero", written));
+    {
+      auto e = MakeEngine(g, Layout(2, 2, written));
+      ASSERT_TRUE(e.ok()) << e.status();
+      for (int i = 0; i < 2; ++i) ASSERT_TRUE((*e)->Step().ok());
+      ASSERT_TRUE((*e)->Save(dir).ok());
+    }
+    for (const EngineSetup& to : {Layout(2, 2, 1 - written), Layout(1, 2, 1)}) {
+      auto e = MakeEngine(g, to);
+      ASSERT_TRUE(e.ok()) << e.status();
+      absl::Status rs = (*e)->Resume(dir);
+      ASSERT_TRUE(rs.ok()) << rs;
+      for (int i = 2; i < 4; ++i) {
+        auto s = (*e)->Step();
+        ASSERT_TRUE(s.ok()) << s.status();
+        EXPECT_EQ(s->result.loss, whole.losses[i]) << "written with zero " << written;
+      }
+      EXPECT_EQ(ToMap((*e)->Weights()), whole.weights) << "written with zero " << written;
+    }
+  }
+}
+
+// The plan's optimizer memory under zero = 1 is an even share of the stage's, and the rest of
+// the prediction is unchanged; the plan's JSON carries the setting.
+TEST(Zero, PlannerCountsTheShare) {
+  const ModelCosts costs = ToModelCosts(testing_util::Tiny());
+  PartitionOptions o;
+  o.pp = 2;
+  o.dp = 2;
+  o.micro_batches = 4;
+  DeviceSpec dev;
+  dev.count = 4;
+  auto keep = Partition(costs, dev, o);
+  o.zero = 1;
+  auto split = Partition(costs, dev, o);
+  ASSERT_TRUE(keep.ok() && split.ok());
+  EXPECT_EQ(split->zero, 1);
+  for (size_t k = 0; k < keep->stages.size(); ++k) {
+    const StageMemory &a = keep->stages[k].memory, &b = split->stages[k].memory;
+    EXPECT_EQ(b.optimizer, (a.optimizer + 1) / 2);
+    EXPECT_EQ(b.params, a.params);
+    EXPECT_EQ(b.grads, a.grads);
+  }
+  auto back = PlanFromJson(PlanToJson(*split));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->zero, 1);
+  o.dp = 1;
+  o.pp = 4;
+  EXPECT_FALSE(Partition(costs, dev, o).ok());
+}
+
+}  // namespace
+}  // namespace pipewright
