@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <string>
 #include <vector>
@@ -168,6 +169,30 @@ TEST(Zero, PlannerCountsTheShare) {
     EXPECT_EQ(b.optimizer, (a.optimizer + 1) / 2);
     EXPECT_EQ(b.params, a.params);
     EXPECT_EQ(b.grads, a.grads);
+  }
+  // And the engine holds what the plan predicts, per rank, to within the one tensor's state the
+  // whole-tensor split may put on a replica beyond the even share.
+  EngineSetup run = Layout(2, 2, 1);
+  run.stage_boundaries = {0};
+  std::vector<int64_t> predicted(2, 0);
+  for (const PlanStage& st : split->stages) {
+    predicted[st.rank] += st.memory.params + st.memory.grads + st.memory.optimizer;
+    run.stage_boundaries.push_back(st.end);
+  }
+  auto e = MakeEngine(testing_util::Tiny(), run);
+  ASSERT_TRUE(e.ok()) << e.status();
+  int64_t largest_tensor = 0;
+  for (Parameter* p : (*e)->RankParameters(0)) {
+    largest_tensor = std::max<int64_t>(largest_tensor, 8 * p->value.numel());
+  }
+  for (Parameter* p : (*e)->RankParameters(1)) {
+    largest_tensor = std::max<int64_t>(largest_tensor, 8 * p->value.numel());
+  }
+  for (int g = 0; g < 4; ++g) {
+    const int pipe = g % 2;
+    EXPECT_LE(std::abs((*e)->RankMemoryBytes(g) - predicted[pipe]), largest_tensor)
+        << "rank " << g << ": measured " << (*e)->RankMemoryBytes(g) << ", predicted "
+        << predicted[pipe];
   }
   auto back = PlanFromJson(PlanToJson(*split));
   ASSERT_TRUE(back.ok()) << back.status();
