@@ -61,8 +61,11 @@ absl::StatusOr<SearchResult> SearchPlans(const ModelCosts& model, const DeviceSp
       if (m > (int64_t{1} << 20)) continue;
       for (const Choice& ch : Schedules(o, pp))
         for (int zero : {0, 1}) {
-          if (o.zero ? *o.zero != zero : (zero == 1 && dp < 2)) continue;
-          if (zero == 1 && dp < 2) continue;
+          if (o.zero && *o.zero != zero) continue;
+          if (zero == 1 && dp < 2) {
+            if (o.zero) last_invalid = "--zero 1 needs dp >= 2: it splits the optimizer state";
+            continue;
+          }
           PartitionOptions po;
           po.pp = pp;
           po.dp = dp;

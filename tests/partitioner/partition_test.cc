@@ -448,6 +448,15 @@ TEST(Search, TriesEveryShapeAndRanksByStepTime) {
   auto both = SearchPlans(model, Devices(8, int64_t{1} << 40), o);
   ASSERT_TRUE(both.ok());
   EXPECT_EQ(both->candidates, 8);  // b in {1, 2, 4, 8} with dp * b | 16, zero in {0, 1}
+  o.zero = 1;
+  o.pp = 8;
+  o.dp.reset();
+  auto no_replicas = SearchPlans(model, Devices(8, int64_t{1} << 40), o);
+  ASSERT_FALSE(no_replicas.ok());
+  EXPECT_NE(no_replicas.status().message().find("--zero 1 needs dp >= 2"), std::string::npos)
+      << no_replicas.status();
+  o.pp = 4;
+  o.dp = 2;
   o.zero = 0;
   auto fixed = SearchPlans(model, Devices(8, int64_t{1} << 40), o);
   ASSERT_TRUE(fixed.ok());
