@@ -37,17 +37,15 @@ absl::StatusOr<LayerGraph> CheckpointPresetModel(const std::string& dir) {
     const std::string name = model.value("name", "");
     if (model.contains("gpt") && model["gpt"].is_object()) {  // a GPT: rebuilt from its shape
       const json& a = model["gpt"];
-      // Through the --gpt parser: the same range and overflow checks as a command line.
-      absl::StatusOr<GptConfig> c = ParseGptSpec(absl::StrCat(
-          "layers=", a.at("layers").get<int64_t>(), ",hidden=", a.at("hidden").get<int64_t>(),
-          ",heads=", a.at("heads").get<int64_t>(), ",seq=", a.at("seq").get<int64_t>(),
-          ",vocab=", a.at("vocab").get<int64_t>(), ",tied=", a.at("tied").get<bool>() ? 1 : 0));
-      if (!c.ok()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(dir, "/manifest.json: model.gpt: ", c.status().message()));
-      }
+      const GptConfig c{.layers = a.at("layers").get<int64_t>(),
+                        .hidden = a.at("hidden").get<int64_t>(),
+                        .heads = a.at("heads").get<int64_t>(),
+                        .seq = a.at("seq").get<int64_t>(),
+                        .vocab = a.at("vocab").get<int64_t>(),
+                        .tied = a.at("tied").get<bool>()};
+      PW_RETURN_IF_ERROR(CheckGptConfig(c, absl::StrCat(dir, "/manifest.json: model.gpt")));
       absl::StatusOr<LayerGraph> graph =
-          GptModel(name, *c, model.value("micro_batch_size", int64_t{1}));
+          GptModel(name, c, model.value("micro_batch_size", int64_t{1}));
       if (!graph.ok() || graph->Fingerprint() != model.value("fingerprint", "")) {
         return absl::InvalidArgumentError(absl::StrCat(
             dir, "/manifest.json: model.gpt does not rebuild the model of model.fingerprint"));

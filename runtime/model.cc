@@ -406,6 +406,23 @@ absl::StatusOr<LayerGraph> PresetModel(absl::string_view preset, int64_t micro_b
   return UnknownPreset(preset);
 }
 
+absl::Status CheckGptConfig(const GptConfig& c, absl::string_view context) {
+  for (const auto& [name, v] : {std::pair<const char*, int64_t>{"layers", c.layers},
+                                {"hidden", c.hidden},
+                                {"heads", c.heads},
+                                {"seq", c.seq},
+                                {"vocab", c.vocab}}) {
+    if (v < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(context, ": ", name, "=", v, " must be >= 1"));
+    }
+  }
+  if (c.hidden % c.heads != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: hidden=%d is not divisible by heads=%d", context, c.hidden, c.heads));
+  }
+  return CheckGptFits(c, 1);
+}
+
 absl::StatusOr<GptConfig> ParseGptSpec(absl::string_view spec) {
   GptConfig c;
   c.tied = true;  // GPT-3 and Megatron-LM tie the LM head (docs in the header)
@@ -462,12 +479,8 @@ absl::StatusOr<GptConfig> ParseGptSpec(absl::string_view spec) {
       return absl::InvalidArgumentError(absl::StrCat(context, ": missing ", k.name, "="));
     }
   }
-  if (c.hidden % c.heads != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("%s: hidden=%d is not divisible by heads=%d", context, c.hidden, c.heads));
-  }
   c.tied = tied == 1;
-  PW_RETURN_IF_ERROR(CheckGptFits(c, 1));
+  PW_RETURN_IF_ERROR(CheckGptConfig(c, context));
   return c;
 }
 

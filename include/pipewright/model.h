@@ -144,6 +144,10 @@ ModelCosts ToModelCosts(const LayerGraph& graph);
 // be divisible by heads. tied defaults to 1 (GPT-3 and Megatron-LM tie the LM head to the
 // token embedding; tied=0 unties it). Errors are InvalidArgument naming the key.
 absl::StatusOr<GptConfig> ParseGptSpec(absl::string_view spec);
+// What ParseGptSpec checks of a parsed config (every dimension >= 1, hidden divisible by heads,
+// counts within 64 bits), for configs from elsewhere (a checkpoint's model.gpt); `context`
+// starts each message.
+absl::Status CheckGptConfig(const GptConfig& config, absl::string_view context);
 
 // The GptConfig of a graph GptModel built (checked by rebuilding it: same fingerprint);
 // NotFound for any other graph. What a checkpoint records as its architecture.

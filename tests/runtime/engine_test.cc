@@ -34,14 +34,7 @@ constexpr int kSteps = 3;
 
 using testing_util::Tiny;
 
-TrainOptions Train(int64_t steps = kSteps) {
-  TrainOptions o;
-  o.steps = steps;
-  o.seed = 7;
-  o.lr = 1e-2f;  // large enough that a wrong gradient shows up in the losses at once
-  o.warmup_steps = 1;
-  return o;
-}
+TrainOptions Train(int64_t steps = kSteps) { return testing_util::ParityTrainOptions(steps); }
 
 using testing_util::ExpectSameRun;
 using testing_util::RunResult;
@@ -51,33 +44,12 @@ using testing_util::WeightMap;
 // The single-stage reference: a plain training loop that shares no scheduling code with the
 // engine (engine_util.h).
 RunResult Reference(int64_t micro_batches) {
-  LayerGraph g = Tiny();
-  auto t = testing_util::ReferenceLoop::Create(g, micro_batches, Train());
-  EXPECT_TRUE(t.ok()) << t.status();
-  RunResult r;
-  if (!t.ok()) return r;
-  for (int i = 0; i < kSteps; ++i) {
-    auto s = (*t)->Step();
-    EXPECT_TRUE(s.ok()) << s.status();
-    if (!s.ok()) break;
-    r.losses.push_back(*s);
-  }
-  for (Parameter* p : (*t)->Parameters()) r.weights[p->name] = p->value.ToVector();
-  return r;
+  return testing_util::RunReference(Tiny(), micro_batches, Train(), kSteps);
 }
 
 EngineSetup Options(int pp, int dp, ScheduleKind kind, int chunks, Recompute rc,
                     int64_t micro_batches) {
-  EngineSetup o;
-  o.train = Train();
-  o.micro_batches = micro_batches;
-  o.pp = pp;
-  o.dp = dp;
-  o.schedule = kind;
-  o.chunks = chunks;
-  o.recompute = rc;
-  o.timeout = absl::Seconds(30);
-  return o;
+  return testing_util::ParitySetup(pp, dp, kind, chunks, rc, micro_batches, kSteps);
 }
 
 RunResult RunEngine(const EngineSetup& o, const LayerGraph& g) {

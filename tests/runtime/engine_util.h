@@ -97,6 +97,32 @@ inline void ExpectSameRun(const RunResult& got, const RunResult& want, const std
   }
 }
 
+// What the parity tests train with: seed 7, a learning rate large enough that a wrong gradient
+// shows up in the losses at once, one warm-up step.
+inline TrainOptions ParityTrainOptions(int64_t steps) {
+  TrainOptions o;
+  o.steps = steps;
+  o.seed = 7;
+  o.lr = 1e-2f;
+  o.warmup_steps = 1;
+  return o;
+}
+
+// A `steps`-step run on pp x dp ranks with `micro_batches` per replica, ParityTrainOptions.
+inline EngineSetup ParitySetup(int pp, int dp, ScheduleKind kind, int chunks, Recompute rc,
+                               int64_t micro_batches, int64_t steps) {
+  EngineSetup o;
+  o.train = ParityTrainOptions(steps);
+  o.micro_batches = micro_batches;
+  o.pp = pp;
+  o.dp = dp;
+  o.schedule = kind;
+  o.chunks = chunks;
+  o.recompute = rc;
+  o.timeout = absl::Seconds(30);
+  return o;
+}
+
 // gpt-tiny's shape with the LM head tied to the embedding, 2 sequences per micro-batch.
 inline GptConfig TiedTinyConfig() {
   return {.layers = 4, .hidden = 64, .heads = 4, .seq = 32, .vocab = 256, .tied = true};
@@ -196,6 +222,23 @@ class ReferenceLoop {
   LrSchedule lr_;
   int64_t step_ = 0;
 };
+
+// The single-stage reference's per-step losses and final weights over `steps` steps.
+inline RunResult RunReference(const LayerGraph& g, int64_t micro_batches, const TrainOptions& o,
+                              int steps) {
+  auto t = ReferenceLoop::Create(g, micro_batches, o);
+  EXPECT_TRUE(t.ok()) << t.status();
+  RunResult r;
+  if (!t.ok()) return r;
+  for (int i = 0; i < steps; ++i) {
+    auto s = (*t)->Step();
+    EXPECT_TRUE(s.ok()) << s.status();
+    if (!s.ok()) break;
+    r.losses.push_back(*s);
+  }
+  for (Parameter* p : (*t)->Parameters()) r.weights[p->name] = p->value.ToVector();
+  return r;
+}
 
 }  // namespace pipewright::testing_util
 

@@ -52,18 +52,7 @@ TEST(SelectiveRecompute, BlockCostIsThePapersFormulaInFp32WithoutDropout) {
 }
 
 EngineSetup Layout(int pp, ScheduleKind kind, int chunks, Recompute rc) {
-  EngineSetup o;
-  o.train.steps = 3;
-  o.train.seed = 7;
-  o.train.lr = 1e-2f;
-  o.train.warmup_steps = 1;
-  o.micro_batches = 8;
-  o.pp = pp;
-  o.schedule = kind;
-  o.chunks = chunks;
-  o.recompute = rc;
-  o.timeout = absl::Seconds(30);
-  return o;
+  return testing_util::ParitySetup(pp, 1, kind, chunks, rc, /*micro_batches=*/8, /*steps=*/3);
 }
 
 RunResult Train(const EngineSetup& o, int64_t* peak_activations = nullptr) {

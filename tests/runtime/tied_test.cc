@@ -28,50 +28,22 @@ using testing_util::ToMap;
 constexpr int kSteps = 3;
 constexpr int64_t kMicroBatches = 8;
 
-GptConfig TiedTinyConfig() { return testing_util::TiedTinyConfig(); }
-LayerGraph Tied() { return testing_util::TiedTiny(); }
-
-TrainOptions Train() {
-  TrainOptions o;
-  o.steps = kSteps;
-  o.seed = 7;
-  o.lr = 1e-2f;
-  o.warmup_steps = 1;
-  return o;
-}
+using testing_util::TiedTiny;
+using testing_util::TiedTinyConfig;
 
 RunResult Reference(int64_t micro_batches) {
-  auto t = testing_util::ReferenceLoop::Create(Tied(), micro_batches, Train());
-  EXPECT_TRUE(t.ok()) << t.status();
-  RunResult r;
-  if (!t.ok()) return r;
-  for (int i = 0; i < kSteps; ++i) {
-    auto s = (*t)->Step();
-    EXPECT_TRUE(s.ok()) << s.status();
-    if (!s.ok()) break;
-    r.losses.push_back(*s);
-  }
-  for (Parameter* p : (*t)->Parameters()) r.weights[p->name] = p->value.ToVector();
-  return r;
+  return testing_util::RunReference(TiedTiny(), micro_batches,
+                                    testing_util::ParityTrainOptions(kSteps), kSteps);
 }
 
 EngineSetup Layout(int pp, int dp, ScheduleKind kind, int chunks, Recompute rc) {
-  EngineSetup o;
-  o.train = Train();
-  o.micro_batches = kMicroBatches / dp;
-  o.pp = pp;
-  o.dp = dp;
-  o.schedule = kind;
-  o.chunks = chunks;
-  o.recompute = rc;
-  o.timeout = absl::Seconds(30);
-  return o;
+  return testing_util::ParitySetup(pp, dp, kind, chunks, rc, kMicroBatches / dp, kSteps);
 }
 
 // Runs the engine; also checks that every rank's tied copy equals the embedding's weight.
 RunResult RunEngine(const EngineSetup& o) {
   RunResult r;
-  r = testing_util::RunSteps(Tied(), o, kSteps, nullptr, [&](Engine& e) {
+  r = testing_util::RunSteps(TiedTiny(), o, kSteps, nullptr, [&](Engine& e) {
     const testing_util::WeightMap w = ToMap(e.Weights());
     for (int g = 0; g < o.pp * o.dp; ++g) {
       for (Parameter* p : e.RankParameters(g)) {
@@ -84,7 +56,7 @@ RunResult RunEngine(const EngineSetup& o) {
 }
 
 TEST(TiedModel, OneTensorOnOneStageAndTheHeadStartsAsTheEmbedding) {
-  const LayerGraph g = Tied();
+  const LayerGraph g = TiedTiny();
   EXPECT_EQ(g.node(g.num_layers() - 2).spec->tied_to(), "embed");
   EXPECT_EQ(g.node(g.num_layers() - 2).spec->tied_parameter(), "embed.wte.weight");
   auto whole = g.Instantiate(0, g.num_layers(), 7);
@@ -204,14 +176,14 @@ TEST(TiedModel, OneRankHoldsTheWeightOnce) {
   untied.tied = false;
   auto u = GptModel("u", untied, 2);
   ASSERT_TRUE(u.ok());
-  EXPECT_EQ(bytes(*u) - bytes(Tied()), 3 * 256 * 64 * 4);
+  EXPECT_EQ(bytes(*u) - bytes(TiedTiny()), 3 * 256 * 64 * 4);
 }
 
 // The planner's memory model (docs/memory.md) counts the tie as the engine holds it: the
 // predicted weights, gradients and optimizer state of each rank are its measured bytes, for
 // the head on the embedding's stage, on another stage of its rank, and on another rank.
 TEST(TiedModel, PredictedStaticMemoryIsWhatEachRankHolds) {
-  const LayerGraph g = Tied();
+  const LayerGraph g = TiedTiny();
   const ModelCosts costs = ToModelCosts(g);
   ASSERT_EQ(costs.layers[g.num_layers() - 2].tied_to, "embed");
   for (const EngineSetup& o :
@@ -247,7 +219,7 @@ TEST(TiedModel, PredictedStaticMemoryIsWhatEachRankHolds) {
 TEST(TiedModel, AsyncDpRefusesATieAcrossRanks) {
   EngineSetup o = Layout(2, 2, ScheduleKind::k1F1B, 1, Recompute::kNone);
   o.train.dp_mode = DpMode::kAsync;
-  auto e = MakeEngine(Tied(), o);
+  auto e = MakeEngine(TiedTiny(), o);
   ASSERT_FALSE(e.ok());
   EXPECT_NE(e.status().message().find("tied weight split across pipeline ranks"), std::string::npos)
       << e.status();
@@ -263,7 +235,7 @@ TEST_F(TiedCheckpointTest, HoldsTheWeightOnceAndResumesUnderAnyLayout) {
   o.train.steps = 4;
   RunResult whole;
   {
-    auto e = MakeEngine(Tied(), o);
+    auto e = MakeEngine(TiedTiny(), o);
     ASSERT_TRUE(e.ok()) << e.status();
     for (int i = 0; i < 4; ++i) {
       auto s = (*e)->Step();
@@ -273,7 +245,7 @@ TEST_F(TiedCheckpointTest, HoldsTheWeightOnceAndResumesUnderAnyLayout) {
     whole.weights = ToMap((*e)->Weights());
   }
   {
-    auto e = MakeEngine(Tied(), o);
+    auto e = MakeEngine(TiedTiny(), o);
     ASSERT_TRUE(e.ok());
     for (int i = 0; i < 2; ++i) ASSERT_TRUE((*e)->Step().ok());
     ASSERT_TRUE((*e)->Save(Path("ck")).ok());
@@ -288,7 +260,7 @@ TEST_F(TiedCheckpointTest, HoldsTheWeightOnceAndResumesUnderAnyLayout) {
                                 Layout(2, 1, ScheduleKind::kZbV, 2, Recompute::kNone)}) {
     EngineSetup t = to;
     t.train.steps = 4;
-    auto e = MakeEngine(Tied(), t);
+    auto e = MakeEngine(TiedTiny(), t);
     ASSERT_TRUE(e.ok()) << e.status();
     absl::Status rs = (*e)->Resume(Path("ck"));
     ASSERT_TRUE(rs.ok()) << rs;

@@ -23,26 +23,16 @@ using testing_util::EngineSetup;
 using testing_util::ExpectSameRun;
 using testing_util::MakeEngine;
 using testing_util::RunResult;
+using testing_util::TiedTiny;
 using testing_util::ToMap;
 
 EngineSetup Layout(int pp, int dp, int zero, ScheduleKind kind = ScheduleKind::k1F1B,
                    int chunks = 1) {
-  EngineSetup o;
-  o.train.steps = 4;
-  o.train.seed = 7;
-  o.train.lr = 1e-2f;
-  o.train.warmup_steps = 1;
+  EngineSetup o = testing_util::ParitySetup(pp, dp, kind, chunks, Recompute::kNone,
+                                            /*micro_batches=*/4, /*steps=*/4);
   o.train.zero = zero;
-  o.micro_batches = 4;
-  o.pp = pp;
-  o.dp = dp;
-  o.schedule = kind;
-  o.chunks = chunks;
-  o.timeout = absl::Seconds(30);
   return o;
 }
-
-LayerGraph TiedTiny() { return testing_util::TiedTiny(); }
 
 // Steps [0, steps) of a fresh engine; each rank's optimizer state bytes after the first step in
 // `state` (by global rank).
