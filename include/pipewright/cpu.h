@@ -25,6 +25,9 @@ std::string CpuKernelIsa();
 
 // The OpenBLAS kernel set in use ("Cooperlake", "Haswell", "Prescott", ...).
 std::string BlasCoreName();
+// The fp32 GEMM the CPU kernels run: "pipewright" (its own AVX-512 GEMM) or "OpenBLAS"
+// (PIPEWRIGHT_GEMM=openblas, or no AVX-512).
+std::string CpuGemmName();
 // The OpenBLAS kernel set this CPU should use when OpenBLAS's own detection chose an older one
 // (a CPU model newer than the OpenBLAS release, often behind a hypervisor, falls back to
 // "Prescott", SSE3 kernels several times slower); empty when the choice is right, when

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <string>
 
+#include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/isa.h"
 #include "pipewright/cpu.h"
 
@@ -66,6 +67,8 @@ std::string BlasCoreName() {
   const char* name = openblas_get_corename();
   return name != nullptr ? name : "";
 }
+
+std::string CpuGemmName() { return cpu::OwnF32Gemm() ? "pipewright" : "OpenBLAS"; }
 
 std::string PreferredBlasCore() {
   const char* config = openblas_get_config();

@@ -38,8 +38,16 @@ void HalfToFloat(const uint16_t* in, float* out, size_t n, Isa isa = KernelIsa()
 // A is m x k after op, B is k x n after op. lda/ldb/ldc are row strides of the stored matrices.
 // Big products run as blocks of C on the calling thread's pool (parallel.h), cut by the shape
 // only, so the bits do not depend on the thread count (Note [GEMM split] in gemm.cc).
+// The products are pipewright's own fp32 GEMM (Note [fp32 GEMM] in gemm_bf16.cc) where
+// OwnF32Gemm(), else OpenBLAS's sgemm.
 void Gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda,
           const float* b, int ldb, float beta, float* c, int ldc);
+// Whether Gemm runs pipewright's fp32 GEMM: AVX-512 kernels (KernelIsa()) and
+// PIPEWRIGHT_GEMM not "openblas". Fixed for the process.
+bool OwnF32Gemm();
+// One OpenBLAS cblas_sgemm call on the calling thread (benchmarks' reference).
+void BlasSgemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a,
+               int lda, const float* b, int ldb, float beta, float* c, int ldc);
 // Same with 16-bit inputs (is_bf16: bfloat16, else IEEE half), fp32 accumulation, f32 output.
 // When `isa` is kAvx512 this is GemmHalfBlock over all of C (bf16 with Bf16GemmKernel()), else
 // the inputs are widened to f32 for Gemm. `isa` must be one this CPU runs (KernelIsa() or

@@ -77,6 +77,23 @@ void BlasGemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, cons
 
 }  // namespace
 
+// pipewright's fp32 GEMM (Note [fp32 GEMM] in gemm_bf16.cc) runs 5-10% faster than OpenBLAS's
+// Cooperlake sgemm inside a gpt-small training step (docs/benchmarks.md); PIPEWRIGHT_GEMM=openblas
+// keeps OpenBLAS, the GEMM of CPUs without AVX-512.
+bool OwnF32Gemm() {
+  static const bool own = [] {
+    const char* v = std::getenv("PIPEWRIGHT_GEMM");
+    return KernelIsa() == Isa::kAvx512 && HaveGemmHalfAvx512() &&
+           !(v != nullptr && std::string(v) == "openblas");
+  }();
+  return own;
+}
+
+void BlasSgemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a,
+               int lda, const float* b, int ldb, float beta, float* c, int ldc) {
+  BlasGemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
 void Gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda,
           const float* b, int ldb, float beta, float* c, int ldc) {
   if (m <= 0 || n <= 0) return;
@@ -92,14 +109,9 @@ void Gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const fl
     }
     return;
   }
-  // PIPEWRIGHT_GEMM=own: pipewright's AVX-512 fp32 GEMM (Note [fp32 GEMM] in gemm_bf16.cc)
-  // instead of OpenBLAS, split however the threads divide C (its bits do not depend on the part
-  // computed). Measured as fast as OpenBLAS on gpt-small (docs/benchmarks.md), so not the
-  // default: it is the base for packing weights once per step and fusing epilogues.
-  static const bool own = [] {
-    const char* v = std::getenv("PIPEWRIGHT_GEMM");
-    return HaveGemmHalfAvx512() && v != nullptr && std::string(v) == "own";
-  }();
+  // On AVX-512 CPUs pipewright's own fp32 GEMM, split however the threads divide C (its bits do
+  // not depend on the part computed).
+  static const bool own = OwnF32Gemm();
   if (own) {
     OnAnySplit(m, n, k, [&](int m0, int m1, int n0, int n1) {
       GemmF32Block(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, m0, m1, n0, n1);

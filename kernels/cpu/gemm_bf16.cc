@@ -39,11 +39,11 @@ namespace pipewright::cpu {
 //  - kFma: vfmadd231ps on panels widened to fp32 while packing (a 16-bit shift for bf16,
 //    vcvtph2ps for f16), k in the order above (2p + 1, then 2p).
 //
-// Blocking (Goto): k in blocks of at most kc; per block, A is packed up to kPackedABytes at a time
-// (L2) as micro-panels of kMr rows, and B one micro-panel of kNr columns at a time (L1, reused by
-// every row micro-panel). The micro-kernel holds a kMr x kNr tile of C in kMr * kNr / 16 zmm
-// accumulators; per k step it loads kNr / 16 vectors of B and broadcasts kMr values of A.
-// Between k blocks the running sums are stored in C itself (exact: they are fp32 values), so
+// Blocking (BlockedGemm): k in blocks of at most kc; per block, B is packed up to kPackedBBytes at
+// a time (L2) as micro-panels of kNr columns, and A a few micro-panels of kMr rows at a time, each
+// A micro-panel (L1) swept across the B block. The micro-kernel holds a kMr x kNr tile of C in kMr
+// * kNr / 16 zmm accumulators; per k step it loads kNr / 16 vectors of B and broadcasts kMr values
+// of A. Between k blocks the running sums are stored in C itself (exact: they are fp32 values), so
 // the blocking does not change the bits. alpha != 1 with beta != 0 needs c's old value after
 // the last block: that case runs k as one block. Edges: packing pads the rows of A and the
 // columns of B with zeros up to the tile; the tile's loads and stores of C are masked.
@@ -67,9 +67,13 @@ namespace {
 constexpr int kMr = 14;                 // rows of the C tile
 constexpr int kNv = 2;                  // zmm vectors per tile row
 constexpr int kNr = 16 * kNv;           // columns of the C tile
-constexpr int kPackedABytes = 1 << 20;  // a packed block of A: half the 2 MiB L2
-// k per block: a B micro-panel of kKc[kernel] * kNr values takes 24 KiB of the 48 KiB L1.
+constexpr int kPackedBBytes = 1 << 20;  // a packed block of B: half the 2 MiB L2
+constexpr int kMcPanels = 8;            // micro-panels of A packed at a time (~100 KiB, L2)
+// k per block. 16-bit: an A micro-panel of kKc * kMr values is 21 KiB, the B micro-panel it
+// meets 24 KiB. fp32: 256 (14 KiB of A, 32 KiB of B), which measured faster than 192 on
+// gpt-small's products (docs/benchmarks.md) and keeps its k = 256 products in one block.
 constexpr int kKcDot = 384, kKcFma = 192;
+constexpr int kKcF32 = 256;
 
 // 64-byte aligned packing scratch of the calling thread; grows, never shrinks.
 struct alignas(64) Line {
@@ -198,9 +202,10 @@ PW_TARGET_AVX512 void PackColumnPairs(HalfGemmKernel kernel, bool is_bf16, const
 // and denormals are not flushed. Element (i, j) is one fp32 running sum, from beta * c when
 // alpha == 1 (or 0), adding a[i,p] b[p,j] in increasing p with fused multiply-adds; between k
 // blocks the sum is stored in C, exactly. So the bits do not depend on the blocking or on the
-// part of C a call computes, and threads may split C freely. On gpt-small's shapes it runs as
-// fast as OpenBLAS's Cooperlake sgemm (docs/benchmarks.md); cpu::Gemm uses it only under
-// PIPEWRIGHT_GEMM=own.
+// part of C a call computes, and threads may split C freely. It is cpu::Gemm's fp32 GEMM on
+// CPUs with AVX-512 (PIPEWRIGHT_GEMM=openblas selects OpenBLAS instead): inside a training step
+// it runs 5-10% faster than OpenBLAS's Cooperlake sgemm on gpt-small's products
+// (docs/benchmarks.md), and it writes C without zeroing it first.
 //
 // fp32 operands for the kFma micro-kernel in natural k order: `count` stored
 // rows from `src` (row stride ld) with k contiguous, k in [0, kc). Panels of R rows, panel q =
@@ -235,16 +240,25 @@ PW_TARGET_AVX512 void PackRowsF32(const float* src, size_t ld, int count, int kc
 template <int R>
 PW_TARGET_AVX512 void PackColumnsF32(const float* src, size_t ld, int count, int kc,
                                      uint32_t* dst) {
-  for (int c0 = 0; c0 < count; c0 += R) {
-    uint32_t* panel = dst + static_cast<size_t>(c0 / R) * kc * R;
-    for (int p = 0; p < kc; ++p) {
-      const float* row = src + static_cast<size_t>(p) * ld + c0;
+  // Row by row (each source row is read once, as whole cache lines, and the next rows are
+  // prefetched: rows of a weight-gradient operand are kilobytes apart, beyond what the hardware
+  // prefetchers follow), scattering each row into the panels.
+  constexpr int kAhead = 8;
+  for (int p = 0; p < kc; ++p) {
+    const float* row = src + static_cast<size_t>(p) * ld;
+    if (p + kAhead < kc) {
+      const char* ahead = reinterpret_cast<const char*>(row + kAhead * ld);
+      for (int b = 0; b < count * 4; b += 64) __builtin_prefetch(ahead + b, 0, 3);
+      __builtin_prefetch(ahead + count * 4 - 1, 0, 3);
+    }
+    for (int c0 = 0; c0 < count; c0 += R) {
+      uint32_t* out = dst + static_cast<size_t>(c0 / R) * kc * R + static_cast<size_t>(p) * R;
       for (int c = 0; c < R; c += 16) {
         const int valid = std::clamp(count - c0 - c, 0, 16);
         const __mmask16 load = static_cast<__mmask16>((1u << valid) - 1);
         const __mmask16 store = static_cast<__mmask16>((1u << std::min(16, R - c)) - 1);
-        _mm512_mask_storeu_epi32(panel + static_cast<size_t>(p) * R + c, store,
-                                 _mm512_castps_si512(_mm512_maskz_loadu_ps(load, row + c)));
+        _mm512_mask_storeu_epi32(out + c, store,
+                                 _mm512_castps_si512(_mm512_maskz_loadu_ps(load, row + c0 + c)));
       }
     }
   }
@@ -350,10 +364,16 @@ struct Operands {
 
 // The blocking both GEMMs share (Note [16-bit GEMM], Note [fp32 GEMM]) over rows [m0, m1) x
 // columns [n0, n1) of C, with k > 0 and alpha != 0. k runs in equal blocks of at most kc_limit
-// (rounded up to even when `even_blocks`, so that every block starts a k pair); per k block, A is
-// packed by pack_a(pc, ic, mc, kc, ap) in row blocks of up to kPackedABytes and B one micro-panel
-// at a time by pack_b(pc, jc, nr, kc, bp); a k block of kc is steps_of(kc) packed steps. Between
-// k blocks the running sums are stored in C itself.
+// (rounded up to even when `even_blocks`, so that every block starts a k pair), a k block of kc
+// being steps_of(kc) packed steps; C's columns in blocks of up to kPackedBBytes of packed B.
+// Per (column block, k block): every micro-panel of B is packed by pack_b(pc, jc, nr, kc, bp)
+// (the block stays in L2); then A, kMcPanels micro-panels at a time by pack_a(pc, ic, mc, kc,
+// ap), and each micro-panel of A (L1) is swept across the whole B block. So C is computed in
+// strips of kMr rows, left to right: each row's tiles are consecutive cache lines, which the
+// hardware prefetchers fetch ahead of the stores. (Sweeping columns of tiles down the whole
+// height of C instead, with only a B micro-panel packed at a time, touched a new page per tile
+// row and ran 10-20% slower on a C not already in cache: docs/benchmarks.md.) Between k blocks
+// the running sums are stored in C itself.
 template <typename StepsOf, typename PackA, typename PackB>
 PW_TARGET_AVX512 void BlockedGemm(int k, float alpha, float beta, float* c, int ldc, int m0, int m1,
                                   int n0, int n1, int kc_limit, bool even_blocks,
@@ -366,33 +386,36 @@ PW_TARGET_AVX512 void BlockedGemm(int k, float alpha, float beta, float* c, int 
   int kc_max = (k + blocks - 1) / blocks;
   if (even_blocks) kc_max += kc_max & 1;
   const int steps_max = steps_of(kc_max);
-  // Rows of A in equal blocks (whole micro-panels) of at most kPackedABytes.
-  const int rows_l2 = std::max(kMr, kPackedABytes / (4 * steps_max) / kMr * kMr);
-  const int m_blocks = (m1 - m0 + rows_l2 - 1) / rows_l2;
-  const int mc_max = ((m1 - m0 + m_blocks - 1) / m_blocks + kMr - 1) / kMr * kMr;
+  const int nc_max = std::max(kNr, kPackedBBytes / (4 * steps_max) / kNr * kNr);
+  constexpr int mc_max = kMr * kMcPanels;
   uint32_t* ap = Scratch(a_buf, static_cast<size_t>(mc_max) * steps_max);
-  uint32_t* bp = Scratch(b_buf, static_cast<size_t>(kNr) * steps_max);
-  for (int pc = 0; pc < k; pc += kc_max) {
-    const int kc = std::min(kc_max, k - pc), steps = steps_of(kc);
-    const bool first = pc == 0, last = pc + kc == k;
-    Init init = Init::kLoad;  // a later block continues the running sum stored in C
-    if (first) {
-      init = alpha != 1.0f || beta == 0.0f ? Init::kZero
-             : beta == 1.0f                ? Init::kLoad
-                                           : Init::kLoadScaled;
-    }
-    Store store = Store::kPlain;
-    if (last && alpha != 1.0f) store = beta == 0.0f ? Store::kScaled : Store::kScaledPlusBeta;
-    for (int ic = m0; ic < m1; ic += mc_max) {
-      const int mc = std::min(mc_max, m1 - ic);
-      pack_a(pc, ic, mc, kc, ap);
-      for (int jc = n0; jc < n1; jc += kNr) {
-        const int nr = std::min(kNr, n1 - jc);
-        pack_b(pc, jc, nr, kc, bp);
+  uint32_t* bp = Scratch(b_buf, static_cast<size_t>(std::min(nc_max, n1 - n0) + kNr) * steps_max);
+  for (int jc0 = n0; jc0 < n1; jc0 += nc_max) {
+    const int nc = std::min(nc_max, n1 - jc0);
+    for (int pc = 0; pc < k; pc += kc_max) {
+      const int kc = std::min(kc_max, k - pc), steps = steps_of(kc);
+      const bool first = pc == 0, last = pc + kc == k;
+      Init init = Init::kLoad;  // a later block continues the running sum stored in C
+      if (first) {
+        init = alpha != 1.0f || beta == 0.0f ? Init::kZero
+               : beta == 1.0f                ? Init::kLoad
+                                             : Init::kLoadScaled;
+      }
+      Store store = Store::kPlain;
+      if (last && alpha != 1.0f) store = beta == 0.0f ? Store::kScaled : Store::kScaledPlusBeta;
+      for (int jc = 0; jc < nc; jc += kNr) {
+        pack_b(pc, jc0 + jc, std::min(kNr, nc - jc), kc, bp + static_cast<size_t>(jc) * steps);
+      }
+      for (int ic = m0; ic < m1; ic += mc_max) {
+        const int mc = std::min(mc_max, m1 - ic);
+        pack_a(pc, ic, mc, kc, ap);
         for (int ir = 0; ir < mc; ir += kMr) {
-          micro(steps, ap + static_cast<size_t>(ir) * steps, bp,
-                c + static_cast<size_t>(ic + ir) * ldc + jc, ldc, std::min(kMr, mc - ir), nr, alpha,
-                beta, init, store);
+          float* strip = c + static_cast<size_t>(ic + ir) * ldc + jc0;
+          const uint32_t* apanel = ap + static_cast<size_t>(ir) * steps;
+          for (int jc = 0; jc < nc; jc += kNr) {
+            micro(steps, apanel, bp + static_cast<size_t>(jc) * steps, strip + jc, ldc,
+                  std::min(kMr, mc - ir), std::min(kNr, nc - jc), alpha, beta, init, store);
+          }
         }
       }
     }
@@ -446,7 +469,7 @@ struct OperandsF32 {
 // with natural k order and no denormal flushing.
 PW_TARGET_AVX512 void GemmF32Avx512(const OperandsF32& g, int m0, int m1, int n0, int n1) {
   BlockedGemm(
-      g.k, g.alpha, g.beta, g.c, g.ldc, m0, m1, n0, n1, kKcFma, /*even_blocks=*/false,
+      g.k, g.alpha, g.beta, g.c, g.ldc, m0, m1, n0, n1, kKcF32, /*even_blocks=*/false,
       MicroKernel<kMr, kNv, HalfGemmKernel::kFma>, [](int kc) { return kc; },
       [&](int pc, int ic, int mc, int kc, uint32_t* ap) {
         if (g.trans_a) {

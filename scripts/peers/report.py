@@ -156,7 +156,7 @@ def main():
               f"pipewright's initial checkpoint")
     v = versions or {}
     print(f"pipewright: tree {m['pipewright_commit']} ({m['pipewright_binary']}), kernels ISA {m['isa']}, "
-          f"OpenBLAS core {m['blas_core']}")
+          f"fp32 GEMM {m.get('gemm', 'OpenBLAS')}, OpenBLAS core {m['blas_core']}")
     print(f"PyTorch: {v.get('torch', '?')} (MKL {v.get('mkl', '?')}, oneDNN {v.get('onednn', '?')}, "
           f"CPU capability {v.get('cpu_capability', '?')}), Python {v.get('python', '?')}")
     print(f"CPU: {m['cpu_model']}, {m['cpu_cores']} cores; load average (1, 5, 15 min) at start {m['load_average']}, "

@@ -274,6 +274,27 @@ TEST(GemmF32Block, SubRangesGiveTheSameBits) {
   }
 }
 
+// Products wider than one packed block of B (1 MiB: 1,024 fp32 columns at k = 256) and taller
+// than one packed block of A, with several k blocks: every block boundary of BlockedGemm, for
+// both GEMMs, within the reference bound and with the bits of a column split at the block edge.
+TEST(GemmBlocking, WideProductsSpanSeveralBlocksOfB) {
+  if (!HaveGemmHalfAvx512()) GTEST_SKIP() << "no AVX-512";
+  for (int t = 0; t < 4; ++t) {
+    for (const Scaling& sc : {Scaling{1.0f, 0.0f}, Scaling{1.0f, 1.0f}}) {
+      const Problem p = MakeProblem(true, t & 1, t & 2, {130, 2900, 530}, sc, 1, 970 + t);
+      const std::vector<float> whole = RunF32(p, 0, p.m, 0, p.n, p.c);
+      ExpectMatchesReference(p, whole);
+      const std::vector<float> left = RunF32(p, 0, p.m, 0, 1024, p.c);
+      EXPECT_TRUE(SameBits(whole, RunF32(p, 0, p.m, 1024, p.n, left))) << "t=" << t;
+      ExpectMatchesReference(p, RunBlock(p, HalfGemmKernel::kFma));
+      if (CanRunHalfGemmKernel(HalfGemmKernel::kBf16Dot)) {
+        ExpectMatchesReference(p, RunBlock(p, HalfGemmKernel::kBf16Dot));
+      }
+      if (::testing::Test::HasFailure()) return;
+    }
+  }
+}
+
 // k == 0 and alpha == 0 only scale C, never read A or B (NaN there must not leak in), and
 // beta == 0 overwrites NaN in C.
 TEST(GemmHalfBlock, DegenerateScalings) {
