@@ -341,13 +341,18 @@ PW_KERNEL_BODY void BackwardPair(const Head& hd, const float* dout, const float*
   PackTransposed(hd, hd.v, hd.ld_qkv, vt);
   Pack(hd, dout, hd.C, 1.0f, dob);
   std::memset(dq_acc, 0, sizeof(float) * td);
+  // delta_i = dout_i . out_i, in W-lane partial sums (a scalar running sum is one dependent
+  // chain of D multiply-adds per row); out's row is read up to D only.
   for (int i = 0; i < hd.T; ++i) {
     const float* o = out + static_cast<size_t>(i) * hd.C;
     const float* g = dob + static_cast<size_t>(i) * Dp;
     PrefetchRowAhead(hd, out, hd.C, i);
-    float dot = 0.0f;
-    for (int d = 0; d < hd.D; ++d) dot += g[d] * o[d];
-    delta[i] = dot;
+    typename simd::Vec<W>::F dot{};
+    for (int d = 0; d < hd.D; d += W) {
+      const int n = std::min(W, hd.D - d);
+      dot += simd::LoadN<W>(g + d, n) * simd::LoadN<W>(o + d, n);
+    }
+    delta[i] = simd::ReduceAdd<W>(dot);
   }
   float* dk = dq + hd.C;
   float* dv = dq + 2 * static_cast<size_t>(hd.C);

@@ -80,13 +80,28 @@ void GemmHalfBlock(bool is_bf16, bool trans_a, bool trans_b, int m, int n, int k
                    const uint16_t* a, int lda, const uint16_t* b, int ldb, float beta, float* c,
                    int ldc, int m_begin, int m_end, int n_begin, int n_end, HalfGemmKernel kernel);
 
+// A fused epilogue for the fp32 GEMM (Note [GEMM epilogue] in gemm_bf16.cc): after an element's
+// sum is final, C += bias[column] (bias: n floats, or null) and, with act, act = GELU(C) (act:
+// m x n, row stride ld_act; C keeps the pre-activation). The same bits as the GEMM followed by
+// BiasAdd and BiasGeluForward on the AVX-512 kernels.
+struct GemmEpilogue {
+  const float* bias = nullptr;
+  float* act = nullptr;
+  int ld_act = 0;
+};
+
 // fp32 GEMM on AVX-512 with the same blocking and micro-kernel (Note [fp32 GEMM] in
 // gemm_bf16.cc): rows [m_begin, m_end) x columns [n_begin, n_end) of C. Each element is one fp32
 // running sum over k in increasing order (fused multiply-adds), starting from beta * C when
-// alpha == 1, so the bits do not depend on the range computed. Requires HaveGemmHalfAvx512().
+// alpha == 1, so the bits do not depend on the range computed. Requires HaveGemmHalfAvx512(), and
+// k > 0 and alpha != 0 with an epilogue.
 void GemmF32Block(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a,
                   int lda, const float* b, int ldb, float beta, float* c, int ldc, int m_begin,
-                  int m_end, int n_begin, int n_end);
+                  int m_end, int n_begin, int n_end, const GemmEpilogue& epilogue = {});
+// Gemm with alpha = 1, beta = 0 and an epilogue (GemmEpilogue), split over the calling thread's
+// pool like Gemm. Requires OwnF32Gemm() and k > 0.
+void GemmFused(bool trans_a, bool trans_b, int m, int n, int k, const float* a, int lda,
+               const float* b, int ldb, float* c, int ldc, const GemmEpilogue& epilogue);
 
 // ---- elementwise ----
 // y[r, c] += bias[c]

@@ -19,40 +19,19 @@
 
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/fast_math.h"
+#include "kernels/cpu/gelu.h"
 #include "kernels/cpu/vec.h"
 
 namespace pipewright::cpu {
 namespace {
 
+using gelu::Gelu;
+using gelu::GeluGrad;
 using simd::ColumnBlocks;
 using simd::ForEach;
 using simd::LoadN;
 using simd::StoreN;
 using simd::Vec;
-
-constexpr float kSqrt2OverPi = 0.7978845608028654f;
-constexpr float kGeluCoeff = 0.044715f;
-
-// s = 0.5 (1 + tanh u(x)) and, when du is not null, *du = u'(x) (Note [GELU as a sigmoid]).
-template <typename V>
-PW_KERNEL_BODY V GeluSigmoid(V x, V* du) {
-  const V x2 = x * x;
-  const V u = simd::MaxOrNaN(V{} + -40.0f, kSqrt2OverPi * x * (1.0f + kGeluCoeff * x2));
-  if (du != nullptr) *du = kSqrt2OverPi * (1.0f + (3.0f * kGeluCoeff) * x2);
-  return 1.0f / (1.0f + FastExpT(-2.0f * u));
-}
-
-template <typename V>
-PW_KERNEL_BODY V Gelu(V x) {
-  return x * GeluSigmoid<V>(x, nullptr);
-}
-
-template <typename V>
-PW_KERNEL_BODY V GeluGrad(V x) {
-  V du;
-  const V s = GeluSigmoid(x, &du);
-  return s + (2.0f * x) * (s * (1.0f - s)) * du;
-}
 
 struct BiasAddKernel {
   template <int W>

@@ -8,6 +8,7 @@
 
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/parallel.h"
+#include "pipewright/status.h"
 
 namespace pipewright::cpu {
 
@@ -92,6 +93,16 @@ bool OwnF32Gemm() {
 void BlasSgemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a,
                int lda, const float* b, int ldb, float beta, float* c, int ldc) {
   BlasGemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+void GemmFused(bool trans_a, bool trans_b, int m, int n, int k, const float* a, int lda,
+               const float* b, int ldb, float* c, int ldc, const GemmEpilogue& epilogue) {
+  PW_CHECK(OwnF32Gemm() && k > 0);
+  if (m <= 0 || n <= 0) return;
+  OnAnySplit(m, n, k, [&](int m0, int m1, int n0, int n1) {
+    GemmF32Block(trans_a, trans_b, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc, m0, m1, n0, n1,
+                 epilogue);
+  });
 }
 
 void Gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda,

@@ -150,6 +150,14 @@ absl::StatusOr<Tensor> LinearLayer::Forward(const Tensor& x, const LayerContext&
     PW_RETURN_IF_ERROR(
         ops::Gemm(e, false, true, rows, out_, in_, 1.0f, xh, in_, wh, in_, 0.0f, y, out_));
     saved->tensors = {std::move(xh)};
+  } else if (has_bias_) {
+    // Product, bias and GELU in one pass where the CPU's GEMM can (ops::GemmBias).
+    const bool gelu = activation_ == Activation::kGelu;
+    PW_ASSIGN_OR_RETURN(Tensor out, ops::GemmBias(e, false, true, rows, out_, in_, x, in_,
+                                                  weight_.value, in_, bias_.value, y, gelu));
+    saved->tensors = {x};
+    if (gelu) saved->tensors.push_back(y);  // the pre-activation
+    return out;
   } else {
     PW_RETURN_IF_ERROR(ops::Gemm(e, false, true, rows, out_, in_, 1.0f, x, in_, weight_.value, in_,
                                  0.0f, y, out_));

@@ -18,6 +18,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels/cpu/cpu_kernels.h"
@@ -291,6 +292,48 @@ TEST(GemmBlocking, WideProductsSpanSeveralBlocksOfB) {
         ExpectMatchesReference(p, RunBlock(p, HalfGemmKernel::kBf16Dot));
       }
       if (::testing::Test::HasFailure()) return;
+    }
+  }
+}
+
+// The fused epilogue (Note [GEMM epilogue]) gives the bits of the product followed by the
+// AVX-512 BiasAdd, BiasGeluForward and GeluForward kernels, for any split of C, including the
+// large and negative pre-activations where GELU saturates.
+TEST(GemmF32Block, EpilogueGivesTheBitsOfTheSeparatePasses) {
+  if (!HaveGemmHalfAvx512()) GTEST_SKIP() << "no AVX-512";
+  for (int t = 0; t < 4; ++t) {
+    for (Shape s : {Shape{67, 101, 457}, Shape{30, 1100, 40}}) {
+      Problem p = MakeProblem(true, t & 1, t & 2, s, {1.0f, 0.0f}, 0, 990 + t);
+      for (float& x : p.a) x *= 8.0f;  // pre-activations well past GELU's bend
+      std::vector<float> bias(p.n);
+      for (int j = 0; j < p.n; ++j) bias[j] = 0.25f * static_cast<float>(j % 13) - 1.5f;
+      // Separate passes.
+      std::vector<float> plain = RunF32(p, 0, p.m, 0, p.n, p.c);
+      std::vector<float> with_bias = plain;
+      BiasAdd(with_bias.data(), bias.data(), p.m, p.n, Isa::kAvx512);
+      std::vector<float> pre(plain.size()), act(plain.size()), act_of_pre(plain.size());
+      BiasGeluForward(plain.data(), bias.data(), pre.data(), act.data(), p.m, p.n, Isa::kAvx512);
+      GeluForward(pre.data(), act_of_pre.data(), pre.size(), Isa::kAvx512);
+      EXPECT_TRUE(SameBits(act, act_of_pre));
+      // Fused, whole and split by rows and columns.
+      for (auto [m0, m1, n0, n1] :
+           {std::tuple{0, p.m, 0, p.n}, std::tuple{5, 19, 0, p.n}, std::tuple{0, p.m, 33, p.n}}) {
+        std::vector<float> c1 = RunF32(p, 0, p.m, 0, p.n, p.c);  // C outside the range: plain
+        GemmF32Block(p.ta, p.tb, p.m, p.n, p.k, 1.0f, p.a.data(), p.lda, p.b.data(), p.ldb, 0.0f,
+                     c1.data(), p.ldc, m0, m1, n0, n1, GemmEpilogue{bias.data(), nullptr, 0});
+        std::vector<float> c2 = plain, a2 = act;
+        GemmF32Block(p.ta, p.tb, p.m, p.n, p.k, 1.0f, p.a.data(), p.lda, p.b.data(), p.ldb, 0.0f,
+                     c2.data(), p.ldc, m0, m1, n0, n1, GemmEpilogue{bias.data(), a2.data(), p.n});
+        for (int i = m0; i < m1; ++i) {
+          for (int j = n0; j < n1; ++j) {
+            const size_t at = static_cast<size_t>(i) * p.n + j;
+            ASSERT_EQ(std::memcmp(&c1[at], &with_bias[at], 4), 0)
+                << "bias (" << i << "," << j << ")";
+            ASSERT_EQ(std::memcmp(&c2[at], &pre[at], 4), 0) << "pre (" << i << "," << j << ")";
+            ASSERT_EQ(std::memcmp(&a2[at], &act[at], 4), 0) << "gelu (" << i << "," << j << ")";
+          }
+        }
+      }
     }
   }
 }
