@@ -79,6 +79,51 @@ BENCHMARK(BM_GemmBf16)
     ->ArgsProduct({{4 * kC}, {kC}, {0, 1, 2}, {0, 1, 2, 3, 4}})
     ->ArgNames({"in", "out", "gemm", "path"});
 
+// ---- fp32 GEMMs on operands that are not in cache, as inside a training step ----
+// The Linear products of BM_GemmBf16 (gemm 0 forward NT, 1 input gradient NN, 2 weight gradient
+// TN) with path 0 OpenBLAS sgemm or 4 pipewright's fp32 GEMM, each call on the next of 16 sets
+// of A, B and C (48-144 MiB together, past L2 and most of what L3 keeps for one core).
+void BM_GemmCold(benchmark::State& state) {
+  const int in = state.range(0), out = state.range(1), gemm = state.range(2);
+  const int path = state.range(3);
+  if (path == 4 && !HaveGemmHalfAvx512()) {
+    state.SkipWithError("no AVX-512");
+    return;
+  }
+  const bool ta = gemm == 2, tb = gemm == 0;
+  const int m = gemm == 2 ? out : kTokens, n = gemm == 1 ? in : gemm == 0 ? out : in;
+  const int k = gemm == 0 ? in : gemm == 1 ? out : kTokens;
+  const int lda = ta ? m : k, ldb = tb ? k : n;
+  constexpr int kSets = 16;
+  std::vector<std::vector<float>> a(kSets), b(kSets), c(kSets);
+  for (int i = 0; i < kSets; ++i) {
+    a[i].assign(size_t(m) * k, 0.5f);
+    b[i].assign(size_t(k) * n, 0.25f);
+    c[i].assign(size_t(m) * n, 0.0f);
+  }
+  const float beta = gemm == 2 ? 1.0f : 0.0f;
+  int set = 0;
+  for (auto _ : state) {
+    float* cp = c[set].data();
+    if (path == 0) {
+      BlasSgemm(ta, tb, m, n, k, 1.0f, a[set].data(), lda, b[set].data(), ldb, beta, cp, n);
+    } else {
+      GemmF32Block(ta, tb, m, n, k, 1.0f, a[set].data(), lda, b[set].data(), ldb, beta, cp, n, 0, m,
+                   0, n);
+    }
+    benchmark::DoNotOptimize(cp);
+    set = (set + 1) % kSets;
+  }
+  state.SetLabel(std::string(ta ? "T" : "N") + (tb ? "T " : "N ") +
+                 (path == 0 ? "sgemm f32" : "own f32"));
+  state.counters["GFLOP/s"] = benchmark::Counter(
+      2.0 * m * n * k, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+}
+BENCHMARK(BM_GemmCold)
+    ->ArgsProduct({{kC}, {3 * kC, 4 * kC, kC}, {0, 1, 2}, {0, 4}})
+    ->ArgsProduct({{4 * kC}, {kC}, {0, 1, 2}, {0, 4}})
+    ->ArgNames({"in", "out", "gemm", "path"});
+
 // ---- elementwise, LayerNorm, cross-entropy, optimizer and cast kernels, per ISA variant ----
 // Arg isa: 0 baseline, 1 avx2, 2 avx512 (variants this CPU lacks are skipped). Shapes are one
 // gpt-small micro-batch: [kTokens, kC] activations, [kTokens, 4 kC] MLP hidden, vocabulary 256.
