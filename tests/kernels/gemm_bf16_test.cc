@@ -275,14 +275,15 @@ TEST(GemmF32Block, SubRangesGiveTheSameBits) {
   }
 }
 
-// Products wider than one packed block of B (1 MiB: 1,024 fp32 columns at k = 256) and taller
-// than one packed block of A, with several k blocks: every block boundary of BlockedGemm, for
-// both GEMMs, within the reference bound and with the bits of a column split at the block edge.
+// Products wider than one packed block of B (1 MiB: 960 fp32 columns at this k's blocks of 265)
+// and taller than one packed block of A (112 rows), with several k blocks: every block boundary
+// of the fp32 GEMM's BlockedGemm, within the reference bound and with the bits of a column split
+// past the block edge; the 16-bit kernels (wider blocks of B here) against the reference too.
 TEST(GemmBlocking, WideProductsSpanSeveralBlocksOfB) {
   if (!HaveGemmHalfAvx512()) GTEST_SKIP() << "no AVX-512";
   for (int t = 0; t < 4; ++t) {
     for (const Scaling& sc : {Scaling{1.0f, 0.0f}, Scaling{1.0f, 1.0f}}) {
-      const Problem p = MakeProblem(true, t & 1, t & 2, {130, 2900, 530}, sc, 1, 970 + t);
+      const Problem p = MakeProblem(true, t & 1, t & 2, {130, 1100, 530}, sc, 1, 970 + t);
       const std::vector<float> whole = RunF32(p, 0, p.m, 0, p.n, p.c);
       ExpectMatchesReference(p, whole);
       const std::vector<float> left = RunF32(p, 0, p.m, 0, 1024, p.c);
