@@ -12,11 +12,10 @@
 
 #if PW_HAVE_X86_VARIANTS
 // GCC 12's AVX-512 intrinsics trip -Wmaybe-uninitialized on their own `__Y = __Y` placeholder
-// (GCC bug 105593, fixed in GCC 13).
-#pragma GCC diagnostic push
+// (GCC bug 105593, fixed in GCC 13). The warning is reported where an intrinsic is inlined, so
+// it is off for the whole file, not just around the include.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
-#pragma GCC diagnostic pop
 #endif
 
 namespace pipewright::cpu {
@@ -302,6 +301,9 @@ struct TileEpilogue {
   size_t ld_act;
 };
 
+//
+// The A micro-panel holds kMr rows per k step; MR < kMr computes only its first MR rows (Note
+// [Row tails]).
 template <int MR, int NV, HalfGemmKernel kKernel>
 PW_TARGET_AVX512 void MicroKernel(int steps, const uint32_t* ap, const uint32_t* bp, float* c,
                                   size_t ldc, int rows, int cols, float alpha, float beta,
@@ -324,7 +326,8 @@ PW_TARGET_AVX512 void MicroKernel(int steps, const uint32_t* ap, const uint32_t*
       }
     }
   }
-  for (int s = 0; s < steps; ++s, ap += MR, bp += 16 * NV) {
+  static_assert(MR <= kMr, "an A micro-panel has kMr rows");
+  for (int s = 0; s < steps; ++s, ap += kMr, bp += 16 * NV) {
     __m512i b[NV];
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(bp + 16 * v);
@@ -369,6 +372,22 @@ PW_TARGET_AVX512 void MicroKernel(int steps, const uint32_t* ap, const uint32_t*
 using MicroKernelFn = void (*)(int, const uint32_t*, const uint32_t*, float*, size_t, int, int,
                                float, float, Init, Store, const TileEpilogue*);
 
+// Note [Row tails]. A product's rows are rarely a multiple of kMr = 14: gpt-small's 1,024 token
+// rows end in a strip of 2, its 256-row weight gradients in one of 4, and a thread's share of a
+// split product in others. The full micro-kernel would spend 14 rows' multiply-adds on such a
+// strip; the last strip of each block runs on a kernel of 4 or 8 rows instead (same packed
+// panel, same per-element sums, so the same bits), whose k step costs 4 or 8 cycles instead of
+// 14.
+template <HalfGemmKernel kKernel>
+struct RowKernels {
+  static MicroKernelFn For(int rows) {
+    if (rows <= 4) return MicroKernel<4, kNv, kKernel>;
+    if (rows <= 8) return MicroKernel<8, kNv, kKernel>;
+    return MicroKernel<kMr, kNv, kKernel>;
+  }
+};
+using RowKernelsFn = MicroKernelFn (*)(int rows);
+
 // Sets MXCSR DAZ|FTZ (Note [16-bit GEMM]) for its lifetime and restores the caller's.
 class FlushDenormals {
  public:
@@ -409,7 +428,8 @@ struct Operands {
 template <typename StepsOf, typename PackA, typename PackB>
 PW_TARGET_AVX512 void BlockedGemm(int k, float alpha, float beta, float* c, int ldc, int m0, int m1,
                                   int n0, int n1, int kc_limit, bool even_blocks,
-                                  MicroKernelFn micro, StepsOf steps_of, PackA pack_a, PackB pack_b,
+                                  RowKernelsFn micro_for, StepsOf steps_of, PackA pack_a,
+                                  PackB pack_b,
                                   const GemmEpilogue& epilogue = {}) {
   thread_local std::vector<Line> a_buf, b_buf;
   // alpha != 1 with beta != 0 combines the finished sum with c's old value: one k block.
@@ -445,14 +465,16 @@ PW_TARGET_AVX512 void BlockedGemm(int k, float alpha, float beta, float* c, int 
         for (int ir = 0; ir < mc; ir += kMr) {
           float* strip = c + static_cast<size_t>(ic + ir) * ldc + jc0;
           const uint32_t* apanel = ap + static_cast<size_t>(ir) * steps;
+          const int rows = std::min(kMr, mc - ir);
+          const MicroKernelFn micro = micro_for(rows);
           for (int jc = 0; jc < nc; jc += kNr) {
             TileEpilogue tile{nullptr, nullptr, static_cast<size_t>(epilogue.ld_act)};
             if (epilogue.bias != nullptr) tile.bias = epilogue.bias + jc0 + jc;
             if (epilogue.act != nullptr) {
               tile.act = epilogue.act + static_cast<size_t>(ic + ir) * epilogue.ld_act + jc0 + jc;
             }
-            micro(steps, apanel, bp + static_cast<size_t>(jc) * steps, strip + jc, ldc,
-                  std::min(kMr, mc - ir), std::min(kNr, nc - jc), alpha, beta, init, store,
+            micro(steps, apanel, bp + static_cast<size_t>(jc) * steps, strip + jc, ldc, rows,
+                  std::min(kNr, nc - jc), alpha, beta, init, store,
                   epilogue_now ? &tile : nullptr);
           }
         }
@@ -466,8 +488,8 @@ PW_TARGET_AVX512 void GemmHalfAvx512(const Operands& g, int m0, int m1, int n0, 
                                      HalfGemmKernel kernel) {
   FlushDenormals flush;
   const bool dot = kernel == HalfGemmKernel::kBf16Dot;
-  const MicroKernelFn micro = dot ? MicroKernel<kMr, kNv, HalfGemmKernel::kBf16Dot>
-                                  : MicroKernel<kMr, kNv, HalfGemmKernel::kFma>;
+  const RowKernelsFn micro = dot ? RowKernels<HalfGemmKernel::kBf16Dot>::For
+                                 : RowKernels<HalfGemmKernel::kFma>::For;
   BlockedGemm(
       g.k, g.alpha, g.beta, g.c, g.ldc, m0, m1, n0, n1, dot ? kKcDot : kKcFma,
       /*even_blocks=*/true, micro, [&](int kc) { return PackedSteps(kernel, kc); },
@@ -510,7 +532,7 @@ PW_TARGET_AVX512 void GemmF32Avx512(const OperandsF32& g, int m0, int m1, int n0
                                     const GemmEpilogue& epilogue) {
   BlockedGemm(
       g.k, g.alpha, g.beta, g.c, g.ldc, m0, m1, n0, n1, kKcF32, /*even_blocks=*/false,
-      MicroKernel<kMr, kNv, HalfGemmKernel::kFma>, [](int kc) { return kc; },
+      RowKernels<HalfGemmKernel::kFma>::For, [](int kc) { return kc; },
       [&](int pc, int ic, int mc, int kc, uint32_t* ap) {
         if (g.trans_a) {
           PackColumnsF32<kMr>(g.a + static_cast<size_t>(pc) * g.lda + ic, g.lda, mc, kc, ap);
