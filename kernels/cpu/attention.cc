@@ -37,6 +37,7 @@
 
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/fast_math.h"
+#include "kernels/cpu/transpose.h"
 #include "kernels/cpu/vec.h"
 
 namespace pipewright::cpu {
@@ -211,27 +212,59 @@ PW_KERNEL_BODY void PrefetchRowAhead(const Head& hd, const float* base, size_t l
   }
 }
 
-// dst [Tp, Dp] = s * src[t, d] (row stride ld), zero outside t < T, d < D.
-void Pack(const Head& hd, const float* src, size_t ld, float s, float* dst) {
+// dst [Tp, Dp] = s * src[t, d] (row stride ld), zero outside t < T, d < D. (Inlined into each
+// ISA's pair loop, like the rest of the kernel: compiled on its own it ran as SSE2.)
+template <int W>
+PW_KERNEL_BODY void Pack(const Head& hd, const float* src, size_t ld, float s, float* dst) {
+  using V = typename simd::Vec<W>::F;
   for (int t = 0; t < hd.Tp; ++t) {
     float* row = dst + static_cast<size_t>(t) * hd.Dp;
-    int d = 0;
     PrefetchRowAhead(hd, src, ld, t);
-    if (t < hd.T) {
-      for (const float* x = src + static_cast<size_t>(t) * ld; d < hd.D; ++d) row[d] = s * x[d];
+    const float* x = src + static_cast<size_t>(t) * ld;
+    for (int d = 0; d < hd.Dp; d += W) {  // Dp is whole vectors; lanes at d >= D are zeros
+      const int n = t < hd.T ? std::clamp(hd.D - d, 0, W) : 0;
+      simd::Store<W>(row + d, n == 0 ? V{} : s * simd::LoadN<W>(x + d, n));
     }
-    std::fill(row + d, row + hd.Dp, 0.0f);
   }
 }
 
+#if PW_HAVE_X86_VARIANTS
+// PackTransposed's block with AVX-512: rows [0, n) (n <= 16; the rest zeros) of src (row stride
+// ld), head dims [0, D) (zeros up to Dp, a multiple of 16), transposed in registers, 16 head dims
+// at a time, into dst (row stride ld_dst) as Dp runs of 16 floats.
+PW_TARGET_AVX512 inline void TransposeBlockAvx512(const float* src, size_t ld, int n, int D, int Dp,
+                                                  float* dst, int ld_dst) {
+  for (int d0 = 0; d0 < Dp; d0 += 16) {
+    const __mmask16 load = static_cast<__mmask16>((1u << std::clamp(D - d0, 0, 16)) - 1);
+    __m512i r[16];
+    for (int t = 0; t < 16; ++t) {
+      r[t] = t < n ? _mm512_maskz_loadu_epi32(load, src + static_cast<size_t>(t) * ld + d0)
+                   : _mm512_setzero_si512();
+    }
+    Transpose16x16(r);
+    for (int d = 0; d < 16; ++d) {
+      _mm512_storeu_si512(dst + static_cast<size_t>(d0 + d) * ld_dst, r[d]);
+    }
+  }
+}
+#endif
+
 // The transpose, dst [Dp, Tp], in blocks of 16 tokens: every store is a contiguous run (a
 // column-at-a-time transpose that stores with a stride of Tp floats was a quarter of the
-// backward's own time at T = 1024).
-void PackTransposed(const Head& hd, const float* src, size_t ld, float* dst) {
+// backward's own time at T = 1024). With AVX-512 each block is loaded as 16 rows of 16 head
+// dims and transposed in registers; otherwise each run is gathered from its column.
+template <int W>
+PW_KERNEL_BODY void PackTransposed(const Head& hd, const float* src, size_t ld, float* dst) {
   constexpr int kBlock = 16;
   for (int t0 = 0; t0 < hd.Tp; t0 += kBlock) {
     const int n = std::clamp(hd.T - t0, 0, kBlock);
     for (int t = t0; t < t0 + n; ++t) PrefetchRowAhead(hd, src, ld, t + kBlock - kPrefetchRows);
+#if PW_HAVE_X86_VARIANTS
+    if constexpr (W == 16) {
+      TransposeBlockAvx512(src + static_cast<size_t>(t0) * ld, ld, n, hd.D, hd.Dp, dst + t0, hd.Tp);
+      continue;
+    }
+#endif
     for (int d = 0; d < hd.Dp; ++d) {
       float* out = dst + static_cast<size_t>(d) * hd.Tp + t0;
       int t = 0;
@@ -278,9 +311,9 @@ PW_KERNEL_BODY void ForwardPair(const Head& hd, float* out, float* lse, float* s
   float* o = s + kTile * kTile;  // [kTile, Dp]: unnormalised output rows
   float* row_max = o + kTile * hd.Dp;
   float* row_sum = row_max + kTile;
-  Pack(hd, hd.q, hd.ld_qkv, hd.scale, q);
-  PackTransposed(hd, hd.k, hd.ld_qkv, kt);
-  Pack(hd, hd.v, hd.ld_qkv, 1.0f, v);
+  Pack<W>(hd, hd.q, hd.ld_qkv, hd.scale, q);
+  PackTransposed<W>(hd, hd.k, hd.ld_qkv, kt);
+  Pack<W>(hd, hd.v, hd.ld_qkv, 1.0f, v);
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   for (int i0 = 0; i0 < hd.T; i0 += kTile) {
     const int m = std::min(kTile, hd.T - i0);
@@ -335,11 +368,11 @@ PW_KERNEL_BODY void BackwardPair(const Head& hd, const float* dout, const float*
   float* ds = p + kTile * kTile;        // [kTile, kTile]: dP, then dS
   float* dk_acc = ds + kTile * kTile;   // [kTile, Dp]
   float* dv_acc = dk_acc + kTile * Dp;  // [kTile, Dp]
-  Pack(hd, hd.q, hd.ld_qkv, hd.scale, q);
-  Pack(hd, hd.k, hd.ld_qkv, 1.0f, k);
-  PackTransposed(hd, hd.k, hd.ld_qkv, kt);
-  PackTransposed(hd, hd.v, hd.ld_qkv, vt);
-  Pack(hd, dout, hd.C, 1.0f, dob);
+  Pack<W>(hd, hd.q, hd.ld_qkv, hd.scale, q);
+  Pack<W>(hd, hd.k, hd.ld_qkv, 1.0f, k);
+  PackTransposed<W>(hd, hd.k, hd.ld_qkv, kt);
+  PackTransposed<W>(hd, hd.v, hd.ld_qkv, vt);
+  Pack<W>(hd, dout, hd.C, 1.0f, dob);
   std::memset(dq_acc, 0, sizeof(float) * td);
   // delta_i = dout_i . out_i, in W-lane partial sums (a scalar running sum is one dependent
   // chain of D multiply-adds per row); out's row is read up to D only.

@@ -7,16 +7,9 @@
 
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/gelu.h"
+#include "kernels/cpu/transpose.h"
 #include "pipewright/cpu.h"
 #include "pipewright/status.h"
-
-#if PW_HAVE_X86_VARIANTS
-// GCC 12's AVX-512 intrinsics trip -Wmaybe-uninitialized on their own `__Y = __Y` placeholder
-// (GCC bug 105593, fixed in GCC 13). The warning is reported where an intrinsic is inlined, so
-// it is off for the whole file, not just around the include.
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#endif
 
 namespace pipewright::cpu {
 
@@ -109,34 +102,6 @@ PW_TARGET_AVX512 inline void StorePairs(HalfGemmKernel kernel, bool is_bf16, uin
   uint32_t* out = panel + static_cast<size_t>(2 * p) * R + c;  // odd k, then even k
   _mm512_mask_storeu_epi32(out, store, Widen(is_bf16, _mm512_srli_epi32(pairs, 16)));
   _mm512_mask_storeu_epi32(out + R, store, Widen(is_bf16, pairs));
-}
-
-// Transposes the 16 x 16 matrix of 32-bit lanes r[row] in place: 64 shuffles.
-PW_TARGET_AVX512 inline void Transpose16x16(__m512i (&r)[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {  // lane L of t[i], t[i + 1]: rows i, i + 1 interleaved
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int g = 0; g < 16; g += 4) {  // lane L of r[g + c]: column 4 L + c of rows g .. g + 3
-    r[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
-    r[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
-    r[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
-    r[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
-  }
-  // Column 4 L + c gathers lane L of r[c], r[4 + c], r[8 + c], r[12 + c]: a 4 x 4 transpose of
-  // 128-bit lanes for each c.
-  for (int c = 0; c < 4; ++c) {
-    const __m512i v0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88);
-    const __m512i v1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xDD);
-    const __m512i v2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
-    const __m512i v3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xDD);
-    t[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-    t[4 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-    t[8 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
-    t[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
-  }
-  for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
 // An operand whose k pairs are contiguous in memory (A not transposed, B transposed): `count`
@@ -429,8 +394,7 @@ template <typename StepsOf, typename PackA, typename PackB>
 PW_TARGET_AVX512 void BlockedGemm(int k, float alpha, float beta, float* c, int ldc, int m0, int m1,
                                   int n0, int n1, int kc_limit, bool even_blocks,
                                   RowKernelsFn micro_for, StepsOf steps_of, PackA pack_a,
-                                  PackB pack_b,
-                                  const GemmEpilogue& epilogue = {}) {
+                                  PackB pack_b, const GemmEpilogue& epilogue = {}) {
   thread_local std::vector<Line> a_buf, b_buf;
   // alpha != 1 with beta != 0 combines the finished sum with c's old value: one k block.
   if (alpha != 1.0f && beta != 0.0f) kc_limit = k;
@@ -474,8 +438,7 @@ PW_TARGET_AVX512 void BlockedGemm(int k, float alpha, float beta, float* c, int 
               tile.act = epilogue.act + static_cast<size_t>(ic + ir) * epilogue.ld_act + jc0 + jc;
             }
             micro(steps, apanel, bp + static_cast<size_t>(jc) * steps, strip + jc, ldc, rows,
-                  std::min(kNr, nc - jc), alpha, beta, init, store,
-                  epilogue_now ? &tile : nullptr);
+                  std::min(kNr, nc - jc), alpha, beta, init, store, epilogue_now ? &tile : nullptr);
           }
         }
       }
@@ -488,8 +451,8 @@ PW_TARGET_AVX512 void GemmHalfAvx512(const Operands& g, int m0, int m1, int n0, 
                                      HalfGemmKernel kernel) {
   FlushDenormals flush;
   const bool dot = kernel == HalfGemmKernel::kBf16Dot;
-  const RowKernelsFn micro = dot ? RowKernels<HalfGemmKernel::kBf16Dot>::For
-                                 : RowKernels<HalfGemmKernel::kFma>::For;
+  const RowKernelsFn micro =
+      dot ? RowKernels<HalfGemmKernel::kBf16Dot>::For : RowKernels<HalfGemmKernel::kFma>::For;
   BlockedGemm(
       g.k, g.alpha, g.beta, g.c, g.ldc, m0, m1, n0, n1, dot ? kKcDot : kKcFma,
       /*even_blocks=*/true, micro, [&](int kc) { return PackedSteps(kernel, kc); },
