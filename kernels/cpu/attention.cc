@@ -314,6 +314,8 @@ PW_KERNEL_BODY void ForwardPair(const Head& hd, float* out, float* lse, float* s
   Pack<W>(hd, hd.q, hd.ld_qkv, hd.scale, q);
   PackTransposed<W>(hd, hd.k, hd.ld_qkv, kt);
   Pack<W>(hd, hd.v, hd.ld_qkv, 1.0f, v);
+  using V = typename simd::Vec<W>::F;
+  const typename simd::Vec<W>::I lane = simd::LaneIndex<W>();
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   for (int i0 = 0; i0 < hd.T; i0 += kTile) {
     const int m = std::min(kTile, hd.T - i0);
@@ -327,13 +329,29 @@ PW_KERNEL_BODY void ForwardPair(const Head& hd, float* out, float* lse, float* s
       for (int r = 0; r < m; ++r) {
         float* p = s + r * kTile;
         const int vis = Visible(r, off, ncols);
-        const float mx = RowMax<W>(p, vis, row_max[r]);
-        const int vis_w = RoundUp(vis, W);  // whole vectors: computed columns, zeroed below
-        for (int c = 0; c < vis_w; ++c) p[c] = FastExp(p[c] - mx);
-        std::fill(p + vis, p + ncols, 0.0f);
+        // Row max over the visible columns, then p = exp(p - max) on them and exact zeros on the
+        // rest, summed as it goes: vector loops whose last visible vector masks its lanes past
+        // `vis` (the same values, sums and order as separate max, exp, zero-fill and RowSum
+        // passes, without their scalar tails).
+        V acc = V{} + row_max[r];
+        for (int c = 0; c < vis; c += W) {
+          V x = simd::Load<W>(p + c);
+          x = lane + c < vis ? x : V{} + kNegInf;
+          acc = x > acc ? x : acc;
+        }
+        const float mx = simd::ReduceMax<W>(acc);
+        V sum{};
+        for (int c = 0; c < ncols; c += W) {
+          V e{};
+          if (c < vis) e = lane + c < vis ? FastExpLanes(simd::Load<W>(p + c) - mx) : V{};
+          simd::Store<W>(p + c, e);
+          sum += e;
+        }
         const float corr = row_max[r] == kNegInf ? 0.0f : FastExp(row_max[r] - mx);
         row_max[r] = mx;
-        row_sum[r] = row_sum[r] * corr + RowSum<W>(p, ncols);
+        // One fused multiply-add on every ISA (left to the compiler, whether it fused depended
+        // on how the sum was written).
+        row_sum[r] = __builtin_fmaf(row_sum[r], corr, simd::ReduceAdd<W>(sum));
         float* orow = o + static_cast<size_t>(r) * hd.Dp;
         for (int d = 0; d < hd.Dp; ++d) orow[d] *= corr;
       }
@@ -373,6 +391,8 @@ PW_KERNEL_BODY void BackwardPair(const Head& hd, const float* dout, const float*
   PackTransposed<W>(hd, hd.k, hd.ld_qkv, kt);
   PackTransposed<W>(hd, hd.v, hd.ld_qkv, vt);
   Pack<W>(hd, dout, hd.C, 1.0f, dob);
+  using V = typename simd::Vec<W>::F;
+  const typename simd::Vec<W>::I lane = simd::LaneIndex<W>();
   std::memset(dq_acc, 0, sizeof(float) * td);
   // delta_i = dout_i . out_i, in W-lane partial sums (a scalar running sum is one dependent
   // chain of D multiply-adds per row); out's row is read up to D only.
@@ -399,24 +419,32 @@ PW_KERNEL_BODY void BackwardPair(const Head& hd, const float* dout, const float*
       const float* qi = q + static_cast<size_t>(i0) * Dp;
       const float* doi = dob + static_cast<size_t>(i0) * Dp;
       kGemm(ScoreArgs(hd, q, kt, i0, m, j0, ncols, p));
-      for (int r = 0; r < m; ++r) {
+      for (int r = 0; r < m; ++r) {  // P = exp(S - lse) where visible, exact zeros elsewhere
         float* pr = p + r * kTile;
         const int vis = Visible(r, off, ncols);
         const float l = lse[i0 + r];
-        const int vis_w = RoundUp(vis, W);
-        for (int c = 0; c < vis_w; ++c) pr[c] = FastExp(pr[c] - l);
-        std::fill(pr + vis, pr + ncols, 0.0f);
+        for (int c = 0; c < ncols; c += W) {
+          V e{};
+          if (c < vis) e = lane + c < vis ? FastExpLanes(simd::Load<W>(pr + c) - l) : V{};
+          simd::Store<W>(pr + c, e);
+        }
       }
       // dV += P^T dO; dP = dO V^T.
       kGemm({ncols, Dp, m, p, 1, kTile, doi, Dp, dv_acc, Dp, true, Causal::kKFrom, -off});
       kGemm({m, ncols, Dp, doi, Dp, 1, vt + j0, hd.Tp, ds, kTile, false, Causal::kCols, off});
-      for (int r = 0; r < m; ++r) {
+      for (int r = 0; r < m; ++r) {  // dS = P (dP - delta) where visible (dP past it is unset)
         const float* pr = p + r * kTile;
         float* dsr = ds + r * kTile;
         const int vis = Visible(r, off, ncols);
         const float dl = delta[i0 + r];
-        for (int c = 0; c < vis; ++c) dsr[c] = pr[c] * (dsr[c] - dl);
-        std::fill(dsr + vis, dsr + ncols, 0.0f);
+        for (int c = 0; c < ncols; c += W) {
+          V x{};
+          if (c < vis) {
+            x = simd::Load<W>(pr + c) * (simd::Load<W>(dsr + c) - dl);
+            x = lane + c < vis ? x : V{};
+          }
+          simd::Store<W>(dsr + c, x);
+        }
       }
       // dQ += dS K; dK += dS^T Q.
       kGemm({m, Dp, ncols, ds, kTile, 1, k + static_cast<size_t>(j0) * Dp, Dp,

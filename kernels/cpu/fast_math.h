@@ -15,48 +15,70 @@
 
 #include <bit>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "kernels/cpu/vec.h"
 
 namespace pipewright::cpu {
 
-// e^x for a float or a vector of floats V (vec.h). The vector version uses the ISA's min/max,
-// rounding and 2^n scaling (Note [Per-ISA vector operations] in vec.h): the same function, the
-// last bits may differ from the scalar one.
+namespace fast_exp {
+constexpr float kHi = 88.0f, kLo = -87.0f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;  // ln 2 = kLn2Hi + kLn2Lo
+// Cephes expf polynomial: exp(r) = 1 + r + r^2 P(r), P of degree 5.
+constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f,
+                kP3 = 4.1665795894e-2f, kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f;
+}  // namespace fast_exp
+
+// FastExp's algorithm on a float or, lane by lane, on a vector of floats V (vec.h): each lane
+// gets exactly the bits FastExp gives its value (and a loop of FastExp that the compiler
+// vectorises computes the same). For vector loops that must agree with scalar ones; FastExpT<V>
+// is the faster vector exp.
 template <typename V>
-__attribute__((always_inline)) inline V FastExpT(V x) {
-  constexpr float kHi = 88.0f, kLo = -87.0f, kLog2e = 1.44269504088896341f;
-  V n;
-  if constexpr (std::is_same_v<V, float>) {
-    // Written as selects, not std::min/max: a NaN compares false and passes through.
-    x = x > kHi ? kHi : x;
-    x = x < kLo ? kLo : x;
-    // Round to nearest with the 1.5 * 2^23 trick (SSE2 has no vector floor; keeps it vectorised).
-    constexpr float kRound = 12582912.0f;
-    n = (x * kLog2e + kRound) - kRound;
-  } else {
-    x = simd::MinOrNaN(V{} + kHi, x);
-    x = simd::MaxOrNaN(V{} + kLo, x);
-    n = simd::RoundToInt(x * kLog2e);
-  }
+__attribute__((always_inline)) inline V FastExpLanes(V x) {
+  using namespace fast_exp;
+  // Written as selects, not std::min/max: a NaN compares false and passes through.
+  x = x > kHi ? V{} + kHi : x;
+  x = x < kLo ? V{} + kLo : x;
+  // Round to nearest with the 1.5 * 2^23 trick (SSE2 has no vector floor; keeps it vectorised).
+  constexpr float kRound = 12582912.0f;
+  const V n = (x * kLog2e + kRound) - kRound;
   // x = n ln2 + r, |r| <= ln2 / 2; exp(x) = 2^n exp(r).
-  V r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  // Cephes expf polynomial: exp(r) = 1 + r + r^2 P(r), P of degree 5.
-  constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f,
-                  kP3 = 4.1665795894e-2f, kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f;
+  V r = x - n * kLn2Hi;
+  r = r - n * kLn2Lo;
+  V p = V{} + kP0;  // Horner
+  p = p * r + kP1;
+  p = p * r + kP2;
+  p = p * r + kP3;
+  p = p * r + kP4;
+  p = p * r + kP5;
+  p = p * r * r + r + 1.0f;
   if constexpr (std::is_same_v<V, float>) {
-    V p = kP0;  // Horner
-    p = p * r + kP1;
-    p = p * r + kP2;
-    p = p * r + kP3;
-    p = p * r + kP4;
-    p = p * r + kP5;
-    p = p * r * r + r + 1.0f;
     const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
     return p * std::bit_cast<float>(bits);
   } else {
+    using I = decltype(x < x);  // the vector of 32-bit integers with V's lanes
+    const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+    V scale;
+    std::memcpy(&scale, &bits, sizeof(scale));
+    return p * scale;
+  }
+}
+
+// e^x for a float or a vector of floats V (vec.h). The vector version uses the ISA's min/max,
+// rounding and 2^n scaling (Note [Per-ISA vector operations] in vec.h) and Estrin's scheme: the
+// same function, the last bits may differ from the scalar one (FastExpLanes keeps them).
+template <typename V>
+__attribute__((always_inline)) inline V FastExpT(V x) {
+  if constexpr (std::is_same_v<V, float>) {
+    return FastExpLanes(x);
+  } else {
+    using namespace fast_exp;
+    x = simd::MinOrNaN(V{} + kHi, x);
+    x = simd::MaxOrNaN(V{} + kLo, x);
+    const V n = simd::RoundToInt(x * kLog2e);
+    V r = x - n * kLn2Hi;
+    r = r - n * kLn2Lo;
     // Estrin's scheme: as many operations as Horner's, half the dependency chain (the vector
     // loops are latency-bound).
     const V r2 = r * r;

@@ -91,13 +91,19 @@ PW_KERNEL_BODY void StoreN(float* p, typename Vec<W>::F v, int k) {
   std::memcpy(p, buf, sizeof(float) * k);
 }
 
+// {0, 1, ..., W - 1}: compared with a count, a mask of the lanes below it.
+template <int W>
+PW_KERNEL_BODY typename Vec<W>::I LaneIndex() {
+  typename Vec<W>::I lane;
+  for (int l = 0; l < W; ++l) lane[l] = l;
+  return lane;
+}
+
 // v with lanes k.. set to zero (k in 1..W).
 template <int W>
 PW_KERNEL_BODY typename Vec<W>::F KeepFirst(typename Vec<W>::F v, int k) {
   if (k == W) return v;
-  typename Vec<W>::I lane;
-  for (int l = 0; l < W; ++l) lane[l] = l;
-  return lane < k ? v : typename Vec<W>::F{};
+  return LaneIndex<W>() < k ? v : typename Vec<W>::F{};
 }
 
 // v widened to double: lanes [0, W/2) in *lo, lanes [W/2, W) in *hi. (One vector of W doubles
