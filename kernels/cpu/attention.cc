@@ -131,29 +131,6 @@ PW_KERNEL_BODY void TileGemmBody(const GemmArgs& g) {
   }
 }
 
-// sum x[0, n) for n a multiple of W: W partial sums, then a lane tree (vec.h).
-template <int W>
-PW_KERNEL_BODY float RowSum(const float* x, int n) {
-  typename simd::Vec<W>::F acc{};
-  for (int c = 0; c < n; c += W) acc += simd::Load<W>(x + c);
-  return simd::ReduceAdd<W>(acc);
-}
-
-// max(init, x[0, n)) for any n >= 0: W partial maxima, a lane tree, then the tail.
-template <int W>
-PW_KERNEL_BODY float RowMax(const float* x, int n, float init) {
-  using V = typename simd::Vec<W>::F;
-  V acc = V{} + init;
-  int c = 0;
-  for (; c + W <= n; c += W) {
-    const V v = simd::Load<W>(x + c);
-    acc = v > acc ? v : acc;
-  }
-  float m = simd::ReduceMax<W>(acc);
-  for (; c < n; ++c) m = x[c] > m ? x[c] : m;
-  return m;
-}
-
 // One (batch, head) pair's operands.
 struct Head {
   int T, C, D, Dp, Tp;
@@ -225,6 +202,10 @@ struct NextPairRows {
   size_t ld[kMaxBases] = {};
   int bases = 0, T = 0, D = 0, next = 0;
 
+  NextPairRows() = default;  // nothing to fetch (the call's last pair)
+  explicit NextPairRows(const Head& next_pair) : T(next_pair.T), D(next_pair.D) {
+    for (const float* b : {next_pair.q, next_pair.k, next_pair.v}) Add(b, next_pair.ld_qkv);
+  }
   void Add(const float* b, size_t row_stride) {
     base[bases] = b;
     ld[bases++] = row_stride;
@@ -359,9 +340,8 @@ PW_KERNEL_BODY void ForwardPair(const Head& hd, float* out, float* lse, float* s
         float* p = s + r * kTile;
         const int vis = Visible(r, off, ncols);
         // Row max over the visible columns, then p = exp(p - max) on them and exact zeros on the
-        // rest, summed as it goes: vector loops whose last visible vector masks its lanes past
-        // `vis` (the same values, sums and order as separate max, exp, zero-fill and RowSum
-        // passes, without their scalar tails).
+        // rest, summed as it goes in W partial sums and a lane tree: vector loops whose last
+        // visible vector masks its lanes past `vis` (no scalar tails, no fill calls).
         V acc = V{} + row_max[r];
         for (int c = 0; c < vis; c += W) {
           V x = simd::Load<W>(p + c);
@@ -523,12 +503,7 @@ PW_KERNEL_BODY void ForwardBody(const ForwardCall& a) {
   for (int pair = a.begin; pair < a.end; ++pair) {
     const Head hd = MakeHead(a.qkv, a.T, a.C, a.H, pair);
     NextPairRows ahead;
-    if (pair + 1 < a.end) {
-      const Head next = MakeHead(a.qkv, a.T, a.C, a.H, pair + 1);
-      ahead.T = next.T;
-      ahead.D = next.D;
-      for (const float* b : {next.q, next.k, next.v}) ahead.Add(b, next.ld_qkv);
-    }
+    if (pair + 1 < a.end) ahead = NextPairRows(MakeHead(a.qkv, a.T, a.C, a.H, pair + 1));
     ForwardPair<W, kGemm>(hd, a.out + hd.row0 * a.C + hd.col,
                           a.lse + static_cast<size_t>(pair) * a.T, a.scratch, ahead);
   }
@@ -543,9 +518,7 @@ PW_KERNEL_BODY void BackwardBody(const BackwardCall& a) {
     if (pair + 1 < a.end) {
       const Head next = MakeHead(a.qkv, a.T, a.C, a.H, pair + 1);
       const size_t next_at = next.row0 * a.C + next.col;
-      ahead.T = next.T;
-      ahead.D = next.D;
-      for (const float* b : {next.q, next.k, next.v}) ahead.Add(b, next.ld_qkv);
+      ahead = NextPairRows(next);
       ahead.Add(a.dout + next_at, a.C);
       ahead.Add(a.out + next_at, a.C);
     }

@@ -30,10 +30,10 @@ constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.33345190
                 kP3 = 4.1665795894e-2f, kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f;
 }  // namespace fast_exp
 
-// FastExp's algorithm on a float or, lane by lane, on a vector of floats V (vec.h): each lane
-// gets exactly the bits FastExp gives its value (and a loop of FastExp that the compiler
-// vectorises computes the same). For vector loops that must agree with scalar ones; FastExpT<V>
-// is the faster vector exp.
+// FastExp's algorithm on a float or, lane by lane, on a vector of floats V (vec.h): compiled for
+// the same ISA (the same fused multiply-adds), each lane gets exactly the bits FastExp gives its
+// value, as does a loop of FastExp that the compiler vectorises (tested). For vector loops that
+// must agree with scalar ones; FastExpT<V> is the faster vector exp.
 template <typename V>
 __attribute__((always_inline)) inline V FastExpLanes(V x) {
   using namespace fast_exp;

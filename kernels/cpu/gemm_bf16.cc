@@ -266,7 +266,6 @@ struct TileEpilogue {
   size_t ld_act;
 };
 
-//
 // The A micro-panel holds kMr rows per k step; MR < kMr computes only its first MR rows (Note
 // [Row tails]).
 template <int MR, int NV, HalfGemmKernel kKernel>

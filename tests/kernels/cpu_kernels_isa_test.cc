@@ -14,6 +14,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
@@ -94,6 +95,50 @@ TEST(FastMath, NaNAndInfAsDocumented) {
   EXPECT_EQ(v[1], FastExp(-87.0f));
   EXPECT_TRUE(std::isnan(v[2]));
   EXPECT_EQ(v[3], 1.0f);
+}
+
+// FastExpLanes is FastExp's algorithm on vector lanes: compiled for the same ISA as the scalar
+// loop (so with the same fused multiply-adds), every lane has the scalar result's bits, at the
+// clamps and for NaN and +-Inf too. The CPU attention's softmax relies on it.
+std::vector<float> ExpInputs() {
+  std::vector<float> x = {0.0f, -0.0f, 88.0f, -87.0f, 100.0f, -100.0f, kInf, -kInf, kNaN, 1e-30f};
+  for (float v = -95.0f; v <= 95.0f; v += 0.0093f) x.push_back(v);
+  while (x.size() % 16 != 0) x.push_back(0.5f);
+  return x;
+}
+
+template <typename V>
+__attribute__((always_inline)) inline void ExpBothWays(const float* x, float* lanes, float* scalar,
+                                                       size_t n) {
+  constexpr size_t kW = sizeof(V) / sizeof(float);
+  for (size_t i = 0; i < n; i += kW) {
+    V v;
+    std::memcpy(&v, x + i, sizeof(v));
+    v = FastExpLanes(v);
+    std::memcpy(lanes + i, &v, sizeof(v));
+  }
+  for (size_t i = 0; i < n; ++i) scalar[i] = FastExp(x[i]);
+}
+
+void ExpBothWaysBaseline(const float* x, float* lanes, float* scalar, size_t n) {
+  ExpBothWays<simd::Vec<4>::F>(x, lanes, scalar, n);
+}
+#if PW_HAVE_X86_VARIANTS
+PW_TARGET_AVX512 void ExpBothWaysAvx512(const float* x, float* lanes, float* scalar, size_t n) {
+  ExpBothWays<simd::Vec<16>::F>(x, lanes, scalar, n);
+}
+#endif
+
+TEST(FastMath, ExpLanesGiveTheScalarBits) {
+  const std::vector<float> x = ExpInputs();
+  std::vector<float> lanes(x.size()), scalar(x.size());
+  ExpBothWaysBaseline(x.data(), lanes.data(), scalar.data(), x.size());
+  ExpectSameBits(lanes, scalar, "baseline");
+#if PW_HAVE_X86_VARIANTS
+  if (KernelIsa() != Isa::kAvx512) GTEST_SKIP() << "no AVX-512 here (or PIPEWRIGHT_CPU_ISA)";
+  ExpBothWaysAvx512(x.data(), lanes.data(), scalar.data(), x.size());
+  ExpectSameBits(lanes, scalar, "avx512");
+#endif
 }
 
 // ---------------------------------------------------------------- per-ISA
