@@ -67,6 +67,9 @@ constexpr int kMcPanels = 8;            // micro-panels of A packed at a time (~
 // gpt-small's products (docs/benchmarks.md) and keeps its k = 256 products in one block.
 constexpr int kKcDot = 384, kKcFma = 192;
 constexpr int kKcF32 = 256;
+// ... but up to this k in one block when all of B's columns then fit one packed B block
+// (Note [fp32 k blocks]).
+constexpr int kKcF32Whole = 1024;
 
 // 64-byte aligned packing scratch of the calling thread; grows, never shrinks.
 struct alignas(64) Line {
@@ -488,13 +491,29 @@ struct OperandsF32 {
   int ldc;
 };
 
+// Note [fp32 k blocks]. Blocks of k cost two ways: every k block after the first reloads the
+// running sums from C (which, swept over all rows in between, has left L2), and every block of
+// columns repacks A. When A is stored m x k (not transposed), k <= kKcF32Whole and all n columns
+// of B fit one packed block at that k (n * k * 4 <= kPackedBBytes), k runs as one block: C is
+// loaded and stored once and A packed once. gpt-small's products with k = 768 or 1,024 and 256
+// columns (the MLP projection's forward, the input gradients of the qkv and MLP input Linears)
+// measured 4-7% faster so (docs/benchmarks.md). Weight gradients (A transposed) keep kKcF32:
+// as one k block their A micro-panels of up to 1,024 steps outgrow L1, and their A packing
+// (PackColumnsF32) grew in the step's profile for no gain in isolation. The bits are the same
+// either way (Note [fp32 GEMM]).
+int KcF32(bool trans_a, int k, int n) {
+  if (trans_a) return kKcF32;
+  const size_t width = static_cast<size_t>((n + kNr - 1) / kNr * kNr);
+  return k <= kKcF32Whole && width * k * 4 <= kPackedBBytes ? k : kKcF32;
+}
+
 // Rows [m0, m1) x columns [n0, n1) of C; k > 0 and alpha != 0. The blocking of GemmHalfAvx512
 // with natural k order and no denormal flushing.
 PW_TARGET_AVX512 void GemmF32Avx512(const OperandsF32& g, int m0, int m1, int n0, int n1,
                                     const GemmEpilogue& epilogue) {
   BlockedGemm(
-      g.k, g.alpha, g.beta, g.c, g.ldc, m0, m1, n0, n1, kKcF32, /*even_blocks=*/false,
-      RowKernels<HalfGemmKernel::kFma>::For, [](int kc) { return kc; },
+      g.k, g.alpha, g.beta, g.c, g.ldc, m0, m1, n0, n1, KcF32(g.trans_a, g.k, n1 - n0),
+      /*even_blocks=*/false, RowKernels<HalfGemmKernel::kFma>::For, [](int kc) { return kc; },
       [&](int pc, int ic, int mc, int kc, uint32_t* ap) {
         if (g.trans_a) {
           PackColumnsF32<kMr>(g.a + static_cast<size_t>(pc) * g.lda + ic, g.lda, mc, kc, ap);

@@ -275,6 +275,23 @@ TEST(GemmF32Block, SubRangesGiveTheSameBits) {
   }
 }
 
+// Note [fp32 k blocks]: a product whose columns fit one packed block of B at its whole k runs k
+// as one block; a wider one in blocks of 256. Columns [0, 64) of a 500-column product with
+// k = 600 take one block as a call of their own and three inside the whole product (and the rest,
+// 448 columns, three again): the same bits either way, with A stored either way round.
+TEST(GemmF32Block, OneKBlockGivesTheBitsOfSeveral) {
+  if (!HaveGemmHalfAvx512()) GTEST_SKIP() << "no AVX-512";
+  for (int t = 0; t < 4; ++t) {
+    for (const Scaling& sc : {Scaling{1.0f, 0.0f}, Scaling{1.0f, 1.0f}}) {
+      const Problem p = MakeProblem(true, t & 1, t & 2, {40, 500, 600}, sc, 1, 990 + t);
+      const std::vector<float> whole = RunF32(p, 0, p.m, 0, p.n, p.c);
+      ExpectMatchesReference(p, whole);
+      const std::vector<float> narrow = RunF32(p, 0, p.m, 0, 64, p.c);
+      EXPECT_TRUE(SameBits(whole, RunF32(p, 0, p.m, 64, p.n, narrow))) << Describe(p);
+    }
+  }
+}
+
 // Products wider than one packed block of B (1 MiB: 960 fp32 columns at this k's blocks of 265)
 // and taller than one packed block of A (112 rows), with several k blocks: every block boundary
 // of the fp32 GEMM's BlockedGemm, within the reference bound and with the bits of a column split
