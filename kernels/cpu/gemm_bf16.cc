@@ -33,8 +33,9 @@ namespace pipewright::cpu {
 //    vcvtph2ps for f16), k in the order above (2p + 1, then 2p).
 //
 // Blocking (BlockedGemm): k in blocks of at most kc; per block, B is packed up to kPackedBBytes at
-// a time (L2) as micro-panels of kNr columns, and A a few micro-panels of kMr rows at a time, each
-// A micro-panel (L1) swept across the B block. The micro-kernel holds a kMr x kNr tile of C in kMr
+// a time (L2) as micro-panels of kNr columns, and A a few micro-panels of kMr rows at a time (or,
+// fp32 A stored m x k, read in place: Note [A in place]), each A micro-panel (L1) swept across
+// the B block. The micro-kernel holds a kMr x kNr tile of C in kMr
 // * kNr / 16 zmm accumulators; per k step it loads kNr / 16 vectors of B and broadcasts kMr values
 // of A. Between k blocks the running sums are stored in C itself (exact: they are fp32 values), so
 // the blocking does not change the bits. alpha != 1 with beta != 0 needs c's old value after
@@ -317,12 +318,32 @@ struct TileEpilogue {
   size_t ld_act;
 };
 
+// Note [A in place]. Packing A costs a pass over it from L3 (0.3 ns per value) for every block
+// of B's columns it meets, which a product with few columns cannot amortise: with gpt-small's
+// 256 columns that pass was 5% of the product. An fp32 A stored m x k (rows with k contiguous:
+// the forward's activations, the input gradient's dY) is already in the order the micro-kernel
+// walks each row in, so the fp32 GEMM reads it in place: each k step broadcasts element p of MR
+// rows lda apart instead of MR consecutive packed values, and each row's lines (16 steps each)
+// come in behind the hardware's stream prefetchers. A harness of the blocking, rotating 8 cold
+// A matrices, measured 150 -> 158 GFLOP/s with 256 columns and k = 256, 145 -> 152 with
+// k = 1,024, and within 1% with 768 or 1,024 columns; in gpt-small's step its 256-column
+// products took 3-5% less time and all its products 1.0-1.5% less (docs/benchmarks.md). The
+// values and the order of the multiply-adds are those of the packed panel, so the bits are too.
+// A partial strip's rows past `rows` read row rows - 1 again and are not stored: nothing
+// outside A is read.
+//
 // The A micro-panel holds kMr rows per k step; MR < kMr computes only its first MR rows (Note
-// [Row tails]).
-template <int MR, int NV, HalfGemmKernel kKernel>
-PW_TARGET_AVX512 void MicroKernel(int steps, const uint32_t* ap, const uint32_t* bp, float* c,
-                                  size_t ldc, int rows, int cols, float alpha, float beta,
-                                  Init init, Store store, const TileEpilogue* epi) {
+// [Row tails]). kInPlaceA (fp32 only): a_rows is A's row 0 at this k block, row i lda values
+// further on (Note [A in place]), and ap and lda are not used otherwise.
+template <int MR, int NV, HalfGemmKernel kKernel, bool kInPlaceA>
+PW_TARGET_AVX512 void MicroKernel(int steps, const uint32_t* ap, const float* a_rows, size_t lda,
+                                  const uint32_t* bp, float* c, size_t ldc, int rows, int cols,
+                                  float alpha, float beta, Init init, Store store,
+                                  const TileEpilogue* epi) {
+  static_assert(!kInPlaceA || kKernel == HalfGemmKernel::kFma, "A in place is fp32");
+  size_t a_at[MR];  // row i's offset from a_rows (a partial strip repeats its last row)
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i) a_at[i] = static_cast<size_t>(std::min(i, rows - 1)) * lda;
   const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
   __mmask16 mask[NV];
 #pragma GCC unroll 4
@@ -342,13 +363,18 @@ PW_TARGET_AVX512 void MicroKernel(int steps, const uint32_t* ap, const uint32_t*
     }
   }
   static_assert(MR <= kMr, "an A micro-panel has kMr rows");
-  for (int s = 0; s < steps; ++s, ap += kMr, bp += 16 * NV) {
+  for (int s = 0; s < steps; ++s, bp += 16 * NV) {
     __m512i b[NV];
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(bp + 16 * v);
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) {
-      const __m512i a = _mm512_set1_epi32(static_cast<int>(ap[i]));  // a pair, or fp32 bits
+      __m512i a;  // a pair, or fp32 bits
+      if constexpr (kInPlaceA) {
+        a = _mm512_castps_si512(_mm512_set1_ps(a_rows[a_at[i]]));
+      } else {
+        a = _mm512_set1_epi32(static_cast<int>(ap[i]));
+      }
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) {
         if constexpr (kKernel == HalfGemmKernel::kBf16Dot) {
@@ -357,6 +383,11 @@ PW_TARGET_AVX512 void MicroKernel(int steps, const uint32_t* ap, const uint32_t*
           acc[i][v] = _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b[v]), acc[i][v]);
         }
       }
+    }
+    if constexpr (kInPlaceA) {
+      ++a_rows;
+    } else {
+      ap += kMr;
     }
   }
 #pragma GCC unroll 16
@@ -384,8 +415,8 @@ PW_TARGET_AVX512 void MicroKernel(int steps, const uint32_t* ap, const uint32_t*
   }
 }
 
-using MicroKernelFn = void (*)(int, const uint32_t*, const uint32_t*, float*, size_t, int, int,
-                               float, float, Init, Store, const TileEpilogue*);
+using MicroKernelFn = void (*)(int, const uint32_t*, const float*, size_t, const uint32_t*, float*,
+                               size_t, int, int, float, float, Init, Store, const TileEpilogue*);
 
 // Note [Row tails]. A product's rows are rarely a multiple of kMr = 14: gpt-small's 1,024 token
 // rows end in a strip of 2, its 256-row weight gradients in one of 4, and a thread's share of a
@@ -393,12 +424,12 @@ using MicroKernelFn = void (*)(int, const uint32_t*, const uint32_t*, float*, si
 // strip; the last strip of each block runs on a kernel of 4 or 8 rows instead (same packed
 // panel, same per-element sums, so the same bits), whose k step costs 4 or 8 cycles instead of
 // 14.
-template <HalfGemmKernel kKernel>
+template <HalfGemmKernel kKernel, bool kInPlaceA = false>
 struct RowKernels {
   static MicroKernelFn For(int rows) {
-    if (rows <= 4) return MicroKernel<4, kNv, kKernel>;
-    if (rows <= 8) return MicroKernel<8, kNv, kKernel>;
-    return MicroKernel<kMr, kNv, kKernel>;
+    if (rows <= 4) return MicroKernel<4, kNv, kKernel, kInPlaceA>;
+    if (rows <= 8) return MicroKernel<8, kNv, kKernel, kInPlaceA>;
+    return MicroKernel<kMr, kNv, kKernel, kInPlaceA>;
   }
 };
 using RowKernelsFn = MicroKernelFn (*)(int rows);
@@ -440,11 +471,19 @@ struct Operands {
 // height of C instead, with only a B micro-panel packed at a time, touched a new page per tile
 // row and ran 10-20% slower on a C not already in cache: docs/benchmarks.md.) Between k blocks
 // the running sums are stored in C itself.
+//
+// With in_place_a (Note [A in place]), A is not packed: micro_for's kernels read row i of a k
+// block at in_place_a->a + i * lda + pc.
+struct InPlaceA {
+  const float* a;
+  size_t lda;
+};
 template <typename StepsOf, typename PackA, typename PackB>
 PW_TARGET_AVX512 void BlockedGemm(int k, float alpha, float beta, float* c, int ldc, int m0, int m1,
                                   int n0, int n1, int kc_limit, bool even_blocks,
                                   RowKernelsFn micro_for, StepsOf steps_of, PackA pack_a,
-                                  PackB pack_b, const GemmEpilogue& epilogue = {}) {
+                                  PackB pack_b, const GemmEpilogue& epilogue = {},
+                                  const InPlaceA* in_place_a = nullptr) {
   thread_local std::vector<Line> a_buf, b_buf;
   // alpha != 1 with beta != 0 combines the finished sum with c's old value: one k block.
   if (alpha != 1.0f && beta != 0.0f) kc_limit = k;
@@ -454,7 +493,8 @@ PW_TARGET_AVX512 void BlockedGemm(int k, float alpha, float beta, float* c, int 
   const int steps_max = steps_of(kc_max);
   const int nc_max = std::max(kNr, kPackedBBytes / (4 * steps_max) / kNr * kNr);
   constexpr int mc_max = kMr * kMcPanels;
-  uint32_t* ap = Scratch(a_buf, static_cast<size_t>(mc_max) * steps_max);
+  uint32_t* ap =
+      in_place_a != nullptr ? nullptr : Scratch(a_buf, static_cast<size_t>(mc_max) * steps_max);
   uint32_t* bp = Scratch(b_buf, static_cast<size_t>(std::min(nc_max, n1 - n0) + kNr) * steps_max);
   for (int jc0 = n0; jc0 < n1; jc0 += nc_max) {
     const int nc = std::min(nc_max, n1 - jc0);
@@ -474,11 +514,17 @@ PW_TARGET_AVX512 void BlockedGemm(int k, float alpha, float beta, float* c, int 
       }
       for (int ic = m0; ic < m1; ic += mc_max) {
         const int mc = std::min(mc_max, m1 - ic);
-        pack_a(pc, ic, mc, kc, ap);
+        if (in_place_a == nullptr) pack_a(pc, ic, mc, kc, ap);
         const bool epilogue_now = last && (epilogue.bias != nullptr || epilogue.act != nullptr);
         for (int ir = 0; ir < mc; ir += kMr) {
           float* strip = c + static_cast<size_t>(ic + ir) * ldc + jc0;
-          const uint32_t* apanel = ap + static_cast<size_t>(ir) * steps;
+          const uint32_t* apanel =
+              in_place_a != nullptr ? nullptr : ap + static_cast<size_t>(ir) * steps;
+          const float* a_rows =
+              in_place_a != nullptr
+                  ? in_place_a->a + static_cast<size_t>(ic + ir) * in_place_a->lda + pc
+                  : nullptr;
+          const size_t lda = in_place_a != nullptr ? in_place_a->lda : 0;
           const int rows = std::min(kMr, mc - ir);
           const MicroKernelFn micro = micro_for(rows);
           for (int jc = 0; jc < nc; jc += kNr) {
@@ -487,8 +533,9 @@ PW_TARGET_AVX512 void BlockedGemm(int k, float alpha, float beta, float* c, int 
             if (epilogue.act != nullptr) {
               tile.act = epilogue.act + static_cast<size_t>(ic + ir) * epilogue.ld_act + jc0 + jc;
             }
-            micro(steps, apanel, bp + static_cast<size_t>(jc) * steps, strip + jc, ldc, rows,
-                  std::min(kNr, nc - jc), alpha, beta, init, store, epilogue_now ? &tile : nullptr);
+            micro(steps, apanel, a_rows, lda, bp + static_cast<size_t>(jc) * steps, strip + jc, ldc,
+                  rows, std::min(kNr, nc - jc), alpha, beta, init, store,
+                  epilogue_now ? &tile : nullptr);
           }
         }
       }
@@ -559,15 +606,16 @@ int KcF32(bool trans_a, int k, int n) {
 // with natural k order and no denormal flushing.
 PW_TARGET_AVX512 void GemmF32Avx512(const OperandsF32& g, int m0, int m1, int n0, int n1,
                                     const GemmEpilogue& epilogue) {
+  // A stored m x k is read in place (Note [A in place]); stored k x m, it is packed.
+  const InPlaceA in_place{g.a, static_cast<size_t>(g.lda)};
   BlockedGemm(
       g.k, g.alpha, g.beta, g.c, g.ldc, m0, m1, n0, n1, KcF32(g.trans_a, g.k, n1 - n0),
-      /*even_blocks=*/false, RowKernels<HalfGemmKernel::kFma>::For, [](int kc) { return kc; },
+      /*even_blocks=*/false,
+      g.trans_a ? RowKernels<HalfGemmKernel::kFma>::For
+                : RowKernels<HalfGemmKernel::kFma, true>::For,
+      [](int kc) { return kc; },
       [&](int pc, int ic, int mc, int kc, uint32_t* ap) {
-        if (g.trans_a) {
-          PackColumnsF32<kMr>(g.a + static_cast<size_t>(pc) * g.lda + ic, g.lda, mc, kc, ap);
-        } else {
-          PackRowsF32<kMr>(g.a + static_cast<size_t>(ic) * g.lda + pc, g.lda, mc, kc, ap);
-        }
+        PackColumnsF32<kMr>(g.a + static_cast<size_t>(pc) * g.lda + ic, g.lda, mc, kc, ap);
       },
       [&](int pc, int jc, int nr, int kc, uint32_t* bp) {
         if (g.trans_b) {
@@ -576,7 +624,7 @@ PW_TARGET_AVX512 void GemmF32Avx512(const OperandsF32& g, int m0, int m1, int n0
           PackColumnsF32<kNr>(g.b + static_cast<size_t>(pc) * g.ldb + jc, g.ldb, nr, kc, bp);
         }
       },
-      epilogue);
+      epilogue, g.trans_a ? nullptr : &in_place);
 }
 
 // Seconds of this thread's CPU time (not wall time: a preempted probe is not slower).
@@ -598,12 +646,12 @@ HalfGemmKernel ProbeBf16Kernel() {
   for (int attempt = 0; attempt < 5; ++attempt) {
     for (int which = 0; which < 2; ++which) {
       // The same flops: kSteps pairs for dot, 2 kSteps single k for fma.
-      const MicroKernelFn fn = which == 0 ? MicroKernel<kMr, kNv, HalfGemmKernel::kBf16Dot>
-                                          : MicroKernel<kMr, kNv, HalfGemmKernel::kFma>;
+      const MicroKernelFn fn = which == 0 ? MicroKernel<kMr, kNv, HalfGemmKernel::kBf16Dot, false>
+                                          : MicroKernel<kMr, kNv, HalfGemmKernel::kFma, false>;
       const double t0 = ThreadSeconds();
       for (int call = 0; call < kCalls; ++call) {
-        fn(which == 0 ? kSteps : 2 * kSteps, a.data()->w, b.data()->w, c.data(), kNr, kMr, kNr,
-           1.0f, 0.0f, Init::kZero, Store::kPlain, nullptr);
+        fn(which == 0 ? kSteps : 2 * kSteps, a.data()->w, nullptr, 0, b.data()->w, c.data(), kNr,
+           kMr, kNr, 1.0f, 0.0f, Init::kZero, Store::kPlain, nullptr);
       }
       best[which] = std::min(best[which], ThreadSeconds() - t0);
     }
