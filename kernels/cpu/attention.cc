@@ -10,10 +10,12 @@
 //           rounded up to kTile; k and v also transposed ([Dp, Tp]) where they are the right-hand
 //           side of a product over d. Zero padding adds exact zeros, so padded and unpadded
 //           products agree bit for bit.
-//  forward  per query tile of kTile rows, over key tiles up to the diagonal (tiles above it are
-//           skipped): S = Q K^T; online softmax (running row max m and sum l, O rescaled by
-//           exp(m_old - m_new)); O += P V. Finally out = O / l and lse = m + log l.
-//  backward per key tile, over query tiles from the diagonal down, with dK and dV of the tile in
+//  forward  per query tile of kForwardTile rows, over key tiles of as many keys up to the
+//           diagonal (tiles above it are skipped): S = Q K^T; online softmax (running row max m
+//           and sum l, O rescaled by exp(m_old - m_new)); O += P V. Finally out = O / l and
+//           lse = m + log l.
+//  backward per key tile of kTile keys, over query tiles of kTile rows from the diagonal down,
+//           with dK and dV of the tile in
 //           scratch: P = exp(S - lse) recomputed, dV += P^T dO, dP = dO V^T,
 //           dS = P (dP - delta) with delta_i = dout_i . out_i, dQ += dS K (a head-sized
 //           accumulator), dK += dS^T Q. dq is scaled by 1/sqrt(D) once when it is stored.
@@ -27,9 +29,18 @@
 // the ISA has them: GCC contracts a * b + c in C++ by default). The row softmax loops are plain
 // loops that vectorise for the variant's ISA; row sums and maxima keep vector partial results.
 //
-// Memory per pair: forward 3 Tp Dp + kTile (kTile + Dp + 2) floats, backward
-// 6 Tp Dp + Tp + 2 kTile (kTile + Dp) floats; with kTile = 64, a 64 x 64 tile is 16 KiB, so the
-// tiles a product touches stay in L1/L2 (here 48 KiB / 2 MiB per core).
+// Memory per pair: forward 3 Tp Dp + kForwardTile (kForwardTile + Dp + 2) floats, backward
+// 6 Tp Dp + Tp + 2 kTile (kTile + Dp) floats; a 64 x 64 tile is 16 KiB, a 128 x 128 one 64 KiB,
+// so the tiles a product touches stay in L1/L2 (here 48 KiB / 2 MiB per core).
+//
+// Note [Attention tiles]. The forward's tiles are twice the backward's. A forward row pays per
+// key tile for its max, its sum, the rescale of its output row and a scalar exp, so with fewer,
+// wider key tiles it does less of that for the same products; gpt-small's micro-batch (T = 128:
+// one query tile instead of two, one pass over each row instead of up to two) measured 1.43 ->
+// 1.29 ms in kernels_bench, T = 1,024 7.9 -> 7.0 ms. The backward keeps 64: at 128 its
+// probability and gradient tiles (64 KiB each) outgrow L1 and it ran 7% slower. The backward
+// recomputes P from lse and does not depend on the forward's tiling; the forward's last bits do
+// (the online softmax rescales at key-tile boundaries), so changing kForwardTile moves them.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -43,7 +54,8 @@
 namespace pipewright::cpu {
 namespace {
 
-constexpr int kTile = 64;      // queries per query tile and keys per key tile
+constexpr int kTile = 64;          // the backward's queries per query tile and keys per key tile
+constexpr int kForwardTile = 128;  // the forward's (Note [Attention tiles])
 constexpr int kDimAlign = 16;  // padding of the head dim and of a product's column count
 
 constexpr int RoundUp(int x, int m) { return (x + m - 1) / m * m; }
@@ -290,11 +302,11 @@ PW_KERNEL_BODY void PackTransposed(const Head& hd, const float* src, size_t ld, 
 // j <= r + off: columns [0, visible) of row r, the rest must become exact zeros.
 int Visible(int r, int off, int ncols) { return std::min(ncols, r + off + 1); }
 
-// S = Q K^T for query rows [i0, i0 + m) and key columns [j0, j0 + ncols), into s (ld kTile).
+// S = Q K^T for query rows [i0, i0 + m) and key columns [j0, j0 + ncols), into s (ld ld).
 GemmArgs ScoreArgs(const Head& hd, const float* q, const float* kt, int i0, int m, int j0,
-                   int ncols, float* s) {
+                   int ncols, float* s, int ld) {
   GemmArgs g{m, ncols, hd.Dp, q + static_cast<size_t>(i0) * hd.Dp, hd.Dp, 1, kt + j0, hd.Tp,
-             s, kTile, false};
+             s, ld, false};
   g.causal = Causal::kCols;
   g.off = i0 - j0;
   return g;
@@ -302,7 +314,7 @@ GemmArgs ScoreArgs(const Head& hd, const float* q, const float* kt, int i0, int 
 
 size_t ForwardFloats(int T, int D) {
   const size_t tp = RoundUp(T, kTile), dp = RoundUp(D, kDimAlign);
-  return 3 * tp * dp + kTile * (kTile + dp + 2);
+  return 3 * tp * dp + kForwardTile * (kForwardTile + dp + 2);
 }
 
 size_t BackwardFloats(int T, int D) {
@@ -317,27 +329,27 @@ PW_KERNEL_BODY void ForwardPair(const Head& hd, float* out, float* lse, float* s
   float* q = scratch;            // [Tp, Dp], scaled
   float* kt = q + td;            // [Dp, Tp]
   float* v = kt + td;            // [Tp, Dp]
-  float* s = v + td;             // [kTile, kTile]: scores, then probabilities
-  float* o = s + kTile * kTile;  // [kTile, Dp]: unnormalised output rows
-  float* row_max = o + kTile * hd.Dp;
-  float* row_sum = row_max + kTile;
+  float* s = v + td;             // [kForwardTile, kForwardTile]: scores, then probabilities
+  float* o = s + kForwardTile * kForwardTile;  // [kForwardTile, Dp]: unnormalised output rows
+  float* row_max = o + kForwardTile * hd.Dp;
+  float* row_sum = row_max + kForwardTile;
   Pack<W>(hd, hd.q, hd.ld_qkv, hd.scale, q);
   PackTransposed<W>(hd, hd.k, hd.ld_qkv, kt);
   Pack<W>(hd, hd.v, hd.ld_qkv, 1.0f, v);
   using V = typename simd::Vec<W>::F;
   const typename simd::Vec<W>::I lane = simd::LaneIndex<W>();
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  for (int i0 = 0; i0 < hd.T; i0 += kTile) {
-    const int m = std::min(kTile, hd.T - i0);
+  for (int i0 = 0; i0 < hd.T; i0 += kForwardTile) {
+    const int m = std::min(kForwardTile, hd.T - i0);
     std::fill(o, o + static_cast<size_t>(m) * hd.Dp, 0.0f);
     std::fill(row_max, row_max + m, kNegInf);
     std::fill(row_sum, row_sum + m, 0.0f);
-    for (int j0 = 0; j0 <= i0; j0 += kTile) {  // key tiles up to the diagonal
+    for (int j0 = 0; j0 <= i0; j0 += kForwardTile) {  // key tiles up to the diagonal
       const int off = i0 - j0;
-      const int ncols = std::min(kTile, RoundUp(off + m, kDimAlign));
-      kGemm(ScoreArgs(hd, q, kt, i0, m, j0, ncols, s));
+      const int ncols = std::min(kForwardTile, RoundUp(off + m, kDimAlign));
+      kGemm(ScoreArgs(hd, q, kt, i0, m, j0, ncols, s, kForwardTile));
       for (int r = 0; r < m; ++r) {
-        float* p = s + r * kTile;
+        float* p = s + r * kForwardTile;
         const int vis = Visible(r, off, ncols);
         // Row max over the visible columns, then p = exp(p - max) on them and exact zeros on the
         // rest, summed as it goes in W partial sums and a lane tree: vector loops whose last
@@ -366,7 +378,7 @@ PW_KERNEL_BODY void ForwardPair(const Head& hd, float* out, float* lse, float* s
         for (int d = 0; d < hd.Dp; ++d) orow[d] *= corr;
       }
       // O += P V
-      kGemm({m, hd.Dp, ncols, s, kTile, 1, v + static_cast<size_t>(j0) * hd.Dp, hd.Dp, o, hd.Dp,
+      kGemm({m, hd.Dp, ncols, s, kForwardTile, 1, v + static_cast<size_t>(j0) * hd.Dp, hd.Dp, o, hd.Dp,
              true, Causal::kKTo, off});
     }
     for (int r = 0; r < m; ++r) {
@@ -428,7 +440,7 @@ PW_KERNEL_BODY void BackwardPair(const Head& hd, const float* dout, const float*
       const int ncols = std::min(kTile, RoundUp(off + m, kDimAlign));
       const float* qi = q + static_cast<size_t>(i0) * Dp;
       const float* doi = dob + static_cast<size_t>(i0) * Dp;
-      kGemm(ScoreArgs(hd, q, kt, i0, m, j0, ncols, p));
+      kGemm(ScoreArgs(hd, q, kt, i0, m, j0, ncols, p, kTile));
       for (int r = 0; r < m; ++r) {  // P = exp(S - lse) where visible, exact zeros elsewhere
         float* pr = p + r * kTile;
         const int vis = Visible(r, off, ncols);

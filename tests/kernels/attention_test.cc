@@ -181,7 +181,8 @@ TEST_P(AttentionIsaTest, MatchesNaiveReference) {
       {2, 37, 64, 2},    // D = 32
       {1, 65, 128, 2},   // D = 64, one row past a tile
       {2, 63, 64, 1},    // D = 64, one row short of a tile
-      {1, 130, 64, 2},   // three query tiles, D = 32
+      {1, 130, 64, 2},   // three backward query tiles, two forward ones, D = 32
+      {1, 260, 64, 2},   // three forward query tiles, D = 32
       {1, 200, 60, 3},   // D = 20: padded to 32
       {1, 129, 100, 1},  // D = 100: padded to 112
   };
