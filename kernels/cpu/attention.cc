@@ -15,10 +15,10 @@
 //           and sum l, O rescaled by exp(m_old - m_new)); O += P V. Finally out = O / l and
 //           lse = m + log l.
 //  backward per key tile of kTile keys, over query tiles of kTile rows from the diagonal down,
-//           with dK and dV of the tile in
-//           scratch: P = exp(S - lse) recomputed, dV += P^T dO, dP = dO V^T,
-//           dS = P (dP - delta) with delta_i = dout_i . out_i, dQ += dS K (a head-sized
-//           accumulator), dK += dS^T Q. dq is scaled by 1/sqrt(D) once when it is stored.
+//           with dK and dV of the tile in scratch: P = exp(S - lse) recomputed, dV += P^T dO,
+//           dP = dO V^T, dS = P (dP - delta) with delta_i = dout_i . out_i, dQ += dS K (a
+//           head-sized accumulator), dK += dS^T Q. dq is scaled by 1/sqrt(D) once when it is
+//           stored.
 // Masked (j > i) probabilities are exactly zero. In a diagonal tile the products also skip
 // the masked triangle per block of micro-kernel rows (Causal), which only drops exact zeros.
 //
@@ -56,7 +56,7 @@ namespace {
 
 constexpr int kTile = 64;          // the backward's queries per query tile and keys per key tile
 constexpr int kForwardTile = 128;  // the forward's (Note [Attention tiles])
-constexpr int kDimAlign = 16;  // padding of the head dim and of a product's column count
+constexpr int kDimAlign = 16;      // padding of the head dim and of a product's column count
 
 constexpr int RoundUp(int x, int m) { return (x + m - 1) / m * m; }
 
@@ -302,11 +302,12 @@ PW_KERNEL_BODY void PackTransposed(const Head& hd, const float* src, size_t ld, 
 // j <= r + off: columns [0, visible) of row r, the rest must become exact zeros.
 int Visible(int r, int off, int ncols) { return std::min(ncols, r + off + 1); }
 
-// S = Q K^T for query rows [i0, i0 + m) and key columns [j0, j0 + ncols), into s (ld ld).
+// S = Q K^T for query rows [i0, i0 + m) and key columns [j0, j0 + ncols), into s, whose rows
+// are ld_s floats apart (the tile width).
 GemmArgs ScoreArgs(const Head& hd, const float* q, const float* kt, int i0, int m, int j0,
-                   int ncols, float* s, int ld) {
-  GemmArgs g{m, ncols, hd.Dp, q + static_cast<size_t>(i0) * hd.Dp, hd.Dp, 1, kt + j0, hd.Tp,
-             s, ld, false};
+                   int ncols, float* s, int ld_s) {
+  const float* qi = q + static_cast<size_t>(i0) * hd.Dp;
+  GemmArgs g{m, ncols, hd.Dp, qi, hd.Dp, 1, kt + j0, hd.Tp, s, ld_s, false};
   g.causal = Causal::kCols;
   g.off = i0 - j0;
   return g;
@@ -326,10 +327,10 @@ template <int W, GemmFn kGemm>
 PW_KERNEL_BODY void ForwardPair(const Head& hd, float* out, float* lse, float* scratch,
                                 NextPairRows& ahead) {
   const size_t td = static_cast<size_t>(hd.Tp) * hd.Dp;
-  float* q = scratch;            // [Tp, Dp], scaled
-  float* kt = q + td;            // [Dp, Tp]
-  float* v = kt + td;            // [Tp, Dp]
-  float* s = v + td;             // [kForwardTile, kForwardTile]: scores, then probabilities
+  float* q = scratch;  // [Tp, Dp], scaled
+  float* kt = q + td;  // [Dp, Tp]
+  float* v = kt + td;  // [Tp, Dp]
+  float* s = v + td;   // [kForwardTile, kForwardTile]: scores, then probabilities
   float* o = s + kForwardTile * kForwardTile;  // [kForwardTile, Dp]: unnormalised output rows
   float* row_max = o + kForwardTile * hd.Dp;
   float* row_sum = row_max + kForwardTile;
@@ -378,8 +379,8 @@ PW_KERNEL_BODY void ForwardPair(const Head& hd, float* out, float* lse, float* s
         for (int d = 0; d < hd.Dp; ++d) orow[d] *= corr;
       }
       // O += P V
-      kGemm({m, hd.Dp, ncols, s, kForwardTile, 1, v + static_cast<size_t>(j0) * hd.Dp, hd.Dp, o, hd.Dp,
-             true, Causal::kKTo, off});
+      kGemm({m, hd.Dp, ncols, s, kForwardTile, 1, v + static_cast<size_t>(j0) * hd.Dp, hd.Dp, o,
+             hd.Dp, true, Causal::kKTo, off});
     }
     for (int r = 0; r < m; ++r) {
       const float inv = 1.0f / row_sum[r];
