@@ -7,13 +7,13 @@
 // do not depend on which range of pairs a call covers. Per pair:
 //  pack     the head's q (pre-scaled by 1/sqrt(D)), k, v (and dout) into contiguous scratch,
 //           the head dim zero-padded to Dp = D rounded up to 16 and the sequence to Tp = T
-//           rounded up to kTile; k and v also transposed ([Dp, Tp]) where they are the right-hand
-//           side of a product over d. Zero padding adds exact zeros, so padded and unpadded
-//           products agree bit for bit.
-//  forward  per query tile of kForwardTile rows, over key tiles of as many keys up to the
-//           diagonal (tiles above it are skipped): S = Q K^T; online softmax (running row max m
-//           and sum l, O rescaled by exp(m_old - m_new)); O += P V. Finally out = O / l and
-//           lse = m + log l.
+//           rounded up to kTile; q, k or v also transposed ([Dp, Tp]) where they are the
+//           right-hand side of a product over d. Zero padding adds exact zeros, so padded and
+//           unpadded products agree bit for bit.
+//  forward  per query tile of kForwardTile queries, over key tiles of as many keys up to the
+//           diagonal (tiles above it are skipped): the scores transposed, S^T = K Q^T (Note
+//           [Transposed scores]); online softmax (running max m and sum l per query, O rescaled
+//           by exp(m_old - m_new)); O += P V. Finally out = O / l and lse = m + log l.
 //  backward per key tile of kTile keys, over query tiles of kTile rows from the diagonal down,
 //           with dK and dV of the tile in scratch: P = exp(S - lse) recomputed, dV += P^T dO,
 //           dP = dO V^T, dS = P (dP - delta) with delta_i = dout_i . out_i, dQ += dS K (a
@@ -26,10 +26,11 @@
 // vectors, written with GCC vector types (vec.h) so one body compiles to SSE/NEON (4 lanes, 4
 // rows), AVX2 (8 lanes, 6 rows) and AVX-512 (16 lanes, 8 rows): 8 to 16 accumulators that fit the
 // ISA's registers. Every output element is a sequential sum over k (fused multiply-adds where
-// the ISA has them: GCC contracts a * b + c in C++ by default). The row softmax loops are plain
-// loops that vectorise for the variant's ISA; row sums and maxima keep vector partial results.
+// the ISA has them: GCC contracts a * b + c in C++ by default). The softmax loops are vector
+// loops of the variant's width: the forward's run down the key rows of W queries at a time (Note
+// [Transposed scores]), the backward's along its rows of scores.
 //
-// Memory per pair: forward 3 Tp Dp + kForwardTile (kForwardTile + Dp + 2) floats, backward
+// Memory per pair: forward 3 Tp Dp + kForwardTile (kForwardTile + Dp + 3) floats, backward
 // 6 Tp Dp + Tp + 2 kTile (kTile + Dp) floats; a 64 x 64 tile is 16 KiB, a 128 x 128 one 64 KiB,
 // so the tiles a product touches stay in L1/L2 (here 48 KiB / 2 MiB per core).
 //
@@ -41,6 +42,19 @@
 // probability and gradient tiles (64 KiB each) outgrow L1 and it ran 7% slower. The backward
 // recomputes P from lse and does not depend on the forward's tiling; the forward's last bits do
 // (the online softmax rescales at key-tile boundaries), so changing kForwardTile moves them.
+//
+// Note [Transposed scores]. The forward's softmax reduces over keys for each query. With the
+// scores stored a query per row, every row paid a horizontal max and a horizontal sum (lane
+// trees, a dependent chain of shuffles), a scalar exp and its own loop set-up, for a row of
+// ~70 visible scores on average at T = 128: that was 36% of the forward's time. The forward
+// computes S^T = K Q^T instead (keys down the rows, queries along them) and runs the softmax on
+// W queries at a time down the key rows, so the max, the exp and the sum are plain lane-wise
+// vector operations and a query's running max, sum and rescale factor are lanes of vectors.
+// P^T is then the A operand of O += P V read with its strides swapped. The probabilities are
+// the same values (the same exp of the same differences); each query's sum now adds its keys
+// in order in one lane where it used W partial sums and a tree, so out and lse move in their
+// last bits. kernels_bench, gpt-small's micro-batch forward: 1.32-1.34 -> 1.15-1.17 ms
+// (docs/benchmarks.md).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -62,10 +76,12 @@ constexpr int RoundUp(int x, int m) { return (x + m - 1) / m * m; }
 
 // Which part of a product a causal tile needs, for the block of rows [r0, r1):
 //  kCols  columns c < r1 + off (scores: key c of the tile is visible to row r iff c <= r + off),
+//  kColsFrom columns c >= r0 - off, from a multiple of the vector width (transposed scores:
+//         query c of the tile sees key r iff c >= r - off),
 //  kKTo   k < r1 + off         (A = P or dS, rows = queries, k = keys),
 //  kKFrom k >= r0 + off        (A = P^T or dS^T, rows = keys, k = queries).
 // Everything left out is a product with an exact zero of A or a column nobody reads.
-enum class Causal { kNone, kCols, kKTo, kKFrom };
+enum class Causal { kNone, kCols, kColsFrom, kKTo, kKFrom };
 
 // C[M x N] (+)= A[M x K] B[K x N]. A(r, p) = a[r * ars + p * aps]; B row p at b + p * ldb with N
 // contiguous floats, N a multiple of kDimAlign; C row r at c + r * ldc.
@@ -133,11 +149,11 @@ PW_KERNEL_BODY void TileGemmBody(const GemmArgs& g) {
   static_assert(kDimAlign % W == 0, "a product's columns are whole vectors");
   for (int r0 = 0; r0 < g.M; r0 += kRows) {
     const int rows = std::min(kRows, g.M - r0);
-    int n = g.N, k0 = 0, k1 = g.K;
+    int n = g.N, k0 = 0, k1 = g.K, col = 0;
     if (g.causal == Causal::kCols) n = std::min(n, RoundUp(std::max(r0 + rows + g.off, 0), W));
+    if (g.causal == Causal::kColsFrom) col = std::clamp((r0 - g.off) / W * W, 0, n);
     if (g.causal == Causal::kKTo) k1 = std::clamp(r0 + rows + g.off, 0, k1);
     if (g.causal == Causal::kKFrom) k0 = std::clamp(r0 + g.off, 0, k1);
-    int col = 0;
     for (; col + 2 * W <= n; col += 2 * W) MicroKernelRows<W, kRows, 2>(g, rows, r0, col, k0, k1);
     if (col < n) MicroKernelRows<W, kRows, 1>(g, rows, r0, col, k0, k1);
   }
@@ -176,9 +192,10 @@ Head MakeHead(const float* qkv, int T, int C, int H, int pair) {
 // hardware prefetchers do not follow, so each row's load or store waited on memory (perf: the
 // loads of the packing and of delta = dout . out took about half of the attention kernels' own
 // time at T = 128). The loops that walk those rows prefetch the row kPrefetchRows ahead, and
-// while a pair computes, its row loops fetch the next pair's rows into L2 a few at a time
-// (NextPairRows): in a gpt-small step that took the attention kernels from 8.9% to 8.3% of the
-// time (perf, two runs each).
+// while a pair computes, its softmax loops fetch the next pair's rows into L2 a few at a time
+// (NextPairRows; the forward one row per visible key row of each query block, the backward two
+// per score row, enough to cover the next pair's rows): in a gpt-small step that took the
+// attention kernels from 8.9% to 8.3% of the time (perf, two runs each).
 constexpr int kPrefetchRows = 8;
 
 // Starts loading (or, for_write, fetching for a store) the cache lines of floats [p, p + n).
@@ -252,9 +269,10 @@ PW_KERNEL_BODY void Pack(const Head& hd, const float* src, size_t ld, float s, f
 #if PW_HAVE_X86_VARIANTS
 // PackTransposed's block with AVX-512: rows [0, n) (n <= 16; the rest zeros) of src (row stride
 // ld), head dims [0, D) (zeros up to Dp, a multiple of 16), transposed in registers, 16 head dims
-// at a time, into dst (row stride ld_dst) as Dp runs of 16 floats.
+// at a time, into dst (row stride ld_dst) as Dp runs of 16 floats, each value times s.
 PW_TARGET_AVX512 inline void TransposeBlockAvx512(const float* src, size_t ld, int n, int D, int Dp,
-                                                  float* dst, int ld_dst) {
+                                                  float s, float* dst, int ld_dst) {
+  const __m512 vs = _mm512_set1_ps(s);
   for (int d0 = 0; d0 < Dp; d0 += 16) {
     const __mmask16 load = static_cast<__mmask16>((1u << std::clamp(D - d0, 0, 16)) - 1);
     __m512i r[16];
@@ -264,25 +282,28 @@ PW_TARGET_AVX512 inline void TransposeBlockAvx512(const float* src, size_t ld, i
     }
     Transpose16x16(r);
     for (int d = 0; d < 16; ++d) {
-      _mm512_storeu_si512(dst + static_cast<size_t>(d0 + d) * ld_dst, r[d]);
+      _mm512_storeu_ps(dst + static_cast<size_t>(d0 + d) * ld_dst,
+                       _mm512_mul_ps(vs, _mm512_castsi512_ps(r[d])));
     }
   }
 }
 #endif
 
-// The transpose, dst [Dp, Tp], in blocks of 16 tokens: every store is a contiguous run (a
+// The transpose times s, dst [Dp, Tp], in blocks of 16 tokens: every store is a contiguous run (a
 // column-at-a-time transpose that stores with a stride of Tp floats was a quarter of the
 // backward's own time at T = 1024). With AVX-512 each block is loaded as 16 rows of 16 head
 // dims and transposed in registers; otherwise each run is gathered from its column.
 template <int W>
-PW_KERNEL_BODY void PackTransposed(const Head& hd, const float* src, size_t ld, float* dst) {
+PW_KERNEL_BODY void PackTransposed(const Head& hd, const float* src, size_t ld, float s,
+                                   float* dst) {
   constexpr int kBlock = 16;
   for (int t0 = 0; t0 < hd.Tp; t0 += kBlock) {
     const int n = std::clamp(hd.T - t0, 0, kBlock);
     for (int t = t0; t < t0 + n; ++t) PrefetchRowAhead(hd, src, ld, t + kBlock - kPrefetchRows);
 #if PW_HAVE_X86_VARIANTS
     if constexpr (W == 16) {
-      TransposeBlockAvx512(src + static_cast<size_t>(t0) * ld, ld, n, hd.D, hd.Dp, dst + t0, hd.Tp);
+      TransposeBlockAvx512(src + static_cast<size_t>(t0) * ld, ld, n, hd.D, hd.Dp, s, dst + t0,
+                           hd.Tp);
       continue;
     }
 #endif
@@ -291,7 +312,7 @@ PW_KERNEL_BODY void PackTransposed(const Head& hd, const float* src, size_t ld, 
       int t = 0;
       if (d < hd.D) {
         const float* x = src + static_cast<size_t>(t0) * ld + d;
-        for (; t < n; ++t) out[t] = x[t * ld];
+        for (; t < n; ++t) out[t] = s * x[t * ld];
       }
       std::fill(out + t, out + kBlock, 0.0f);
     }
@@ -315,7 +336,7 @@ GemmArgs ScoreArgs(const Head& hd, const float* q, const float* kt, int i0, int 
 
 size_t ForwardFloats(int T, int D) {
   const size_t tp = RoundUp(T, kTile), dp = RoundUp(D, kDimAlign);
-  return 3 * tp * dp + kForwardTile * (kForwardTile + dp + 2);
+  return 3 * tp * dp + kForwardTile * (kForwardTile + dp + 3);
 }
 
 size_t BackwardFloats(int T, int D) {
@@ -327,59 +348,84 @@ template <int W, GemmFn kGemm>
 PW_KERNEL_BODY void ForwardPair(const Head& hd, float* out, float* lse, float* scratch,
                                 NextPairRows& ahead) {
   const size_t td = static_cast<size_t>(hd.Tp) * hd.Dp;
-  float* q = scratch;  // [Tp, Dp], scaled
-  float* kt = q + td;  // [Dp, Tp]
-  float* v = kt + td;  // [Tp, Dp]
-  float* s = v + td;   // [kForwardTile, kForwardTile]: scores, then probabilities
-  float* o = s + kForwardTile * kForwardTile;  // [kForwardTile, Dp]: unnormalised output rows
-  float* row_max = o + kForwardTile * hd.Dp;
+  float* qt = scratch;  // [Dp, Tp], scaled
+  float* k = qt + td;   // [Tp, Dp]
+  float* v = k + td;    // [Tp, Dp]
+  float* st = v + td;   // [kForwardTile keys, kForwardTile queries]: scores, then probabilities
+  float* o = st + kForwardTile * kForwardTile;  // [kForwardTile, Dp]: unnormalised output rows
+  float* row_max = o + kForwardTile * hd.Dp;    // per query of the tile
   float* row_sum = row_max + kForwardTile;
-  Pack<W>(hd, hd.q, hd.ld_qkv, hd.scale, q);
-  PackTransposed<W>(hd, hd.k, hd.ld_qkv, kt);
+  float* corr = row_sum + kForwardTile;  // exp(old max - new max), per query
+  PackTransposed<W>(hd, hd.q, hd.ld_qkv, hd.scale, qt);
+  Pack<W>(hd, hd.k, hd.ld_qkv, 1.0f, k);
   Pack<W>(hd, hd.v, hd.ld_qkv, 1.0f, v);
   using V = typename simd::Vec<W>::F;
   const typename simd::Vec<W>::I lane = simd::LaneIndex<W>();
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   for (int i0 = 0; i0 < hd.T; i0 += kForwardTile) {
     const int m = std::min(kForwardTile, hd.T - i0);
+    const int mw = RoundUp(m, kDimAlign);  // queries computed (the rest of Q^T is zeros)
     std::fill(o, o + static_cast<size_t>(m) * hd.Dp, 0.0f);
-    std::fill(row_max, row_max + m, kNegInf);
-    std::fill(row_sum, row_sum + m, 0.0f);
+    std::fill(row_max, row_max + mw, kNegInf);
+    std::fill(row_sum, row_sum + mw, 0.0f);
     for (int j0 = 0; j0 <= i0; j0 += kForwardTile) {  // key tiles up to the diagonal
       const int off = i0 - j0;
-      const int ncols = std::min(kForwardTile, RoundUp(off + m, kDimAlign));
-      kGemm(ScoreArgs(hd, q, kt, i0, m, j0, ncols, s, kForwardTile));
-      for (int r = 0; r < m; ++r) {
-        float* p = s + r * kForwardTile;
-        const int vis = Visible(r, off, ncols);
-        // Row max over the visible columns, then p = exp(p - max) on them and exact zeros on the
-        // rest, summed as it goes in W partial sums and a lane tree: vector loops whose last
-        // visible vector masks its lanes past `vis` (no scalar tails, no fill calls).
-        V acc = V{} + row_max[r];
-        for (int c = 0; c < vis; c += W) {
-          V x = simd::Load<W>(p + c);
-          x = lane + c < vis ? x : V{} + kNegInf;
-          acc = x > acc ? x : acc;
+      const int keys = std::min(kForwardTile, off + m);  // keys some query of the tile sees
+      // S^T = K Q^T: row jj (a key) from column (jj - off) on, rounded down to a vector.
+      kGemm({keys, mw, hd.Dp, k + static_cast<size_t>(j0) * hd.Dp, hd.Dp, 1, qt + i0, hd.Tp, st,
+             kForwardTile, false, Causal::kColsFrom, off});
+      // The softmax runs down the key rows for W queries at a time, so every reduction is a
+      // lane-wise max or sum (Note [Transposed scores]). Key jj is visible to query c iff
+      // jj <= c + off: to all W queries of the block up to `all`, to some up to `some`.
+      for (int c = 0; c < mw; c += W) {
+        const int all = std::min(keys, c + off + 1), some = std::min(keys, c + W + off);
+        const V old_max = simd::Load<W>(row_max + c);
+        V mx = old_max;
+        for (int jj = 0; jj < all; ++jj) {
+          const V x = simd::Load<W>(st + jj * kForwardTile + c);
+          mx = x > mx ? x : mx;
         }
-        const float mx = simd::ReduceMax<W>(acc);
-        ahead.Step(2);
+        for (int jj = all; jj < some; ++jj) {
+          const V x = simd::Load<W>(st + jj * kForwardTile + c);
+          const V vis = lane + c + off >= jj ? x : V{} + kNegInf;
+          mx = vis > mx ? vis : mx;
+        }
         V sum{};
-        for (int c = 0; c < ncols; c += W) {
-          V e{};
-          if (c < vis) e = lane + c < vis ? FastExpLanes(simd::Load<W>(p + c) - mx) : V{};
-          simd::Store<W>(p + c, e);
+        for (int jj = 0; jj < all; ++jj) {
+          ahead.Step(1);  // one row of the next pair per visible key row and query block
+          float* p = st + jj * kForwardTile + c;
+          const V e = FastExpLanes(simd::Load<W>(p) - mx);
+          simd::Store<W>(p, e);
           sum += e;
         }
-        const float corr = row_max[r] == kNegInf ? 0.0f : FastExp(row_max[r] - mx);
-        row_max[r] = mx;
-        // One fused multiply-add on every ISA (left to the compiler, whether it fused depended
-        // on how the sum was written).
-        row_sum[r] = __builtin_fmaf(row_sum[r], corr, simd::ReduceAdd<W>(sum));
-        float* orow = o + static_cast<size_t>(r) * hd.Dp;
-        for (int d = 0; d < hd.Dp; ++d) orow[d] *= corr;
+        for (int jj = all; jj < some; ++jj) {
+          float* p = st + jj * kForwardTile + c;
+          V e = FastExpLanes(simd::Load<W>(p) - mx);
+          e = lane + c + off >= jj ? e : V{};
+          simd::Store<W>(p, e);
+          sum += e;
+        }
+        // O += P V reads, for a block of rows that may reach into the next W queries, keys up
+        // to W past `some`: exact zeros there.
+        for (int jj = some; jj < std::min(keys, some + W); ++jj) {
+          simd::Store<W>(st + jj * kForwardTile + c, V{});
+        }
+        const V cr = old_max == kNegInf ? V{} : FastExpLanes(old_max - mx);
+        simd::Store<W>(row_max + c, mx);
+        simd::Store<W>(corr + c, cr);
+        // One fused multiply-add per lane on every ISA.
+        for (int l = 0; l < W; ++l) {
+          row_sum[c + l] = __builtin_fmaf(row_sum[c + l], cr[l], sum[l]);
+        }
       }
-      // O += P V
-      kGemm({m, hd.Dp, ncols, s, kForwardTile, 1, v + static_cast<size_t>(j0) * hd.Dp, hd.Dp, o,
+      if (j0 > 0) {  // rescale the rows summed over earlier key tiles (zeros before the first)
+        for (int r = 0; r < m; ++r) {
+          float* orow = o + static_cast<size_t>(r) * hd.Dp;
+          for (int d = 0; d < hd.Dp; ++d) orow[d] *= corr[r];
+        }
+      }
+      // O += P V, P = (S^T)^T
+      kGemm({m, hd.Dp, keys, st, 1, kForwardTile, v + static_cast<size_t>(j0) * hd.Dp, hd.Dp, o,
              hd.Dp, true, Causal::kKTo, off});
     }
     for (int r = 0; r < m; ++r) {
@@ -411,8 +457,8 @@ PW_KERNEL_BODY void BackwardPair(const Head& hd, const float* dout, const float*
   float* dv_acc = dk_acc + kTile * Dp;  // [kTile, Dp]
   Pack<W>(hd, hd.q, hd.ld_qkv, hd.scale, q);
   Pack<W>(hd, hd.k, hd.ld_qkv, 1.0f, k);
-  PackTransposed<W>(hd, hd.k, hd.ld_qkv, kt);
-  PackTransposed<W>(hd, hd.v, hd.ld_qkv, vt);
+  PackTransposed<W>(hd, hd.k, hd.ld_qkv, 1.0f, kt);
+  PackTransposed<W>(hd, hd.v, hd.ld_qkv, 1.0f, vt);
   Pack<W>(hd, dout, hd.C, 1.0f, dob);
   using V = typename simd::Vec<W>::F;
   const typename simd::Vec<W>::I lane = simd::LaneIndex<W>();

@@ -114,7 +114,13 @@ INSTANTIATE_TEST_SUITE_P(
 
 double RelDiff(double a, double b) { return std::abs(a - b) / std::max(1e-30, std::abs(b)); }
 
-// dp = 2 with half the micro-batches sees the same global batch: fp32 rounding apart.
+// dp = 2 with half the micro-batches sees the same global batch: fp32 rounding apart. The two
+// sum the gradients in different orders, and AdamW divides each update by the gradient's own
+// running magnitude, so an element whose gradient is nearly zero turns its last-bit difference
+// into a visible fraction of the step (lr = 1e-2): across equally exact roundings of the
+// attention forward the worst single weight differed by 1.7e-5 to 1.3e-4, always in the same
+// few weights, while the RMS difference over all 234,880 weights stayed near 3e-7. So the RMS
+// is held tightly and the worst element only below a tenth of one step.
 TEST(EngineDataParallel, MatchesSingleReplicaWithinRounding) {
   RunResult one = RunEngine(Options(1, 1, ScheduleKind::k1F1B, 1, Recompute::kNone, 8), Tiny());
   for (int pp : {1, 2}) {
@@ -125,12 +131,19 @@ TEST(EngineDataParallel, MatchesSingleReplicaWithinRounding) {
     for (size_t i = 0; i < one.losses.size(); ++i) {
       EXPECT_LT(RelDiff(two.losses[i], one.losses[i]), 1e-5) << "pp " << pp << " step " << i;
     }
-    double worst = 0;
+    double worst = 0, squares = 0;
+    size_t count = 0;
     for (const auto& [name, w] : one.weights) {
       const std::vector<float>& v = two.weights.at(name);
-      for (size_t k = 0; k < w.size(); ++k) worst = std::max(worst, std::abs(double(v[k]) - w[k]));
+      for (size_t k = 0; k < w.size(); ++k, ++count) {
+        const double d = std::abs(double(v[k]) - w[k]);
+        worst = std::max(worst, d);
+        squares += d * d;
+      }
     }
-    EXPECT_LT(worst, 1e-4) << "pp " << pp;
+    ASSERT_GT(count, 0u);
+    EXPECT_LT(std::sqrt(squares / static_cast<double>(count)), 2e-6) << "pp " << pp;
+    EXPECT_LT(worst, 1e-3) << "pp " << pp;
   }
 }
 
