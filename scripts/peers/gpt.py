@@ -6,6 +6,8 @@ Used by scripts/bench-peers; runnable on its own:
   gpt.py --mode single ...   plain PyTorch loop (pp=1): gradient accumulation over M micro-batches
   gpt.py --mode pipe ...     torch.distributed.pipelining: PipelineStage + Schedule1F1B, gloo,
                              one process per stage (torch.multiprocessing), split at --boundaries
+  gpt.py --mode single --profile ...   also prints the last step's ops by self CPU time
+                             (torch.profiler) to stderr: where PyTorch's step goes
 
 Everything that decides the compute follows pipewright:
   * model: embed (wte [V,C] + learned wpe [S,C]), L pre-LN blocks (ln_1, attn.qkv [3C,C] + bias,
@@ -67,6 +69,9 @@ def parse_args(argv=None):
                    help="sdpa: F.scaled_dot_product_attention(is_causal=True); manual: matmul, mask, softmax, matmul")
     p.add_argument("--init-from", default="", help="pipewright checkpoint directory to load weights from")
     p.add_argument("--port", type=int, default=0, help="gloo rendezvous port (0: pick a free one)")
+    p.add_argument("--profile", action="store_true",
+                   help="single mode: run the last step under torch.profiler and print its ops by "
+                        "self CPU time to stderr (that step's time includes the profiler)")
     return p.parse_args(argv)
 
 
@@ -356,6 +361,10 @@ def run_single(a):
     step_times, losses, norms = [], [], []
     for s in range(a.steps):
         x, y = batches[s]
+        prof = None
+        if a.profile and s == a.steps - 1:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            prof.__enter__()
         t0 = time.perf_counter()
         total = 0.0
         for j in range(M):
@@ -369,6 +378,10 @@ def run_single(a):
         opt.zero_grad(set_to_none=True)
         step_times.append(time.perf_counter() - t0)
         losses.append(total)
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20),
+                  file=sys.stderr)
     extra = {"parameters": sum(p.numel() for p in params), "decayed_tensors": n_decay,
              "tensors": len(params), "versions": versions(torch),
              "parameter_names": sorted(n for n, _ in model.named_parameters())}
