@@ -75,10 +75,13 @@ absl::Status Gemm(const Exec& e, bool trans_a, bool trans_b, int64_t m, int64_t 
 // (alpha 1, beta 0; A, B and C as for Gemm, bias f32 [n]). Returns C, or with `gelu` a new tensor
 // GELU(C), C then holding the pre-activation (as BiasGeluForward leaves it). The same values as
 // Gemm then BiasAdd or BiasGeluForward, on the CPU the same bits; with pipewright's fp32 GEMM
-// (cpu::OwnF32Gemm()) in one pass (Note [GEMM epilogue] in kernels/cpu/gemm_bf16.cc).
+// (cpu::OwnF32Gemm()) in one pass (Note [GEMM epilogue] in kernels/cpu/gemm_bf16.cc). With a
+// `residual` (f32, m x n elements; not with gelu) C = op(A) op(B) + bias + residual: the same
+// values as then AddInPlace(C, residual) (a residual connection's add).
 absl::StatusOr<Tensor> GemmBias(const Exec& e, bool trans_a, bool trans_b, int64_t m, int64_t n,
                                 int64_t k, const Tensor& a, int64_t lda, const Tensor& b,
-                                int64_t ldb, const Tensor& bias, Tensor& c, bool gelu);
+                                int64_t ldb, const Tensor& bias, Tensor& c, bool gelu,
+                                const Tensor* residual = nullptr);
 // Process-wide: let CUDA f32 GEMMs use TF32 tensor cores (default off: fp32 stays fp32). The CPU
 // ignores it.
 void SetAllowTf32(bool allow);

@@ -83,11 +83,14 @@ void GemmHalfBlock(bool is_bf16, bool trans_a, bool trans_b, int m, int n, int k
 // A fused epilogue for the fp32 GEMM (Note [GEMM epilogue] in gemm_bf16.cc): after an element's
 // sum is final, C += bias[column] (bias: n floats, or null) and, with act, act = GELU(C) (act:
 // m x n, row stride ld_act; C keeps the pre-activation). The same bits as the GEMM followed by
-// BiasAdd and BiasGeluForward on the AVX-512 kernels.
+// BiasAdd and BiasGeluForward on the AVX-512 kernels. With residual (m x n, row stride ld_act;
+// act null), C = (sum + bias) + residual[i, j]: the same bits as then adding the residual
+// (Add, AddInPlace).
 struct GemmEpilogue {
   const float* bias = nullptr;
   float* act = nullptr;
   int ld_act = 0;
+  const float* residual = nullptr;
 };
 
 // fp32 GEMM on AVX-512 with the same blocking and micro-kernel (Note [fp32 GEMM] in

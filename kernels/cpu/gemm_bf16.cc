@@ -307,7 +307,9 @@ PW_TARGET_AVX512 inline __m512 DotBf16Pairs(__m512 acc, __m512i a, __m512i b) {
 // the final sums, stores them (the pre-activation) and, when asked, stores GELU of them too, with
 // the same vector GELU as the elementwise kernels (gelu.h). The additions and the GELU are the
 // same operations on the same fp32 values as the GEMM, BiasAdd and BiasGeluForward in turn, so
-// the bits are the same (tested); only the memory traffic goes.
+// the bits are the same (tested); only the memory traffic goes. A residual connection's add
+// (residual: the tile's first element of an m x n tensor, row stride ld_act) follows the bias
+// the same way (Note [Residual epilogue] in runtime/layers/transformer.cc).
 //
 // What a tile's last k block does after its sums are final (Note [GEMM epilogue]): adds
 // bias[column] (bias at the tile's first column, or null) and, when act is not null, also stores
@@ -316,6 +318,7 @@ struct TileEpilogue {
   const float* bias;
   float* act;
   size_t ld_act;
+  const float* residual = nullptr;  // added after the bias (row stride ld_act), or null
 };
 
 // Note [A in place]. Packing A costs a pass over it from L3 (0.3 ns per value) for every block
@@ -404,6 +407,10 @@ PW_TARGET_AVX512 void MicroKernel(int steps, const uint32_t* ap, const float* a_
       }
       if (epi != nullptr && epi->bias != nullptr) {
         out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(mask[v], epi->bias + 16 * v));
+      }
+      if (epi != nullptr && epi->residual != nullptr) {
+        out = _mm512_add_ps(
+            out, _mm512_maskz_loadu_ps(mask[v], epi->residual + i * epi->ld_act + 16 * v));
       }
       _mm512_mask_storeu_ps(row + 16 * v, mask[v], out);
       if (epi != nullptr && epi->act != nullptr) {
@@ -515,7 +522,8 @@ PW_TARGET_AVX512 void BlockedGemm(int k, float alpha, float beta, float* c, int 
       for (int ic = m0; ic < m1; ic += mc_max) {
         const int mc = std::min(mc_max, m1 - ic);
         if (in_place_a == nullptr) pack_a(pc, ic, mc, kc, ap);
-        const bool epilogue_now = last && (epilogue.bias != nullptr || epilogue.act != nullptr);
+        const bool epilogue_now = last && (epilogue.bias != nullptr || epilogue.act != nullptr ||
+                                           epilogue.residual != nullptr);
         for (int ir = 0; ir < mc; ir += kMr) {
           float* strip = c + static_cast<size_t>(ic + ir) * ldc + jc0;
           const uint32_t* apanel =
@@ -532,6 +540,10 @@ PW_TARGET_AVX512 void BlockedGemm(int k, float alpha, float beta, float* c, int 
             if (epilogue.bias != nullptr) tile.bias = epilogue.bias + jc0 + jc;
             if (epilogue.act != nullptr) {
               tile.act = epilogue.act + static_cast<size_t>(ic + ir) * epilogue.ld_act + jc0 + jc;
+            }
+            if (epilogue.residual != nullptr) {
+              tile.residual =
+                  epilogue.residual + static_cast<size_t>(ic + ir) * epilogue.ld_act + jc0 + jc;
             }
             micro(steps, apanel, a_rows, lda, bp + static_cast<size_t>(jc) * steps, strip + jc, ldc,
                   rows, std::min(kNr, nc - jc), alpha, beta, init, store,
@@ -711,7 +723,9 @@ void GemmF32Block(bool trans_a, bool trans_b, int m, int n, int k, float alpha, 
                   int m_end, int n_begin, int n_end, const GemmEpilogue& epilogue) {
   PW_CHECK(0 <= m_begin && m_end <= m && 0 <= n_begin && n_end <= n);
   if (m_begin >= m_end || n_begin >= n_end) return;
-  const bool has_epilogue = epilogue.bias != nullptr || epilogue.act != nullptr;
+  const bool has_epilogue =
+      epilogue.bias != nullptr || epilogue.act != nullptr || epilogue.residual != nullptr;
+  PW_CHECK(epilogue.residual == nullptr || epilogue.act == nullptr);  // documented
   if (k <= 0 || alpha == 0.0f) {
     PW_CHECK(!has_epilogue);  // an epilogue needs a product (documented)
     ScaleBlock(beta, c, ldc, m_begin, m_end, n_begin, n_end);

@@ -172,6 +172,22 @@ absl::StatusOr<Tensor> LinearLayer::Forward(const Tensor& x, const LayerContext&
   return y;
 }
 
+absl::StatusOr<Tensor> LinearLayer::ForwardWithResidual(const Tensor& x, const Tensor& residual,
+                                                        const LayerContext& ctx, Saved* saved) {
+  if (!has_bias_ || activation_ != Activation::kNone || IsHalf(ctx.compute_dtype)) {
+    PW_ASSIGN_OR_RETURN(Tensor y, Forward(x, ctx, saved));
+    PW_RETURN_IF_ERROR(ops::AddInPlace(ops::ExecOf(ctx), y, residual));
+    return y;
+  }
+  PW_ASSIGN_OR_RETURN(int64_t rows, CheckRows(x, in_, "linear"));
+  Tensor y = Tensor::Empty(WithLastDim(x.shape(), out_), DType::kF32, AllocatorOf(ctx));
+  PW_ASSIGN_OR_RETURN(Tensor out,
+                      ops::GemmBias(ops::ExecOf(ctx), false, true, rows, out_, in_, x, in_,
+                                    weight_.value, in_, bias_.value, y, false, &residual));
+  saved->tensors = {x};
+  return out;
+}
+
 absl::StatusOr<Tensor> LinearLayer::BackwardInput(const Tensor& dy_out, const LayerContext& ctx,
                                                   Saved* saved) {
   PW_ASSIGN_OR_RETURN(int64_t rows, CheckRows(dy_out, out_, "linear backward"));

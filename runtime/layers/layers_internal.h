@@ -27,6 +27,11 @@ class LinearLayer final : public Layer {
                                        Saved* saved) override;
   absl::Status BackwardWeight(const LayerContext& ctx, Saved* saved) override;
   std::vector<Parameter*> Parameters() override;
+  // Forward plus a residual connection: x W^T + b + residual, the same values (and saved state)
+  // as Forward then AddInPlace(y, residual); the add in the product's epilogue where the CPU's
+  // GEMM can (Note [Residual epilogue] in transformer.cc).
+  absl::StatusOr<Tensor> ForwardWithResidual(const Tensor& x, const Tensor& residual,
+                                             const LayerContext& ctx, Saved* saved);
 
  private:
   int64_t in_, out_;
@@ -117,6 +122,10 @@ class SequentialLayer : public Layer {
                                        Saved* saved) override;
   absl::Status BackwardWeight(const LayerContext& ctx, Saved* saved) override;
   std::vector<Parameter*> Parameters() override;
+  // Forward plus a residual added to the last child's output (LinearLayer::ForwardWithResidual
+  // when that child is a Linear layer).
+  absl::StatusOr<Tensor> ForwardWithResidual(const Tensor& x, const Tensor& residual,
+                                             const LayerContext& ctx, Saved* saved);
 
  private:
   std::string kind_;

@@ -17,6 +17,16 @@ float ResidualStd(const InitContext& init) {
 absl::StatusOr<Tensor> AddTensors(const Tensor& a, const Tensor& b, const LayerContext& ctx) {
   return ops::Add(ops::ExecOf(ctx), a, b);
 }
+
+// residual + layer(x) (Note [Residual epilogue]).
+absl::StatusOr<Tensor> ResidualForward(Layer& layer, const Tensor& x, const Tensor& residual,
+                                       const LayerContext& ctx, Saved* saved) {
+  if (auto* seq = dynamic_cast<SequentialLayer*>(&layer)) {
+    return seq->ForwardWithResidual(x, residual, ctx, saved);
+  }
+  PW_ASSIGN_OR_RETURN(Tensor y, layer.Forward(x, ctx, saved));
+  return AddTensors(residual, y, ctx);
+}
 }  // namespace
 
 absl::StatusOr<Tensor> SequentialLayer::Forward(const Tensor& x, const LayerContext& ctx,
@@ -27,6 +37,24 @@ absl::StatusOr<Tensor> SequentialLayer::Forward(const Tensor& x, const LayerCont
   for (size_t i = 0; i < children_.size(); ++i) {
     PW_ASSIGN_OR_RETURN(h, children_[i]->Forward(h, ctx, &saved->children[i]));
   }
+  return h;
+}
+
+absl::StatusOr<Tensor> SequentialLayer::ForwardWithResidual(const Tensor& x, const Tensor& residual,
+                                                            const LayerContext& ctx, Saved* saved) {
+  saved->Clear();
+  saved->children.resize(children_.size());
+  if (children_.empty()) return AddTensors(x, residual, ctx);
+  Tensor h = x;
+  const size_t last = children_.size() - 1;
+  for (size_t i = 0; i < last; ++i) {
+    PW_ASSIGN_OR_RETURN(h, children_[i]->Forward(h, ctx, &saved->children[i]));
+  }
+  if (auto* linear = dynamic_cast<LinearLayer*>(children_[last].get())) {
+    return linear->ForwardWithResidual(h, residual, ctx, &saved->children[last]);
+  }
+  PW_ASSIGN_OR_RETURN(h, children_[last]->Forward(h, ctx, &saved->children[last]));
+  PW_RETURN_IF_ERROR(ops::AddInPlace(ops::ExecOf(ctx), h, residual));
   return h;
 }
 
@@ -123,12 +151,15 @@ absl::StatusOr<Tensor> TransformerBlockLayer::Forward(const Tensor& x, const Lay
                                                       Saved* saved) {
   saved->Clear();
   saved->children.resize(4);
+  // Note [Residual epilogue]. The residual adds run in the epilogues of the attention's and the
+  // MLP's output products (SequentialLayer::ForwardWithResidual, ops::GemmBias with a
+  // residual): h = x + attn(...) and out = h + mlp(...) are written once, where an Add pass
+  // re-read the product's output and the residual and wrote the sum. The same additions of the
+  // same values (x + y == y + x in IEEE arithmetic), so the same bits.
   PW_ASSIGN_OR_RETURN(Tensor a, ln_1_->Forward(x, ctx, &saved->children[0]));
-  PW_ASSIGN_OR_RETURN(Tensor b, attn_->Forward(a, ctx, &saved->children[1]));
-  PW_ASSIGN_OR_RETURN(Tensor h, AddTensors(x, b, ctx));
+  PW_ASSIGN_OR_RETURN(Tensor h, ResidualForward(*attn_, a, x, ctx, &saved->children[1]));
   PW_ASSIGN_OR_RETURN(Tensor c, ln_2_->Forward(h, ctx, &saved->children[2]));
-  PW_ASSIGN_OR_RETURN(Tensor d, mlp_->Forward(c, ctx, &saved->children[3]));
-  PW_RETURN_IF_ERROR(ops::AddInPlace(ops::ExecOf(ctx), d, h));
+  PW_ASSIGN_OR_RETURN(Tensor d, ResidualForward(*mlp_, c, h, ctx, &saved->children[3]));
   if (ctx.selective_recompute) {
     // Note [Selective recomputation]. The inputs the products kept that are pointwise functions
     // of other kept tensors: ln_1(x) and ln_2(h) (their LayerNorms keep x and h) and

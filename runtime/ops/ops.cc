@@ -130,20 +130,26 @@ absl::Status Gemm(const Exec& e, bool trans_a, bool trans_b, int64_t m, int64_t 
 
 absl::StatusOr<Tensor> GemmBias(const Exec& e, bool trans_a, bool trans_b, int64_t m, int64_t n,
                                 int64_t k, const Tensor& a, int64_t lda, const Tensor& b,
-                                int64_t ldb, const Tensor& bias, Tensor& c, bool gelu) {
-  PW_RETURN_IF_ERROR(CheckDevice(e, "gemm bias", {&a, &b, &bias, &c}));
+                                int64_t ldb, const Tensor& bias, Tensor& c, bool gelu,
+                                const Tensor* residual) {
+  PW_RETURN_IF_ERROR(CheckDevice(e, "gemm bias", {&a, &b, &bias, &c, residual}));
   PW_RETURN_IF_ERROR(Need(bias.dtype() == DType::kF32 && bias.numel() == n &&
                               c.dtype() == DType::kF32 && c.numel() == m * n,
                           "gemm bias", "bias must be f32 [n] and C f32 [m, n]"));
+  PW_RETURN_IF_ERROR(Need(residual == nullptr || (!gelu && residual->dtype() == DType::kF32 &&
+                                                  residual->numel() == m * n),
+                          "gemm bias", "a residual must be f32 [m, n], without gelu"));
   const bool fused = !e.device().is_cuda() && a.dtype() == DType::kF32 &&
                      b.dtype() == DType::kF32 && k > 0 && cpu::OwnF32Gemm();
   if (!fused) {
     PW_RETURN_IF_ERROR(Gemm(e, trans_a, trans_b, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, n));
     if (gelu) return BiasGeluForward(e, c, bias, m, n);
     PW_RETURN_IF_ERROR(BiasAdd(e, c, bias, m, n));
+    if (residual != nullptr) PW_RETURN_IF_ERROR(AddInPlace(e, c, *residual));
     return c;
   }
   cpu::GemmEpilogue epilogue{bias.data<float>(), nullptr, static_cast<int>(n)};
+  if (residual != nullptr) epilogue.residual = residual->data<float>();
   Tensor y = c;
   if (gelu) {
     y = Tensor::Empty(c.shape(), DType::kF32, e.allocator());

@@ -315,8 +315,8 @@ TEST(GemmBlocking, WideProductsSpanSeveralBlocksOfB) {
 }
 
 // The fused epilogue (Note [GEMM epilogue]) gives the bits of the product followed by the
-// AVX-512 BiasAdd, BiasGeluForward and GeluForward kernels, for any split of C, including the
-// large and negative pre-activations where GELU saturates.
+// AVX-512 BiasAdd, BiasGeluForward and GeluForward kernels (and, with a residual, AddInPlace),
+// for any split of C, including the large and negative pre-activations where GELU saturates.
 TEST(GemmF32Block, EpilogueGivesTheBitsOfTheSeparatePasses) {
   if (!HaveGemmHalfAvx512()) GTEST_SKIP() << "no AVX-512";
   for (int t = 0; t < 4; ++t) {
@@ -329,6 +329,11 @@ TEST(GemmF32Block, EpilogueGivesTheBitsOfTheSeparatePasses) {
       std::vector<float> plain = RunF32(p, 0, p.m, 0, p.n, p.c);
       std::vector<float> with_bias = plain;
       BiasAdd(with_bias.data(), bias.data(), p.m, p.n, Isa::kAvx512);
+      std::vector<float> residual(plain.size()), with_residual = with_bias;
+      for (size_t i = 0; i < residual.size(); ++i) {
+        residual[i] = static_cast<float>(static_cast<int>(i * 7919 % 2001) - 1000) / 37.0f;
+      }
+      AddInPlace(with_residual.data(), residual.data(), residual.size(), Isa::kAvx512);
       std::vector<float> pre(plain.size()), act(plain.size()), act_of_pre(plain.size());
       BiasGeluForward(plain.data(), bias.data(), pre.data(), act.data(), p.m, p.n, Isa::kAvx512);
       GeluForward(pre.data(), act_of_pre.data(), pre.size(), Isa::kAvx512);
@@ -342,6 +347,11 @@ TEST(GemmF32Block, EpilogueGivesTheBitsOfTheSeparatePasses) {
         std::vector<float> c2 = plain, a2 = act;
         GemmF32Block(p.ta, p.tb, p.m, p.n, p.k, 1.0f, p.a.data(), p.lda, p.b.data(), p.ldb, 0.0f,
                      c2.data(), p.ldc, m0, m1, n0, n1, GemmEpilogue{bias.data(), a2.data(), p.n});
+        std::vector<float> c3 = plain;
+        GemmEpilogue with_res{bias.data(), nullptr, p.n};
+        with_res.residual = residual.data();
+        GemmF32Block(p.ta, p.tb, p.m, p.n, p.k, 1.0f, p.a.data(), p.lda, p.b.data(), p.ldb, 0.0f,
+                     c3.data(), p.ldc, m0, m1, n0, n1, with_res);
         for (int i = m0; i < m1; ++i) {
           for (int j = n0; j < n1; ++j) {
             const size_t at = static_cast<size_t>(i) * p.n + j;
@@ -349,6 +359,8 @@ TEST(GemmF32Block, EpilogueGivesTheBitsOfTheSeparatePasses) {
                 << "bias (" << i << "," << j << ")";
             ASSERT_EQ(std::memcmp(&c2[at], &pre[at], 4), 0) << "pre (" << i << "," << j << ")";
             ASSERT_EQ(std::memcmp(&a2[at], &act[at], 4), 0) << "gelu (" << i << "," << j << ")";
+            ASSERT_EQ(std::memcmp(&c3[at], &with_residual[at], 4), 0)
+                << "residual (" << i << "," << j << ")";
           }
         }
       }
