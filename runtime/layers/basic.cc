@@ -140,6 +140,17 @@ bool IsHalf(DType d) { return d == DType::kBF16 || d == DType::kF16; }
 // 16 bits it sums the rounded g, as without GELU.
 absl::StatusOr<Tensor> LinearLayer::Forward(const Tensor& x, const LayerContext& ctx,
                                             Saved* saved) {
+  return ForwardImpl(x, nullptr, ctx, saved);
+}
+
+absl::StatusOr<Tensor> LinearLayer::ForwardWithResidual(const Tensor& x, const Tensor& residual,
+                                                        const LayerContext& ctx, Saved* saved) {
+  return ForwardImpl(x, &residual, ctx, saved);
+}
+
+// act(x W^T + b), plus `residual` when not null.
+absl::StatusOr<Tensor> LinearLayer::ForwardImpl(const Tensor& x, const Tensor* residual,
+                                                const LayerContext& ctx, Saved* saved) {
   PW_ASSIGN_OR_RETURN(int64_t rows, CheckRows(x, in_, "linear"));
   const ops::Exec e = ops::ExecOf(ctx);
   Tensor y = Tensor::Empty(WithLastDim(x.shape(), out_), DType::kF32, AllocatorOf(ctx));
@@ -151,40 +162,33 @@ absl::StatusOr<Tensor> LinearLayer::Forward(const Tensor& x, const LayerContext&
         ops::Gemm(e, false, true, rows, out_, in_, 1.0f, xh, in_, wh, in_, 0.0f, y, out_));
     saved->tensors = {std::move(xh)};
   } else if (has_bias_) {
-    // Product, bias and GELU in one pass where the CPU's GEMM can (ops::GemmBias).
+    // Product, bias and GELU, or product, bias and residual, in one pass where the CPU's GEMM
+    // can (ops::GemmBias).
     const bool gelu = activation_ == Activation::kGelu;
-    PW_ASSIGN_OR_RETURN(Tensor out, ops::GemmBias(e, false, true, rows, out_, in_, x, in_,
-                                                  weight_.value, in_, bias_.value, y, gelu));
+    const Tensor* fused_residual = gelu ? nullptr : residual;
+    PW_ASSIGN_OR_RETURN(Tensor out,
+                        ops::GemmBias(e, false, true, rows, out_, in_, x, in_, weight_.value, in_,
+                                      bias_.value, y, gelu, fused_residual));
     saved->tensors = {x};
     if (gelu) saved->tensors.push_back(y);  // the pre-activation
+    if (residual != nullptr && fused_residual == nullptr) {
+      PW_RETURN_IF_ERROR(ops::AddInPlace(e, out, *residual));
+    }
     return out;
   } else {
     PW_RETURN_IF_ERROR(ops::Gemm(e, false, true, rows, out_, in_, 1.0f, x, in_, weight_.value, in_,
                                  0.0f, y, out_));
     saved->tensors = {x};
   }
+  Tensor out = y;
   if (activation_ == Activation::kGelu) {
     saved->tensors.push_back(y);  // the pre-activation, completed in place by BiasGeluForward
-    if (has_bias_) return ops::BiasGeluForward(e, y, bias_.value, rows, out_);
-    return ops::GeluForward(e, y);
+    PW_ASSIGN_OR_RETURN(out, has_bias_ ? ops::BiasGeluForward(e, y, bias_.value, rows, out_)
+                                       : ops::GeluForward(e, y));
+  } else if (has_bias_) {
+    PW_RETURN_IF_ERROR(ops::BiasAdd(e, y, bias_.value, rows, out_));
   }
-  if (has_bias_) PW_RETURN_IF_ERROR(ops::BiasAdd(e, y, bias_.value, rows, out_));
-  return y;
-}
-
-absl::StatusOr<Tensor> LinearLayer::ForwardWithResidual(const Tensor& x, const Tensor& residual,
-                                                        const LayerContext& ctx, Saved* saved) {
-  if (!has_bias_ || activation_ != Activation::kNone || IsHalf(ctx.compute_dtype)) {
-    PW_ASSIGN_OR_RETURN(Tensor y, Forward(x, ctx, saved));
-    PW_RETURN_IF_ERROR(ops::AddInPlace(ops::ExecOf(ctx), y, residual));
-    return y;
-  }
-  PW_ASSIGN_OR_RETURN(int64_t rows, CheckRows(x, in_, "linear"));
-  Tensor y = Tensor::Empty(WithLastDim(x.shape(), out_), DType::kF32, AllocatorOf(ctx));
-  PW_ASSIGN_OR_RETURN(Tensor out,
-                      ops::GemmBias(ops::ExecOf(ctx), false, true, rows, out_, in_, x, in_,
-                                    weight_.value, in_, bias_.value, y, false, &residual));
-  saved->tensors = {x};
+  if (residual != nullptr) PW_RETURN_IF_ERROR(ops::AddInPlace(e, out, *residual));
   return out;
 }
 

@@ -34,6 +34,9 @@ class LinearLayer final : public Layer {
                                              const LayerContext& ctx, Saved* saved);
 
  private:
+  absl::StatusOr<Tensor> ForwardImpl(const Tensor& x, const Tensor* residual,
+                                     const LayerContext& ctx, Saved* saved);
+
   int64_t in_, out_;
   bool has_bias_;
   Activation activation_;
@@ -162,11 +165,14 @@ class TransformerBlockLayer final : public Layer {
   static Tensor& FcInput(Saved& s);
   static Tensor& MlpProjInput(Saved& s);
   absl::Status Remake(const LayerContext& ctx, Saved* saved);
-  std::unique_ptr<Layer> ln_1_, attn_, ln_2_, mlp_;
+  std::unique_ptr<Layer> ln_1_;
+  std::unique_ptr<SequentialLayer> attn_;
+  std::unique_ptr<Layer> ln_2_;
+  std::unique_ptr<SequentialLayer> mlp_;
 };
 
-std::unique_ptr<Layer> MakeMlp(const InitContext& init, int64_t dim, int64_t hidden);
-std::unique_ptr<Layer> MakeAttention(const InitContext& init, int64_t dim, int64_t heads);
+std::unique_ptr<SequentialLayer> MakeMlp(const InitContext& init, int64_t dim, int64_t hidden);
+std::unique_ptr<SequentialLayer> MakeAttention(const InitContext& init, int64_t dim, int64_t heads);
 
 }  // namespace pipewright::internal
 

@@ -17,16 +17,6 @@ float ResidualStd(const InitContext& init) {
 absl::StatusOr<Tensor> AddTensors(const Tensor& a, const Tensor& b, const LayerContext& ctx) {
   return ops::Add(ops::ExecOf(ctx), a, b);
 }
-
-// residual + layer(x) (Note [Residual epilogue]).
-absl::StatusOr<Tensor> ResidualForward(Layer& layer, const Tensor& x, const Tensor& residual,
-                                       const LayerContext& ctx, Saved* saved) {
-  if (auto* seq = dynamic_cast<SequentialLayer*>(&layer)) {
-    return seq->ForwardWithResidual(x, residual, ctx, saved);
-  }
-  PW_ASSIGN_OR_RETURN(Tensor y, layer.Forward(x, ctx, saved));
-  return AddTensors(residual, y, ctx);
-}
 }  // namespace
 
 absl::StatusOr<Tensor> SequentialLayer::Forward(const Tensor& x, const LayerContext& ctx,
@@ -121,7 +111,7 @@ absl::StatusOr<Tensor> AttentionCoreLayer::BackwardInput(const Tensor& dy, const
   return dqkv;
 }
 
-std::unique_ptr<Layer> MakeMlp(const InitContext& init, int64_t dim, int64_t hidden) {
+std::unique_ptr<SequentialLayer> MakeMlp(const InitContext& init, int64_t dim, int64_t hidden) {
   std::vector<std::unique_ptr<Layer>> c;
   // fc + bias + GELU as one layer: the bias and GELU are fused (ops::BiasGeluForward).
   c.push_back(std::make_unique<LinearLayer>(ChildInit(init, "fc"), dim, hidden, true, 0.02f,
@@ -131,7 +121,8 @@ std::unique_ptr<Layer> MakeMlp(const InitContext& init, int64_t dim, int64_t hid
   return std::make_unique<SequentialLayer>("mlp", std::move(c));
 }
 
-std::unique_ptr<Layer> MakeAttention(const InitContext& init, int64_t dim, int64_t heads) {
+std::unique_ptr<SequentialLayer> MakeAttention(const InitContext& init, int64_t dim,
+                                               int64_t heads) {
   std::vector<std::unique_ptr<Layer>> c;
   c.push_back(std::make_unique<LinearLayer>(ChildInit(init, "qkv"), dim, 3 * dim, true, 0.02f));
   c.push_back(std::make_unique<AttentionCoreLayer>(dim, heads));
@@ -157,9 +148,9 @@ absl::StatusOr<Tensor> TransformerBlockLayer::Forward(const Tensor& x, const Lay
   // re-read the product's output and the residual and wrote the sum. The same additions of the
   // same values (x + y == y + x in IEEE arithmetic), so the same bits.
   PW_ASSIGN_OR_RETURN(Tensor a, ln_1_->Forward(x, ctx, &saved->children[0]));
-  PW_ASSIGN_OR_RETURN(Tensor h, ResidualForward(*attn_, a, x, ctx, &saved->children[1]));
+  PW_ASSIGN_OR_RETURN(Tensor h, attn_->ForwardWithResidual(a, x, ctx, &saved->children[1]));
   PW_ASSIGN_OR_RETURN(Tensor c, ln_2_->Forward(h, ctx, &saved->children[2]));
-  PW_ASSIGN_OR_RETURN(Tensor d, ResidualForward(*mlp_, c, h, ctx, &saved->children[3]));
+  PW_ASSIGN_OR_RETURN(Tensor d, mlp_->ForwardWithResidual(c, h, ctx, &saved->children[3]));
   if (ctx.selective_recompute) {
     // Note [Selective recomputation]. The inputs the products kept that are pointwise functions
     // of other kept tensors: ln_1(x) and ln_2(h) (their LayerNorms keep x and h) and
@@ -229,7 +220,8 @@ absl::Status TransformerBlockLayer::BackwardWeight(const LayerContext& ctx, Save
 
 std::vector<Parameter*> TransformerBlockLayer::Parameters() {
   std::vector<Parameter*> out;
-  for (Layer* l : {ln_1_.get(), attn_.get(), ln_2_.get(), mlp_.get()}) {
+  for (Layer* l :
+       std::initializer_list<Layer*>{ln_1_.get(), attn_.get(), ln_2_.get(), mlp_.get()}) {
     for (Parameter* p : l->Parameters()) out.push_back(p);
   }
   return out;

@@ -364,7 +364,7 @@ def run_single(a):
         prof = None
         if a.profile and s == a.steps - 1:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-            prof.__enter__()
+            prof.start()
         t0 = time.perf_counter()
         total = 0.0
         for j in range(M):
@@ -379,7 +379,7 @@ def run_single(a):
         step_times.append(time.perf_counter() - t0)
         losses.append(total)
         if prof is not None:
-            prof.__exit__(None, None, None)
+            prof.stop()
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20),
                   file=sys.stderr)
     extra = {"parameters": sum(p.numel() for p in params), "decayed_tensors": n_decay,
