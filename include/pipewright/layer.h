@@ -99,7 +99,12 @@ class Layer {
   // across micro-batches, then clears `saved`. Runs after BackwardInput of the same `saved`,
   // possibly much later (zero-bubble schedules) and after other micro-batches' passes.
   virtual absl::Status BackwardWeight(const LayerContext& ctx, Saved* saved) = 0;
-  absl::StatusOr<Tensor> Backward(const Tensor& dy, const LayerContext& ctx, Saved* saved);
+  // Both halves for one micro-batch (what schedules without a separate W pass run): by default
+  // BackwardInput, then BackwardWeight. A layer made of other layers may override it to run each
+  // child's BackwardWeight right after that child's BackwardInput, while the child's output
+  // gradient and saved input are still in cache. The results are the same either way: every
+  // gradient is the same operations on the same values, only independent work is reordered.
+  virtual absl::StatusOr<Tensor> Backward(const Tensor& dy, const LayerContext& ctx, Saved* saved);
 
   // Trainable parameters in a fixed order (the layer keeps ownership).
   virtual std::vector<Parameter*> Parameters() { return {}; }

@@ -267,13 +267,15 @@ absl::Status RankExecutor::Backward(StageRt& st, const Action& a, int index) {
   Tensor g = dy;
   for (int i = st.stage->size(); i-- > 0;) {
     Layer& layer = st.stage->layer(i);
-    absl::StatusOr<Tensor> r = layer.BackwardInput(g, lc, &saved[i]);
+    // B: the weight gradient right away, layer by layer (Layer::Backward, which a composite
+    // layer runs sublayer by sublayer: Note [Backward by layer] in transformer.cc); I: the
+    // input gradient only, W later.
+    const bool whole = a.kind == ActionKind::kB;
+    absl::StatusOr<Tensor> r =
+        whole ? layer.Backward(g, lc, &saved[i]) : layer.BackwardInput(g, lc, &saved[i]);
     PW_RETURN_IF_ERROR(InLayer(r.status(), st, i, "backward"));
     g = *std::move(r);
-    if (a.kind == ActionKind::kB) {  // weight gradient right away, layer by layer
-      PW_RETURN_IF_ERROR(InLayer(layer.BackwardWeight(lc, &saved[i]), st, i, "weight backward"));
-      if (final_w) PW_RETURN_IF_ERROR(grad_sync->LayerReady(local[st.index], i));
-    }
+    if (whole && final_w) PW_RETURN_IF_ERROR(grad_sync->LayerReady(local[st.index], i));
   }
   PW_RETURN_IF_ERROR(Sync());
   Record(EventKind::kCompute, a, t);

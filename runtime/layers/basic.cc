@@ -194,6 +194,16 @@ absl::StatusOr<Tensor> LinearLayer::ForwardImpl(const Tensor& x, const Tensor* r
 
 absl::StatusOr<Tensor> LinearLayer::BackwardInput(const Tensor& dy_out, const LayerContext& ctx,
                                                   Saved* saved) {
+  return BackwardImpl(dy_out, ctx, saved, /*weights=*/false);
+}
+
+absl::StatusOr<Tensor> LinearLayer::Backward(const Tensor& dy_out, const LayerContext& ctx,
+                                             Saved* saved) {
+  return BackwardImpl(dy_out, ctx, saved, /*weights=*/true);
+}
+
+absl::StatusOr<Tensor> LinearLayer::BackwardImpl(const Tensor& dy_out, const LayerContext& ctx,
+                                                 Saved* saved, bool weights) {
   PW_ASSIGN_OR_RETURN(int64_t rows, CheckRows(dy_out, out_, "linear backward"));
   const size_t forward_saved = activation_ == Activation::kGelu ? 2 : 1;
   if (saved->tensors.size() != forward_saved) {
@@ -216,20 +226,20 @@ absl::StatusOr<Tensor> LinearLayer::BackwardInput(const Tensor& dy_out, const La
       PW_ASSIGN_OR_RETURN(dy, ops::GeluBackward(e, pre, dy_out));
     }
   }
-  Tensor dx = Tensor::Empty(WithLastDim(dy.shape(), in_), DType::kF32, AllocatorOf(ctx));
+  // The product's operands: dy and the weight, or their 16-bit copies. BackwardWeight takes
+  // {x, dy} or, with GELU, {x, dy, dbias} (dbias defined when the bias gradient is already
+  // summed).
+  Tensor w = weight_.value;
   if (IsHalf(cd)) {
-    PW_ASSIGN_OR_RETURN(Tensor dyh, ops::Cast(e, dy, cd));
-    PW_ASSIGN_OR_RETURN(Tensor wh, ops::Cast(e, weight_.value, cd));
-    PW_RETURN_IF_ERROR(
-        ops::Gemm(e, false, false, rows, in_, out_, 1.0f, dyh, out_, wh, in_, 0.0f, dx, in_));
-    saved->tensors.push_back(std::move(dyh));
-  } else {
-    PW_RETURN_IF_ERROR(ops::Gemm(e, false, false, rows, in_, out_, 1.0f, dy, out_, weight_.value,
-                                 in_, 0.0f, dx, in_));
-    saved->tensors.push_back(dy);
+    PW_ASSIGN_OR_RETURN(dy, ops::Cast(e, dy, cd));
+    PW_ASSIGN_OR_RETURN(w, ops::Cast(e, weight_.value, cd));
   }
-  // With GELU a third entry, defined when the bias gradient is already summed.
+  saved->tensors.push_back(dy);
   if (activation_ == Activation::kGelu) saved->tensors.push_back(std::move(dbias_partial));
+  if (weights) PW_RETURN_IF_ERROR(BackwardWeight(ctx, saved));
+  Tensor dx = Tensor::Empty(WithLastDim(dy.shape(), in_), DType::kF32, AllocatorOf(ctx));
+  PW_RETURN_IF_ERROR(
+      ops::Gemm(e, false, false, rows, in_, out_, 1.0f, dy, out_, w, in_, 0.0f, dx, in_));
   return dx;
 }
 

@@ -26,6 +26,8 @@ class LinearLayer final : public Layer {
   absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
                                        Saved* saved) override;
   absl::Status BackwardWeight(const LayerContext& ctx, Saved* saved) override;
+  // The weight gradient, then the input gradient (Note [Backward by layer]).
+  absl::StatusOr<Tensor> Backward(const Tensor& dy, const LayerContext& ctx, Saved* saved) override;
   std::vector<Parameter*> Parameters() override;
   // Forward plus a residual connection: x W^T + b + residual, the same values (and saved state)
   // as Forward then AddInPlace(y, residual); the add in the product's epilogue where the CPU's
@@ -36,6 +38,9 @@ class LinearLayer final : public Layer {
  private:
   absl::StatusOr<Tensor> ForwardImpl(const Tensor& x, const Tensor* residual,
                                      const LayerContext& ctx, Saved* saved);
+  // BackwardInput, or with `weights` the weight gradient first and then the input gradient.
+  absl::StatusOr<Tensor> BackwardImpl(const Tensor& dy_out, const LayerContext& ctx, Saved* saved,
+                                      bool weights);
 
   int64_t in_, out_;
   bool has_bias_;
@@ -124,6 +129,8 @@ class SequentialLayer : public Layer {
   absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
                                        Saved* saved) override;
   absl::Status BackwardWeight(const LayerContext& ctx, Saved* saved) override;
+  // Each child's weight gradient right after its input gradient (Note [Backward by layer]).
+  absl::StatusOr<Tensor> Backward(const Tensor& dy, const LayerContext& ctx, Saved* saved) override;
   std::vector<Parameter*> Parameters() override;
   // Forward plus a residual added to the last child's output (LinearLayer::ForwardWithResidual
   // when that child is a Linear layer).
@@ -131,6 +138,9 @@ class SequentialLayer : public Layer {
                                              const LayerContext& ctx, Saved* saved);
 
  private:
+  // BackwardInput, or with `weights` Backward, of the children in reverse order.
+  absl::StatusOr<Tensor> BackwardChildren(const Tensor& dy, const LayerContext& ctx, Saved* saved,
+                                          bool weights);
   std::string kind_;
   std::vector<std::unique_ptr<Layer>> children_;
 };
@@ -158,9 +168,14 @@ class TransformerBlockLayer final : public Layer {
   absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
                                        Saved* saved) override;
   absl::Status BackwardWeight(const LayerContext& ctx, Saved* saved) override;
+  // Each sublayer's weight gradient right after its input gradient (Note [Backward by layer]).
+  absl::StatusOr<Tensor> Backward(const Tensor& dy, const LayerContext& ctx, Saved* saved) override;
   std::vector<Parameter*> Parameters() override;
 
  private:
+  // BackwardInput, or with `weights` Backward, of the sublayers in reverse order.
+  absl::StatusOr<Tensor> BackwardSublayers(const Tensor& dy, const LayerContext& ctx, Saved* saved,
+                                           bool weights);
   static Tensor& QkvInput(Saved& s);
   static Tensor& FcInput(Saved& s);
   static Tensor& MlpProjInput(Saved& s);

@@ -96,7 +96,9 @@ TEST(SelectiveRecompute, BitIdenticalToKeepingEverything) {
 }
 
 // The peak activation bytes drop by what the memory model says selective saves: the held
-// micro-batches' LayerNorm and GELU outputs, less one layer's remade tensors.
+// micro-batches' LayerNorm and GELU outputs, less at most one layer's remade tensors (the model
+// counts all of them; the backward frees each as soon as its product's weight gradient has run,
+// Note [Backward by layer], so fewer may be live at the peak).
 TEST(SelectiveRecompute, MeasuredSavingIsThePredictedOne) {
   const LayerGraph g = testing_util::Tiny();
   const EngineSetup none = Layout(1, ScheduleKind::kGpipe, 1, Recompute::kNone);
@@ -114,7 +116,8 @@ TEST(SelectiveRecompute, MeasuredSavingIsThePredictedOne) {
   const int64_t predicted = 8 * saving - largest;  // gpipe holds all 8 micro-batches
   const int64_t measured = peak_none - peak_sel;
   EXPECT_GT(measured, 0);
-  EXPECT_EQ(measured, predicted) << "none " << peak_none << " selective " << peak_sel;
+  EXPECT_GE(measured, predicted) << "none " << peak_none << " selective " << peak_sel;
+  EXPECT_LE(measured, predicted + largest) << "none " << peak_none << " selective " << peak_sel;
   std::printf("peak activations: none %lld, selective %lld; saving measured %lld, predicted %lld\n",
               static_cast<long long>(peak_none), static_cast<long long>(peak_sel),
               static_cast<long long>(measured), static_cast<long long>(predicted));
