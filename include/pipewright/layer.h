@@ -100,10 +100,10 @@ class Layer {
   // possibly much later (zero-bubble schedules) and after other micro-batches' passes.
   virtual absl::Status BackwardWeight(const LayerContext& ctx, Saved* saved) = 0;
   // Both halves for one micro-batch (what schedules without a separate W pass run): by default
-  // BackwardInput, then BackwardWeight. A layer made of other layers may override it to run each
-  // child's BackwardWeight right after that child's BackwardInput, while the child's output
-  // gradient and saved input are still in cache. The results are the same either way: every
-  // gradient is the same operations on the same values, only independent work is reordered.
+  // BackwardInput, then BackwardWeight. A layer may override it to order its work for the cache
+  // (the built-in Linear computes its weight gradient first; composite layers run each child's
+  // Backward in turn, while the child's output gradient and saved input are still in cache),
+  // provided every gradient is the same operations on the same values as the default.
   virtual absl::StatusOr<Tensor> Backward(const Tensor& dy, const LayerContext& ctx, Saved* saved);
 
   // Trainable parameters in a fixed order (the layer keeps ownership).

@@ -186,6 +186,11 @@ class TransformerBlockLayer final : public Layer {
   std::unique_ptr<SequentialLayer> mlp_;
 };
 
+// A composite layer's pass over one child (Note [Backward by layer]): its Backward (both halves)
+// when `weights`, else its BackwardInput only.
+absl::StatusOr<Tensor> ChildBackward(Layer& child, const Tensor& dy, const LayerContext& ctx,
+                                     Saved* saved, bool weights);
+
 std::unique_ptr<SequentialLayer> MakeMlp(const InitContext& init, int64_t dim, int64_t hidden);
 std::unique_ptr<SequentialLayer> MakeAttention(const InitContext& init, int64_t dim, int64_t heads);
 

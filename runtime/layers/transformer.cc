@@ -63,6 +63,11 @@ absl::StatusOr<Tensor> SequentialLayer::ForwardWithResidual(const Tensor& x, con
 // (median of 6 interleaved rounds; interleaving the children alone, with each Linear's input
 // gradient first, measured no faster: docs/benchmarks.md). Zero-bubble schedules' separate I
 // and W passes still call BackwardInput and BackwardWeight.
+absl::StatusOr<Tensor> ChildBackward(Layer& child, const Tensor& dy, const LayerContext& ctx,
+                                     Saved* saved, bool weights) {
+  return weights ? child.Backward(dy, ctx, saved) : child.BackwardInput(dy, ctx, saved);
+}
+
 absl::StatusOr<Tensor> SequentialLayer::BackwardChildren(const Tensor& dy, const LayerContext& ctx,
                                                          Saved* saved, bool weights) {
   if (saved->children.size() != children_.size()) {
@@ -70,9 +75,7 @@ absl::StatusOr<Tensor> SequentialLayer::BackwardChildren(const Tensor& dy, const
   }
   Tensor g = dy;
   for (size_t i = children_.size(); i-- > 0;) {
-    Layer& child = *children_[i];
-    Saved* s = &saved->children[i];
-    PW_ASSIGN_OR_RETURN(g, weights ? child.Backward(g, ctx, s) : child.BackwardInput(g, ctx, s));
+    PW_ASSIGN_OR_RETURN(g, ChildBackward(*children_[i], g, ctx, &saved->children[i], weights));
   }
   if (weights) saved->Clear();
   return g;
@@ -226,15 +229,11 @@ absl::StatusOr<Tensor> TransformerBlockLayer::BackwardSublayers(const Tensor& dy
     return absl::FailedPreconditionError("transformer_block: backward without forward");
   }
   if (!QkvInput(*saved).defined()) PW_RETURN_IF_ERROR(Remake(ctx, saved));
-  // Backward or BackwardInput of one sublayer (Note [Backward by layer]).
-  auto back = [&](Layer& layer, const Tensor& g, Saved* s) {
-    return weights ? layer.Backward(g, ctx, s) : layer.BackwardInput(g, ctx, s);
-  };
-  PW_ASSIGN_OR_RETURN(Tensor dc, back(*mlp_, dy, &saved->children[3]));
-  PW_ASSIGN_OR_RETURN(Tensor dh, back(*ln_2_, dc, &saved->children[2]));
+  PW_ASSIGN_OR_RETURN(Tensor dc, ChildBackward(*mlp_, dy, ctx, &saved->children[3], weights));
+  PW_ASSIGN_OR_RETURN(Tensor dh, ChildBackward(*ln_2_, dc, ctx, &saved->children[2], weights));
   PW_RETURN_IF_ERROR(ops::AddInPlace(ops::ExecOf(ctx), dh, dy));
-  PW_ASSIGN_OR_RETURN(Tensor da, back(*attn_, dh, &saved->children[1]));
-  PW_ASSIGN_OR_RETURN(Tensor dx, back(*ln_1_, da, &saved->children[0]));
+  PW_ASSIGN_OR_RETURN(Tensor da, ChildBackward(*attn_, dh, ctx, &saved->children[1], weights));
+  PW_ASSIGN_OR_RETURN(Tensor dx, ChildBackward(*ln_1_, da, ctx, &saved->children[0], weights));
   PW_RETURN_IF_ERROR(ops::AddInPlace(ops::ExecOf(ctx), dx, dh));
   if (weights) saved->Clear();
   return dx;
