@@ -1,5 +1,5 @@
 include(CMakePackageConfigHelpers)
-set(_pw_targets pipewright pipewright_headers pipewright_runtime pipewright_kernels_cpu
+set(_pw_targets pipewright pipewright_headers pipewright_io pipewright_runtime pipewright_kernels_cpu
     pipewright_kernels_cuda pipewright_schedules pipewright_partitioner pipewright_blas)
 if(PIPEWRIGHT_WITH_NCCL)
   list(APPEND _pw_targets pipewright_nccl)
