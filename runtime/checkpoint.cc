@@ -3,17 +3,22 @@
 // (ReadOneCheckpoint). Directories of step checkpoints are checkpoint_dir.cc.
 #include "pipewright/checkpoint.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <system_error>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "pipewright/input.h"
 #include "runtime/checkpoint_files.h"
 #include "runtime/sha256.h"
 
@@ -69,35 +74,67 @@ absl::Status WriteManifest(const std::string& tmp, const std::string& manifest_j
   return FsyncDir(tmp);
 }
 
-// Renames the complete `tmp` over `target`: an existing checkpoint there is moved aside to
-// `old` first and removed only after the rename and the parent's fsync.
+// Whether this process may swap directories with renameat2(RENAME_EXCHANGE): unless a test
+// turns it off (PIPEWRIGHT_NO_RENAME_EXCHANGE=1, to exercise the fallback) — the filesystem may
+// still refuse, which the caller handles.
+bool UseRenameExchange() {
+  const char* off = std::getenv("PIPEWRIGHT_NO_RENAME_EXCHANGE");
+  return off == nullptr || std::string(off) != "1";
+}
+
+// Note [Replacing a checkpoint]. Puts the complete `tmp` at `target`. When `target` already
+// holds a checkpoint (a step saved again after a resume from an older one) the two are swapped
+// in one atomic renameat2(RENAME_EXCHANGE), so `target` names a complete checkpoint at every
+// moment, and the old one, now at `tmp`, is removed after the parent's fsync. A filesystem
+// without the exchange (NFS, some FUSE) gets two renames: the old checkpoint to `old`, then
+// `tmp` to `target`. A kill between them leaves `target` missing, with two complete
+// checkpoints at `old` and `tmp`: RecoverInterruptedSaves (checkpoint_dir.cc) puts the newer
+// back, and readers look at both meanwhile, so no kill leaves zero complete checkpoints.
 absl::Status CommitDir(const std::string& tmp, const fs::path& target, const std::string& old) {
   std::error_code ec;
   const std::string target_str = target.string();
   const fs::path parent = target.has_parent_path() ? target.parent_path() : fs::path(".");
-  bool had_old = false;
-  if (fs::exists(target, ec)) {
-    fs::remove_all(old, ec);
-    if (::rename(target_str.c_str(), old.c_str()) != 0) {
-      absl::Status s = ErrnoStatus(errno, "cannot move the old checkpoint aside", target_str);
-      fs::remove_all(tmp, ec);
-      return s;
-    }
-    had_old = true;
-  }
-  if (::rename(tmp.c_str(), target_str.c_str()) != 0) {
-    absl::Status s = ErrnoStatus(errno, "cannot rename checkpoint into place", target_str);
-    if (had_old) ::rename(old.c_str(), target_str.c_str());
+  auto fail = [&](absl::Status s) {
     fs::remove_all(tmp, ec);
     return s;
-  }
-  PW_RETURN_IF_ERROR(FsyncDir(parent.string()));
-  if (had_old) {
-    fs::remove_all(old, ec);
-    if (ec) {
-      return absl::InternalError(
-          absl::StrCat("checkpoint written, but cannot remove '", old, "': ", ec.message()));
+  };
+  if (!fs::exists(target, ec)) {
+    if (::rename(tmp.c_str(), target_str.c_str()) != 0) {
+      return fail(ErrnoStatus(errno, "cannot rename checkpoint into place", target_str));
     }
+    CrashPoint("checkpoint.renamed-into-place");
+    return FsyncDir(parent.string());
+  }
+  if (UseRenameExchange() &&
+      ::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, target_str.c_str(), RENAME_EXCHANGE) == 0) {
+    CrashPoint("checkpoint.exchanged");
+    PW_RETURN_IF_ERROR(FsyncDir(parent.string()));
+    fs::remove_all(tmp, ec);  // the old checkpoint
+    if (ec) {
+      return absl::InternalError(absl::StrCat("checkpoint written, but cannot remove the old '",
+                                              tmp, "': ", ec.message()));
+    }
+    return absl::OkStatus();
+  }
+  if (UseRenameExchange() && errno != EINVAL && errno != ENOSYS && errno != ENOTSUP) {
+    return fail(ErrnoStatus(errno, "cannot swap the checkpoint into place", target_str));
+  }
+  fs::remove_all(old, ec);
+  if (::rename(target_str.c_str(), old.c_str()) != 0) {
+    return fail(ErrnoStatus(errno, "cannot move the old checkpoint aside", target_str));
+  }
+  CrashPoint("checkpoint.moved-aside");
+  if (::rename(tmp.c_str(), target_str.c_str()) != 0) {
+    absl::Status s = ErrnoStatus(errno, "cannot rename checkpoint into place", target_str);
+    ::rename(old.c_str(), target_str.c_str());
+    return fail(s);
+  }
+  CrashPoint("checkpoint.renamed-into-place");
+  PW_RETURN_IF_ERROR(FsyncDir(parent.string()));
+  fs::remove_all(old, ec);
+  if (ec) {
+    return absl::InternalError(
+        absl::StrCat("checkpoint written, but cannot remove '", old, "': ", ec.message()));
   }
   return absl::OkStatus();
 }
@@ -117,7 +154,9 @@ absl::Status WriteCheckpoint(const std::string& dir, const std::string& manifest
   if (!grad_sync.empty()) files.emplace_back("grad_sync.safetensors", &grad_sync);
   json digests = json::object();
   absl::Status s = WriteTensorFiles(tmp, files, &digests);
+  if (s.ok()) CrashPoint("checkpoint.tensors-written");
   if (s.ok()) s = WriteManifest(tmp, manifest_json, std::move(digests));
+  if (s.ok()) CrashPoint("checkpoint.manifest-written");
   if (!s.ok()) {
     std::error_code ec;
     fs::remove_all(tmp, ec);
@@ -174,7 +213,9 @@ absl::Status WriteCheckpointCollective(
         digests[name] = v;
       }
     }
+    if (s.ok()) CrashPoint("checkpoint.tensors-written");
     if (s.ok()) s = WriteManifest(tmp, manifest_json, std::move(digests));
+    if (s.ok()) CrashPoint("checkpoint.manifest-written");
     if (s.ok()) {
       s = CommitDir(tmp, target,
                     absl::StrCat(target.string(), ".old-", static_cast<long>(::getpid())));
@@ -198,12 +239,40 @@ namespace {
 // manifest ("files") and the manifest's own SHA-256 in manifest.json.sha256 (sha256sum's
 // format, so `sha256sum -c` checks it too). Reading verifies both before any tensor is used: a
 // flipped byte anywhere in a checkpoint is a DataLoss error naming the file, both digests
-// included. A checkpoint written before digests existed has neither and is read unverified.
-absl::Status VerifyDigests(const fs::path& root, const std::string& manifest_text) {
+// included. Only the files the manifest lists are read (Note [Listed files]). A checkpoint
+// written before digests existed has neither and is read unverified.
+//
+// The files' digests as the manifest lists them (empty when it has no "files").
+absl::StatusOr<std::map<std::string, FileDigest>> ListedFiles(const fs::path& root,
+                                                              const std::string& manifest_text) {
+  const std::string manifest_path = (root / "manifest.json").string();
+  PW_RETURN_IF_ERROR(CheckJsonNesting(manifest_text, manifest_path));
+  json m = json::parse(manifest_text, nullptr, false);
+  std::map<std::string, FileDigest> out;
+  if (m.is_discarded() || !m.is_object() || !m.contains("files")) return out;
+  if (!m["files"].is_object()) {
+    return absl::DataLossError(absl::StrCat(manifest_path, ": \"files\" is not an object"));
+  }
+  for (const auto& [name, d] : m["files"].items()) {
+    if (name.empty() || name.find('/') != std::string::npos || name == "." || name == ".." ||
+        !d.is_object() || !d.contains("sha256") || !d["sha256"].is_string() ||
+        !d.contains("bytes") || !d["bytes"].is_number_unsigned() ||
+        d["bytes"].get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
+      return absl::DataLossError(absl::StrCat(manifest_path, ": files[\"", name,
+                                              "\"] is not {bytes, sha256} of a file here"));
+    }
+    out[name] = {d["bytes"].get<uint64_t>(), d["sha256"].get<std::string>()};
+  }
+  return out;
+}
+
+absl::Status VerifyDigests(const fs::path& root, const std::string& manifest_text,
+                           const std::map<std::string, FileDigest>& files) {
   std::error_code ec;
   const std::string sums = (root / "manifest.json.sha256").string();
-  if (fs::exists(sums, ec)) {
-    PW_ASSIGN_OR_RETURN(std::string line, ReadTextFile(sums));
+  if (fs::symlink_status(sums, ec).type() != fs::file_type::not_found) {
+    PW_ASSIGN_OR_RETURN(std::string line,
+                        ReadTextFile(sums, "manifest digest", kMaxDigestLineBytes));
     const std::string actual = Sha256Hex(manifest_text);
     if (line.size() < 64 || line.compare(0, 64, actual) != 0) {
       return absl::DataLossError(absl::StrCat(
@@ -215,51 +284,50 @@ absl::Status VerifyDigests(const fs::path& root, const std::string& manifest_tex
           absl::StrCat(sums, ": not the line \"<sha256>  manifest.json\" WriteCheckpoint writes"));
     }
   }
-  json m = json::parse(manifest_text, nullptr, false);
-  if (m.is_discarded() || !m.is_object() || !m.contains("files")) return absl::OkStatus();
-  if (!m["files"].is_object()) {
-    return absl::DataLossError(
-        absl::StrCat((root / "manifest.json").string(), ": \"files\" is not an object"));
-  }
-  for (const auto& [name, d] : m["files"].items()) {
+  for (const auto& [name, want] : files) {
     const std::string path = (root / name).string();
-    if (name.empty() || name.find('/') != std::string::npos || name == "." || name == ".." ||
-        !d.is_object() || !d.contains("sha256") || !d["sha256"].is_string() ||
-        !d.contains("bytes") || !d["bytes"].is_number_unsigned()) {
-      return absl::DataLossError(absl::StrCat((root / "manifest.json").string(), ": files[\"", name,
-                                              "\"] is not {bytes, sha256} of a file here"));
-    }
-    if (!fs::exists(path, ec)) {
+    if (fs::symlink_status(path, ec).type() == fs::file_type::not_found) {
       return absl::DataLossError(absl::StrCat(path, ": listed in the manifest but missing"));
     }
-    PW_ASSIGN_OR_RETURN(FileDigest actual, DigestFile(path));
-    const uint64_t bytes = d["bytes"].get<uint64_t>();
-    const std::string sha = d["sha256"].get<std::string>();
-    if (actual.bytes != bytes) {
-      return absl::DataLossError(
-          absl::StrCat(path, ": ", actual.bytes, " bytes, the manifest records ", bytes));
+    absl::StatusOr<FileDigest> actual = DigestFile(path, static_cast<int64_t>(want.bytes));
+    if (!actual.ok()) {
+      // A FIFO or a device where a tensor file should be is damage of the checkpoint.
+      return absl::DataLossError(actual.status().message());
     }
-    if (actual.sha256 != sha) {
+    if (actual->sha256 != want.sha256) {
       return absl::DataLossError(absl::StrCat(path, ": SHA-256 mismatch (the manifest records ",
-                                              sha, ", the file hashes to ", actual.sha256, ")"));
+                                              want.sha256, ", the file hashes to ", actual->sha256,
+                                              ")"));
     }
   }
   return absl::OkStatus();
 }
 
-// The tensors of `kind` ("model", "optimizer", "grad_sync") by name, from KIND.safetensors (one
-// process's checkpoint) and every KIND-*.safetensors (the shards of a collective one: Note
-// [Collective checkpoints]); empty when there is none. A name in two files is DataLoss.
-absl::StatusOr<std::map<std::string, Tensor>> ReadShards(const fs::path& root,
-                                                         const std::string& kind,
-                                                         Allocator* allocator) {
+// Whether `n` is a tensor file of `kind` ("model", "optimizer", "grad_sync"): KIND.safetensors
+// (one process's checkpoint) or KIND-*.safetensors (a shard of a collective one: Note
+// [Collective checkpoints]).
+bool IsKindFile(const std::string& n, const std::string& kind) {
+  return n == kind + ".safetensors" ||
+         (absl::StartsWith(n, kind + "-") && absl::EndsWith(n, ".safetensors"));
+}
+
+// Note [Listed files]. The tensors of `kind` by name, from the files of that kind the manifest
+// lists (`listed`; every file of the kind in the directory for a checkpoint without digests).
+// A tensor file in the directory that the manifest does not list is never read: it was not
+// verified, so it is only a warning. A name in two files is DataLoss.
+absl::StatusOr<std::map<std::string, Tensor>> ReadShards(
+    const fs::path& root, const std::string& kind, const std::map<std::string, FileDigest>& listed,
+    Allocator* allocator, std::vector<std::string>* warnings) {
   std::vector<std::string> names;
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(root, ec)) {
     const std::string n = e.path().filename().string();
-    if (n == kind + ".safetensors" ||
-        (absl::StartsWith(n, kind + "-") && absl::EndsWith(n, ".safetensors"))) {
+    if (!IsKindFile(n, kind)) continue;
+    if (listed.empty() || listed.count(n) > 0) {
       names.push_back(n);
+    } else {
+      warnings->push_back(absl::StrCat((root / n).string(),
+                                       ": not listed in the manifest (not verified): ignored"));
     }
   }
   std::sort(names.begin(), names.end());
@@ -280,23 +348,34 @@ absl::StatusOr<std::map<std::string, Tensor>> ReadShards(const fs::path& root,
 
 namespace internal {
 
-absl::StatusOr<Checkpoint> ReadOneCheckpoint(const fs::path& root, Allocator* allocator) {
-  std::error_code ec;
+absl::StatusOr<std::string> VerifyCheckpointFiles(const fs::path& root) {
   const std::string manifest_path = (root / "manifest.json").string();
-  if (!fs::exists(manifest_path, ec)) {
+  std::error_code ec;
+  if (fs::symlink_status(manifest_path, ec).type() == fs::file_type::not_found) {
     return absl::NotFoundError(absl::StrCat("'", manifest_path, "' not found"));
   }
+  PW_ASSIGN_OR_RETURN(std::string text,
+                      ReadTextFile(manifest_path, "checkpoint manifest", kMaxJsonFileBytes));
+  PW_ASSIGN_OR_RETURN(auto files, ListedFiles(root, text));
+  PW_RETURN_IF_ERROR(VerifyDigests(root, text, files));
+  return text;
+}
+
+absl::StatusOr<Checkpoint> ReadOneCheckpoint(const fs::path& root, Allocator* allocator) {
+  std::error_code ec;
   Checkpoint ckpt;
   ckpt.path = root.string();
-  PW_ASSIGN_OR_RETURN(ckpt.manifest_json, ReadTextFile(manifest_path));
-  PW_RETURN_IF_ERROR(VerifyDigests(root, ckpt.manifest_json));
-  PW_ASSIGN_OR_RETURN(ckpt.model, ReadShards(root, "model", allocator));
+  PW_ASSIGN_OR_RETURN(ckpt.manifest_json, VerifyCheckpointFiles(root));
+  PW_ASSIGN_OR_RETURN(auto listed, ListedFiles(root, ckpt.manifest_json));
+  PW_ASSIGN_OR_RETURN(ckpt.model, ReadShards(root, "model", listed, allocator, &ckpt.warnings));
   if (ckpt.model.empty() && !fs::exists(root / "model.safetensors", ec)) {
     return absl::NotFoundError(
         absl::StrCat("'", (root / "model.safetensors").string(), "' not found"));
   }
-  PW_ASSIGN_OR_RETURN(ckpt.optimizer, ReadShards(root, "optimizer", allocator));
-  PW_ASSIGN_OR_RETURN(ckpt.grad_sync, ReadShards(root, "grad_sync", allocator));
+  PW_ASSIGN_OR_RETURN(ckpt.optimizer,
+                      ReadShards(root, "optimizer", listed, allocator, &ckpt.warnings));
+  PW_ASSIGN_OR_RETURN(ckpt.grad_sync,
+                      ReadShards(root, "grad_sync", listed, allocator, &ckpt.warnings));
   return ckpt;
 }
 

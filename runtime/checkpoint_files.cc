@@ -2,11 +2,16 @@
 #include "runtime/checkpoint_files.h"
 
 #include <fcntl.h>
+#include <signal.h>
 
+#include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "pipewright/input.h"
 #include "runtime/sha256.h"
 
 namespace pipewright::internal {
@@ -96,27 +101,33 @@ std::filesystem::path NormalizeDir(const std::string& dir) {
   return p;
 }
 
-absl::StatusOr<std::string> ReadTextFile(const std::string& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) return ErrnoStatus(errno, "cannot open", path);
-  std::string out;
-  char buf[1 << 16];
-  while (true) {
-    ssize_t n = ::read(fd.get(), buf, sizeof(buf));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return ErrnoStatus(errno, "cannot read", path);
-    }
-    if (n == 0) break;
-    out.append(buf, static_cast<size_t>(n));
-  }
-  return out;
+absl::StatusOr<std::string> ReadTextFile(const std::string& path, absl::string_view what,
+                                         int64_t max_bytes) {
+  return ReadRegularFile(path, what, max_bytes);
 }
 
-// The SHA-256 and size of the file at `path`, read in 1 MiB pieces.
-absl::StatusOr<FileDigest> DigestFile(const std::string& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) return ErrnoStatus(errno, "cannot open", path);
+void CrashPoint(const char* name) {
+  const char* at = std::getenv("PIPEWRIGHT_CRASH_AT");
+  if (at == nullptr) return;
+  const absl::string_view spec(at);
+  const size_t colon = spec.rfind(':');
+  int64_t nth = 1;
+  absl::string_view point = spec;
+  if (colon != absl::string_view::npos && absl::SimpleAtoi(spec.substr(colon + 1), &nth)) {
+    point = spec.substr(0, colon);
+  }
+  if (point != name) return;
+  static std::atomic<int64_t> reached{0};
+  if (reached.fetch_add(1) + 1 == nth) ::raise(SIGKILL);
+}
+
+absl::StatusOr<FileDigest> DigestFile(const std::string& path, int64_t expected_bytes) {
+  PW_ASSIGN_OR_RETURN(RegularFile file, RegularFile::Open(path, "checkpoint file"));
+  if (expected_bytes >= 0 && file.size() != expected_bytes) {
+    return absl::DataLossError(
+        absl::StrCat(path, ": ", file.size(), " bytes, the manifest records ", expected_bytes));
+  }
+  Fd fd(file.Release());
   std::vector<char> buf(1 << 20);
   Sha256 h;
   FileDigest d;
@@ -129,6 +140,8 @@ absl::StatusOr<FileDigest> DigestFile(const std::string& path) {
     if (n == 0) break;
     h.Update(buf.data(), static_cast<size_t>(n));
     d.bytes += static_cast<uint64_t>(n);
+    // A file that grows while hashed is not the file the manifest describes.
+    if (expected_bytes >= 0 && d.bytes > static_cast<uint64_t>(expected_bytes)) break;
   }
   d.sha256 = h.HexDigest();
   return d;

@@ -53,7 +53,19 @@ absl::Status WriteFileSynced(const std::string& path,
 absl::Status FsyncDir(const std::string& path);
 // Strips a trailing separator so "a/b/" names the directory "a/b".
 std::filesystem::path NormalizeDir(const std::string& dir);
-absl::StatusOr<std::string> ReadTextFile(const std::string& path);
+// A small text file of the checkpoint format (manifest, digest line, pointer): a regular file of
+// at most `max_bytes` (pipewright/input.h), `what` naming its role in errors.
+absl::StatusOr<std::string> ReadTextFile(const std::string& path, absl::string_view what,
+                                         int64_t max_bytes);
+// The limits of those files.
+inline constexpr int64_t kMaxDigestLineBytes = 4096;
+inline constexpr int64_t kMaxPointerBytes = 4096;
+
+// Note [Crash points]. A test hook: when the environment variable PIPEWRIGHT_CRASH_AT is `name`
+// (or `name:N`, the N-th time this process reaches it, from 1), the process kills itself with
+// SIGKILL there. The checkpoint code names a point between every two steps that change the
+// disk (docs/checkpoint.md lists them), so tests can stop a save exactly between two renames.
+void CrashPoint(const char* name);
 
 // A file written by WriteCheckpoint, as its manifest records it.
 struct FileDigest {
@@ -61,8 +73,9 @@ struct FileDigest {
   std::string sha256;
 };
 
-// The SHA-256 and size of the file at `path`, read in 1 MiB pieces.
-absl::StatusOr<FileDigest> DigestFile(const std::string& path);
+// The SHA-256 and size of the regular file at `path`, read in 1 MiB pieces. A file whose size is
+// not `expected_bytes` (when >= 0) is DataLoss before a byte is read.
+absl::StatusOr<FileDigest> DigestFile(const std::string& path, int64_t expected_bytes = -1);
 // WriteSafetensors, returning the digest of the bytes written when `digest` is not null.
 absl::Status WriteSafetensorsFile(const std::string& path, const NamedTensors& tensors,
                                   const std::map<std::string, std::string>& metadata,
@@ -72,6 +85,9 @@ absl::Status WriteSafetensorsFile(const std::string& path, const NamedTensors& t
 // manifest's digests first (Note [Checkpoint digests] in checkpoint.cc).
 absl::StatusOr<Checkpoint> ReadOneCheckpoint(const std::filesystem::path& root,
                                              Allocator* allocator);
+// Whether `root` is a complete checkpoint: its manifest (and, when it has them, every digest)
+// verifies. The manifest's text on success. Reads every file once; loads no tensor.
+absl::StatusOr<std::string> VerifyCheckpointFiles(const std::filesystem::path& root);
 
 }  // namespace pipewright::internal
 

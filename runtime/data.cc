@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "pipewright/input.h"
 #include "pipewright/status.h"
 #include "runtime/random.h"
 
@@ -44,18 +45,11 @@ constexpr int64_t kSamplesPerRelease = 16;
 class MappedFile {
  public:
   static absl::StatusOr<std::unique_ptr<MappedFile>> Open(const std::string& path) {
-    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-      return absl::NotFoundError(
-          absl::StrCat("data file '", path, "' cannot be opened: ", Errno()));
-    }
-    struct stat st;
-    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-      ::close(fd);
-      return absl::InvalidArgumentError(absl::StrCat("data file '", path, "' is not a file"));
-    }
+    // A FIFO, a device or a directory is refused without blocking (pipewright/input.h).
+    PW_ASSIGN_OR_RETURN(RegularFile file, RegularFile::Open(path, "data file"));
+    const int fd = file.Release();
     auto m = std::unique_ptr<MappedFile>(new MappedFile());
-    m->size_ = static_cast<size_t>(st.st_size);
+    m->size_ = static_cast<size_t>(file.size());
     if (m->size_ > 0) {
       void* p = ::mmap(nullptr, m->size_, PROT_READ, MAP_PRIVATE, fd, 0);
       if (p == MAP_FAILED) {
@@ -401,10 +395,19 @@ absl::Status WriteTokenFile(const std::string& path, const std::vector<uint32_t>
 
 absl::StatusOr<TokenFileInfo> PrepareByteTokenFile(const std::string& input,
                                                    const std::string& output) {
-  std::FILE* in = std::fopen(input.c_str(), "rb");
+  PW_ASSIGN_OR_RETURN(RegularFile file, RegularFile::Open(input, "input file"));
+  // The output replaces what is at its path once complete: never the input itself.
+  struct stat in_st, out_st;
+  if (::fstat(file.fd(), &in_st) == 0 && ::stat(output.c_str(), &out_st) == 0 &&
+      in_st.st_dev == out_st.st_dev && in_st.st_ino == out_st.st_ino) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the output '", output, "' is the input file '", input,
+                     "': writing the tokens there would replace the text (choose another output)"));
+  }
+  PW_RETURN_IF_ERROR(CheckOutputPath(output, "token file"));
+  std::FILE* in = ::fdopen(file.Release(), "rb");
   if (in == nullptr) {
-    return absl::NotFoundError(
-        absl::StrCat("input file '", input, "' cannot be opened: ", Errno()));
+    return absl::InternalError(absl::StrCat("input file '", input, "': ", Errno()));
   }
   TokenFileInfo info;  // byte-level: vocabulary 256, uint16
   std::vector<unsigned char> bytes;

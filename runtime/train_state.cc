@@ -6,6 +6,9 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "pipewright/input.h"
 
 namespace pipewright::internal {
 namespace {
@@ -77,10 +80,109 @@ std::string BuildManifest(const ManifestInfo& info) {
 
 namespace {
 
+// A data source as the resume compares it: its kind and size, not its path ("text:PATH (N
+// bytes)" -> "text: (N bytes)"), without a benchmark delay.
+std::string DataIdentity(const std::string& source) {
+  std::string s = source;
+  if (size_t plus = s.find(" + "); plus != std::string::npos) s.resize(plus);
+  const size_t colon = s.find(':'), paren = s.rfind(" (");
+  if (colon != std::string::npos && paren != std::string::npos && paren > colon) {
+    s.erase(colon + 1, paren - colon - 1);
+  }
+  return s;
+}
+
+std::string Num(double v) { return absl::StrFormat("%.6g", v); }
+
+// The settings of `run` that differ from the manifest's, as warnings (CheckManifest).
+void CompareSettings(const json& m, const ResumePoint& at, const RunSettings& run,
+                     const std::string& where, std::vector<std::string>* warnings) {
+  auto number = [](const json& obj, const char* key, double fallback) {
+    return obj.is_object() && obj.contains(key) && obj[key].is_number() ? obj[key].get<double>()
+                                                                        : fallback;
+  };
+  // The learning-rate schedule: what the rate at the resumed step was and is now.
+  if (m.contains("lr_schedule") && m["lr_schedule"].is_object()) {
+    const json& l = m["lr_schedule"];
+    LrSchedule was;
+    was.peak = static_cast<float>(number(l, "peak", run.lr.peak));
+    was.warmup_steps = static_cast<int64_t>(number(l, "warmup_steps", run.lr.warmup_steps));
+    was.total_steps = static_cast<int64_t>(number(l, "total_steps", run.lr.total_steps));
+    was.min_ratio = static_cast<float>(number(l, "min_ratio", run.lr.min_ratio));
+    std::vector<std::string> changed;
+    auto cmp = [&](const char* name, double a, double b) {
+      if (a != b) changed.push_back(absl::StrCat(name, " ", Num(a), " -> ", Num(b)));
+    };
+    cmp("total steps", was.total_steps, run.lr.total_steps);
+    cmp("peak", was.peak, run.lr.peak);
+    cmp("warm-up steps", was.warmup_steps, run.lr.warmup_steps);
+    cmp("minimum ratio", was.min_ratio, run.lr.min_ratio);
+    if (!changed.empty()) {
+      warnings->push_back(absl::StrCat(
+          where, ": the learning-rate schedule differs from the checkpoint's (",
+          absl::StrJoin(changed, ", "), "): the rate at step ", at.step, " is ",
+          Num(run.lr.At(at.step)), " where the checkpoint's run had ", Num(was.At(at.step))));
+    }
+  }
+  if (m.contains("optimizer") && m["optimizer"].is_object()) {
+    const json& o = m["optimizer"];
+    std::vector<std::string> changed;
+    auto cmp = [&](const char* key, float now) {
+      const double was = number(o, key, now);
+      if (static_cast<float>(was) != now) {
+        changed.push_back(absl::StrCat(key, " ", Num(was), " -> ", Num(now)));
+      }
+    };
+    cmp("beta1", run.optimizer.beta1);
+    cmp("beta2", run.optimizer.beta2);
+    cmp("eps", run.optimizer.eps);
+    cmp("momentum", run.optimizer.momentum);
+    cmp("weight_decay", run.optimizer.weight_decay);
+    if (!changed.empty()) {
+      warnings->push_back(absl::StrCat(where, ": optimizer settings differ from the checkpoint's (",
+                                       absl::StrJoin(changed, ", "), ")"));
+    }
+  }
+  if (m.contains("precision") && m["precision"].is_object() &&
+      m["precision"].value("compute", std::string()) != PrecisionName(run.precision)) {
+    warnings->push_back(absl::StrCat(where, ": precision ",
+                                     m["precision"].value("compute", std::string("?")), " -> ",
+                                     PrecisionName(run.precision)));
+  }
+  if (m.contains("data") && m["data"].is_object() && m["data"].contains("source") &&
+      m["data"]["source"].is_string()) {
+    const std::string was = m["data"]["source"].get<std::string>();
+    if (DataIdentity(was) != DataIdentity(run.data_source)) {
+      warnings->push_back(absl::StrCat(where, ": the checkpoint was trained on ", was,
+                                       "; this run reads ", run.data_source,
+                                       ": it continues on other data"));
+    }
+  }
+  // Note [Resume across dp]: the replicas' gradients are summed in another grouping at another
+  // dp (or micro-batching), so the continuation agrees with an uninterrupted run only to fp32
+  // rounding.
+  if (m.contains("plan") && m["plan"].is_object()) {
+    const json& p = m["plan"];
+    const int64_t dp = static_cast<int64_t>(number(p, "data_parallel", run.layout.replicas));
+    const int64_t mb = static_cast<int64_t>(number(p, "micro_batches", run.layout.micro_batches));
+    const int64_t b =
+        static_cast<int64_t>(number(p, "micro_batch_size", run.layout.micro_batch_size));
+    if (dp != run.layout.replicas || mb != run.layout.micro_batches ||
+        b != run.layout.micro_batch_size) {
+      warnings->push_back(absl::StrCat(
+          where, ": written at dp ", dp, " x ", mb, " micro-batches of ", b, ", resumed at dp ",
+          run.layout.replicas, " x ", run.layout.micro_batches, " of ", run.layout.micro_batch_size,
+          ": the same global batch, but gradients are summed in another order, so the losses "
+          "agree with an uninterrupted run to fp32 rounding, not bit for bit"));
+    }
+  }
+}
+
 absl::StatusOr<ResumePoint> CheckManifestFields(const std::string& dir,
                                                 const std::string& manifest_json,
                                                 const LayerGraph& graph, const BatchLayout& layout,
-                                                OptimizerKind optimizer) {
+                                                OptimizerKind optimizer, const RunSettings* run) {
+  PW_RETURN_IF_ERROR(CheckJsonNesting(manifest_json, absl::StrCat(dir, "/manifest.json")));
   json m = json::parse(manifest_json, nullptr, false);
   auto bad = [&](const std::string& what) {
     return absl::InvalidArgumentError(absl::StrCat(dir, "/manifest.json: ", what));
@@ -149,6 +251,18 @@ absl::StatusOr<ResumePoint> CheckManifestFields(const std::string& dir,
     r.grad_compression = gs["compression"].get<std::string>();
     r.grad_sync_dp = gs["data_parallel"].get<int>();
   }
+  if (run != nullptr) {
+    // The seed picks every sample (data.h): another one would continue on another sample order.
+    if (m.contains("rng") && m["rng"].is_object() && m["rng"].contains("seed")) {
+      const json& seed = m["rng"]["seed"];
+      if (!seed.is_number_unsigned() || seed.get<uint64_t>() != run->seed) {
+        return bad(absl::StrCat("rng.seed is ", seed.dump(), ", this run's seed is ", run->seed,
+                                ": the samples of every step depend on it (resume with seed ",
+                                seed.dump(), ")"));
+      }
+    }
+    CompareSettings(m, r, *run, absl::StrCat(dir, "/manifest.json"), &r.warnings);
+  }
   return r;
 }
 
@@ -156,11 +270,11 @@ absl::StatusOr<ResumePoint> CheckManifestFields(const std::string& dir,
 
 absl::StatusOr<ResumePoint> CheckManifest(const std::string& dir, const std::string& manifest_json,
                                           const LayerGraph& graph, const BatchLayout& layout,
-                                          OptimizerKind optimizer) {
+                                          OptimizerKind optimizer, const RunSettings* run) {
   // A field of an unexpected JSON type makes nlohmann throw (found by tests/runtime/fuzz_test.cc):
   // a malformed manifest is an error naming the file, never a crash.
   try {
-    return CheckManifestFields(dir, manifest_json, graph, layout, optimizer);
+    return CheckManifestFields(dir, manifest_json, graph, layout, optimizer, run);
   } catch (const json::exception& e) {
     return absl::InvalidArgumentError(
         absl::StrCat(dir, "/manifest.json: malformed (", e.what(), ")"));

@@ -11,6 +11,7 @@
 #include "pipewright/data.h"
 #include "pipewright/model.h"
 #include "pipewright/optimizer.h"
+#include "pipewright/precision.h"
 #include "pipewright/train.h"
 
 namespace pipewright::internal {
@@ -45,15 +46,32 @@ struct ResumePoint {
   // none), and the replica count it was written with.
   std::string grad_compression;
   int grad_sync_dp = 0;
+  // Settings of this run that differ from the checkpoint's but may (a longer schedule, other
+  // data, another dp): one line each, saying what changes (docs/checkpoint.md, "Resume checks").
+  std::vector<std::string> warnings;
+};
+// This run's settings a resume compares with the checkpoint's manifest, beyond the model, the
+// data position and the optimizer kind.
+struct RunSettings {
+  uint64_t seed = 0;
+  std::string data_source;  // Dataset::Describe()
+  LrSchedule lr;
+  OptimizerConfig optimizer;
+  Precision precision = Precision::kFp32;
+  BatchLayout layout;
 };
 // Restores `scaler` from `at` when both use loss scaling (a checkpoint from an fp32/bf16 run
 // starts fp16 at the configured initial scale, and vice versa the state is ignored).
 void RestoreLossScaler(const ResumePoint& at, LossScaler* scaler);
 // Checks a checkpoint's manifest against this run: format, model fingerprint, data position
-// (same global batch) and optimizer kind. Errors name `dir`/manifest.json and the field.
+// (same global batch) and optimizer kind; with `run`, also the seed (refused when it differs:
+// the sample order depends on it) and, as warnings, the learning-rate schedule, the optimizer's
+// hyperparameters, the precision, the data and the batch layout. Errors name `dir`/manifest.json
+// and the field.
 absl::StatusOr<ResumePoint> CheckManifest(const std::string& dir, const std::string& manifest_json,
                                           const LayerGraph& graph, const BatchLayout& layout,
-                                          OptimizerKind optimizer);
+                                          OptimizerKind optimizer,
+                                          const RunSettings* run = nullptr);
 // Checks that every parameter is in `tensors` (from `dir`) with its shape, in f32.
 absl::Status CheckParameters(const std::string& dir, const std::map<std::string, Tensor>& tensors,
                              const std::vector<Parameter*>& params);

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
@@ -480,39 +481,112 @@ absl::StatusOr<std::shared_ptr<const TokenDataset>> OpenTrainData(const TrainFla
   return data;
 }
 
-// --save DIR: what interrupted saves left there goes first. --resume DIR, or --resume auto: DIR
-// of --save when it holds a checkpoint (else a fresh start); damaged newer checkpoints skipped
-// on the way are reported on stderr.
-absl::Status ResumeFromFlags(Engine& t, const TrainFlags& f, bool root) {
-  if (!f.save.empty() && root) {
-    PW_ASSIGN_OR_RETURN(std::vector<std::string> removed, RemoveCheckpointDebris(f.save));
-    for (const std::string& p : removed) {
-      std::fprintf(stderr, "removed '%s', left by an interrupted save\n", p.c_str());
-    }
+// Whether `resume` names `save` or a checkpoint inside it (--resume DIR/step-000040 --save DIR
+// rewinds a run in its own directory).
+bool ResumesFromSaveDir(const TrainFlags& f) {
+  if (f.resume == "auto") return true;
+  if (f.resume.empty() || f.save.empty()) return false;
+  std::error_code ec;
+  const std::filesystem::path save = std::filesystem::weakly_canonical(f.save, ec);
+  const std::filesystem::path from = std::filesystem::weakly_canonical(f.resume, ec);
+  return from == save || from.parent_path() == save;
+}
+
+// Note [Starting on a checkpoint directory]. Before anything is built, the root process takes
+// --save DIR's lock (a second writer is refused at once, and an unwritable DIR fails here, not
+// after training), then recovers what interrupted saves left (a complete copy of a checkpoint
+// whose rename a kill interrupted is put back, the rest removed), and refuses to start a run
+// afresh into a DIR that already holds checkpoints: its saves would replace them.
+absl::StatusOr<std::optional<CheckpointLock>> PrepareSaveDir(const TrainFlags& f, bool root) {
+  if (f.save.empty() || !root) return std::nullopt;
+  absl::StatusOr<CheckpointLock> lock = CheckpointLock::Acquire(f.save);
+  if (!lock.ok()) {
+    return absl::Status(lock.status().code(), absl::StrCat("--save: ", lock.status().message()));
   }
+  PW_ASSIGN_OR_RETURN(RecoveryReport recovered, RecoverInterruptedSaves(f.save));
+  for (const auto& [from, to] : recovered.restored) {
+    std::fprintf(stderr, "restored the complete checkpoint '%s' to '%s' (an interrupted save)\n",
+                 from.c_str(), to.c_str());
+  }
+  for (const std::string& p : recovered.removed) {
+    std::fprintf(stderr, "removed '%s', left by an interrupted save\n", p.c_str());
+  }
+  if (!ResumesFromSaveDir(f) && HoldsCheckpoints(f.save)) {
+    absl::StatusOr<std::string> newest = ResolveCheckpointDir(f.save);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--save ", f.save, " already holds checkpoints",
+        newest.ok() ? absl::StrCat(" (newest: ", *newest, ")") : std::string(),
+        ": a run started afresh would replace them. Continue them with --resume auto, or save "
+        "into another directory"));
+  }
+  return std::optional<CheckpointLock>(*std::move(lock));
+}
+
+// --resume DIR, or --resume auto: --save DIR when it holds checkpoints (else a fresh start).
+// Says on stderr what was resumed and every warning (checkpoints skipped, settings that differ
+// from the checkpoint's). nullopt when the run starts at step 0.
+absl::StatusOr<std::optional<ResumeInfo>> ResumeFromFlags(Engine& t, const TrainFlags& f,
+                                                          bool root) {
   std::string from = f.resume;
   if (from == "auto") {
-    absl::StatusOr<std::string> found = ResolveCheckpointDir(f.save);
-    if (!found.ok() && !absl::IsNotFound(found.status())) return found.status();
-    if (!found.ok()) {
+    if (!HoldsCheckpoints(f.save)) {
       if (root) {
         std::fprintf(stderr, "no checkpoint in '%s' yet: starting at step 0\n", f.save.c_str());
       }
-      return absl::OkStatus();
+      return std::nullopt;
     }
     from = f.save;
   }
-  if (from.empty()) return absl::OkStatus();
-  std::vector<std::string> warnings;
-  PW_RETURN_IF_ERROR(t.Resume(from, &warnings));
-  if (root) {
-    for (const std::string& w : warnings) std::fprintf(stderr, "warning: %s\n", w.c_str());
+  if (from.empty()) return std::nullopt;
+  ResumeInfo info;
+  if (absl::Status s = t.Resume(from, &info); !s.ok()) {
+    if (f.resume == "auto" && (absl::IsDataLoss(s) || absl::IsNotFound(s))) {
+      // Starting over would overwrite what is there: the user decides.
+      return absl::DataLossError(absl::StrCat(
+          s.message(),
+          ". --resume auto does not start over on a directory that holds "
+          "checkpoints (its saves would replace them): move them away or save elsewhere"));
+    }
+    return s;
   }
-  return absl::OkStatus();
+  if (info.step > f.steps) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(info.path, " is at step ", info.step, ", past --steps ", f.steps,
+                     " (--steps is the total a resumed run continues to)"));
+  }
+  if (root) {
+    for (const std::string& w : info.warnings) std::fprintf(stderr, "warning: %s\n", w.c_str());
+    if (info.step < f.steps) {
+      std::fprintf(stderr, "resumed from %s at step %lld (the run continues to step %lld)\n",
+                   info.path.c_str(), static_cast<long long>(info.step),
+                   static_cast<long long>(f.steps));
+    }
+  }
+  return info;
 }
 
-absl::Status RunTrain(const TrainFlags& f) {
-  PW_RETURN_IF_ERROR(CheckFlags(f));
+// Whether this process is a launcher's root (or the only process): set once the World exists.
+bool root_process = true;
+
+// The flags with what a resumed run takes from its checkpoint when not given: the seed (every
+// sample depends on it; a different one is refused by the resume).
+absl::StatusOr<TrainFlags> WithCheckpointDefaults(const TrainFlags& given) {
+  TrainFlags f = given;
+  const std::string from = f.resume == "auto" ? f.save : f.resume;
+  if (from.empty() || f.given.count("--seed") > 0 || !HoldsCheckpoints(from)) return f;
+  absl::StatusOr<std::string> manifest = ReadCheckpointManifest(from);
+  if (!manifest.ok()) return f;  // the resume itself reports what is wrong
+  json m = json::parse(*manifest, nullptr, false);
+  if (m.is_object() && m.contains("rng") && m["rng"].is_object() && m["rng"].contains("seed") &&
+      m["rng"]["seed"].is_number_unsigned()) {
+    f.seed = m["rng"]["seed"].get<uint64_t>();
+  }
+  return f;
+}
+
+absl::Status RunTrain(const TrainFlags& given) {
+  PW_RETURN_IF_ERROR(CheckFlags(given));
+  PW_ASSIGN_OR_RETURN(const TrainFlags f, WithCheckpointDefaults(given));
   // OpenBLAS stays single-threaded (its threads are process-wide): each rank splits its own
   // products over its own threads (--threads-per-rank).
   SetCpuKernelThreads(1);
@@ -525,10 +599,27 @@ absl::Status RunTrain(const TrainFlags& f) {
   // Under mpirun or srun this process is one rank of the pp x dp grid (docs/cluster.md).
   PW_ASSIGN_OR_RETURN(World world, Launch(world_options));
   const bool root = world.is_root();
+  root_process = root;
+  PW_ASSIGN_OR_RETURN(std::optional<CheckpointLock> lock, PrepareSaveDir(f, root));
   PW_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
                       Engine::Create(model.graph, std::move(run), options, data, std::move(world)));
   Engine& t = *engine;
-  PW_RETURN_IF_ERROR(ResumeFromFlags(t, f, root));
+  PW_ASSIGN_OR_RETURN(std::optional<ResumeInfo> resumed, ResumeFromFlags(t, f, root));
+  // A run already at --steps has nothing to do, and its checkpoint is not written again.
+  if (resumed && resumed->step == f.steps) {
+    if (root) {
+      std::fprintf(stderr, "nothing to train: %s is already at --steps %lld\n",
+                   resumed->path.c_str(), static_cast<long long>(f.steps));
+      if (f.json) {
+        json summary = {{"steps", 0},
+                        {"final_step", resumed->step},
+                        {"resumed_from", resumed->path},
+                        {"checkpoint", f.save}};
+        std::printf("%s\n", json{{"summary", summary}}.dump().c_str());
+      }
+    }
+    return absl::OkStatus();
+  }
   InstallStopSignals();
   if (!f.json && root) PrintHeader(model.graph, t, data->Describe());
   RunRecord rec;
@@ -538,6 +629,8 @@ absl::Status RunTrain(const TrainFlags& f) {
     rec = options.dp_mode == DpMode::kAsync
               ? RunAsyncSteps(t, f, root, options.precision, &async_report)
               : RunSteps(t, f, root, options);
+    // What this run resumed from inside --save DIR is saved there already.
+    if (rec.saved_step < 0 && resumed && ResumesFromSaveDir(f)) rec.saved_step = resumed->step;
     // A failed step (an error, a timeout, another rank's abort): every rank's last actions.
     if (!rec.failure.ok()) flight.Dump(t);
   }
@@ -619,7 +712,8 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
   cmd->add_option("--data-delay-us", f->data_delay_us,
                   "Benchmark only: sleep this long per sample (an artificially slow data source)")
       ->group("");  // hidden from --help
-  cmd->add_option("--seed", f->seed, "Seed for weights and data");
+  cmd->add_option("--seed", f->seed,
+                  "Seed for weights and data (default 1; a resumed run: the checkpoint's)");
   cmd->add_option("--lr", f->lr, "Peak learning rate for --base-batch sequences");
   cmd->add_option(
       "--lr-scaling", f->lr_scaling,
@@ -686,6 +780,12 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
       if (opt->count() > 0) f->given.insert(opt->get_name());
     }
     absl::Status s = RunTrain(*f);
+    // Another process's failure relayed to this one is reported by the root process alone: a
+    // job's failure reads as one line per cause, not one per process.
+    if (!s.ok() && !root_process && IsRelayedAbort(s)) {
+      *exit_code = 1;
+      return;
+    }
     *exit_code = s.ok() ? 0 : ReportError(s);
   });
 }

@@ -46,8 +46,10 @@ struct Checkpoint {
   std::map<std::string, Tensor> optimizer;
   // Every replica's gradient-compression state (grad_sync.safetensors; empty without it).
   std::map<std::string, Tensor> grad_sync;
-  std::string path;                   // the checkpoint directory read
-  std::vector<std::string> warnings;  // damaged newer checkpoints skipped to reach it
+  std::string path;  // the checkpoint directory read
+  // What reading it skipped: damaged or unusable newer checkpoints, an unreadable `latest`
+  // pointer, tensor files the manifest does not list (never read).
+  std::vector<std::string> warnings;
 };
 
 // Atomically writes DIR (replacing an existing checkpoint there).
@@ -67,12 +69,19 @@ absl::Status WriteCheckpointCollective(
     const std::vector<std::pair<std::string, const NamedTensors*>>& files, bool root,
     const CheckpointExchange& exchange);
 
+// A caller's test of a checkpoint read (its model, its seed, ...): not OK makes ReadCheckpoint
+// skip it like a damaged one.
+using CheckpointCheck = std::function<absl::Status(const Checkpoint&)>;
 // Reads a checkpoint: DIR itself when it has a manifest.json, else the newest checkpoint of the
-// checkpoint directory DIR (the one DIR/latest names, then DIR/step-NNNNNN newest first) that
-// verifies; each damaged one skipped adds a warning naming the file and the mismatch. Files are
-// verified against the manifest's SHA-256 digests before use (Note [Checkpoint digests]):
-// DataLoss names the file. NotFound when DIR holds no checkpoint at all.
-absl::StatusOr<Checkpoint> ReadCheckpoint(const std::string& dir, Allocator* allocator = nullptr);
+// checkpoint directory DIR (the one DIR/latest names, then DIR/step-NNNNNN newest first, each
+// step followed by the complete copies an interrupted save left of it) that verifies and passes
+// `accept` (when given); each one skipped adds a warning naming the file and the mismatch, or
+// `accept`'s reason. Files are verified against the manifest's SHA-256 digests before use (Note
+// [Checkpoint digests]) and only the files the manifest lists are read. NotFound when DIR holds
+// no checkpoint at all; with none usable, DataLoss listing every reason when all were damaged,
+// else the code of the first reason `accept` gave.
+absl::StatusOr<Checkpoint> ReadCheckpoint(const std::string& dir, Allocator* allocator = nullptr,
+                                          const CheckpointCheck& accept = nullptr);
 
 // ---- checkpoint directories (docs/checkpoint.md, "Periodic checkpoints") ----
 // DIR/step-NNNNNN/ (one checkpoint per saved step, six digits or more) and DIR/latest (a line
@@ -85,15 +94,56 @@ absl::StatusOr<std::string> ResolveCheckpointDir(const std::string& dir);
 // complete checkpoint there atomically, as WriteCheckpoint does), then points DIR/latest at it
 // (a temporary file, fsync'ed, renamed over, the directory fsync'ed), then removes all but the
 // newest `keep` step checkpoints (keep <= 0: none). At every moment DIR holds a complete,
-// loadable checkpoint once the first save has finished. FailedPrecondition when DIR is a single
-// checkpoint. Under a launcher every process calls it (`write` is then collective) and only the
-// `root` one updates the pointer and removes old checkpoints.
+// loadable checkpoint once the first save has finished, even when step-NNNNNN already existed
+// (Note [Replacing a checkpoint] in runtime/checkpoint.cc). FailedPrecondition when DIR is a
+// single checkpoint. Under a launcher every process calls it (`write` is then collective) and
+// only the `root` one updates the pointer and removes old checkpoints. The caller holds DIR's
+// CheckpointLock (below).
 absl::Status SaveCheckpointStep(const std::string& dir, int64_t step, int keep,
                                 const std::function<absl::Status(const std::string&)>& write,
                                 bool root = true);
-// Removes what interrupted saves left: DIR.tmp-* and DIR.old-* beside DIR, step-NNNNNN.tmp-*,
-// step-NNNNNN.old-* and latest.tmp-* inside it. Returns the paths removed.
-absl::StatusOr<std::vector<std::string>> RemoveCheckpointDebris(const std::string& dir);
+// The text of the manifest of the checkpoint ResolveCheckpointDir(DIR) names (not verified:
+// for defaults such as the seed before the checkpoint itself is read).
+absl::StatusOr<std::string> ReadCheckpointManifest(const std::string& dir);
+// Whether DIR holds anything a save writes (DIR/latest, a step-N entry, or a manifest.json),
+// usable or not. A run that starts afresh refuses such a directory: its saves would replace
+// those checkpoints.
+bool HoldsCheckpoints(const std::string& dir);
+struct RecoveryReport {
+  std::vector<std::pair<std::string, std::string>> restored;  // (from, to)
+  std::vector<std::string> removed;
+};
+// Cleans up after interrupted saves (docs/checkpoint.md, "What survives a kill"): for each
+// checkpoint that DIR.tmp-* / DIR.old-* beside DIR or step-NNNNNN.tmp-* / .old-* inside it were
+// left of, a complete copy (its digests verify; the newest write first) is put back where the
+// checkpoint itself is missing or damaged; then the rest, step-NNNNNN.pruned-* and latest.tmp-*
+// are removed. Call it only while holding DIR's CheckpointLock: a .tmp-* of a live writer would
+// otherwise be taken for debris.
+absl::StatusOr<RecoveryReport> RecoverInterruptedSaves(const std::string& dir);
+
+// Note [Checkpoint lock]. The one writer of a checkpoint directory holds an exclusive advisory
+// lock (flock) on DIR/.lock for as long as it may save, so a second run with the same --save
+// fails at its start instead of removing the first's in-progress save as debris. The kernel
+// releases the lock when the process ends, however it ends (SIGKILL included): no stale locks.
+// Under a launcher the root process takes it (the others write only into the root's temporary
+// directory). On a network filesystem it is as good as the filesystem's flock.
+class CheckpointLock {
+ public:
+  // Creates DIR if needed and locks it. FailedPrecondition naming the holder (pid, host, since)
+  // when another process, or another CheckpointLock of this one, holds it; InvalidArgument when
+  // DIR cannot be created or written (an unwritable --save fails before any training).
+  static absl::StatusOr<CheckpointLock> Acquire(const std::string& dir);
+  CheckpointLock(CheckpointLock&& other) noexcept;
+  CheckpointLock& operator=(CheckpointLock&& other) noexcept;
+  CheckpointLock(const CheckpointLock&) = delete;
+  CheckpointLock& operator=(const CheckpointLock&) = delete;
+  ~CheckpointLock();  // releases it
+
+ private:
+  CheckpointLock(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
+  int fd_ = -1;
+  std::string path_;
+};
 // ---- Hugging Face interop (docs/checkpoint.md, "Hugging Face") ----
 // Writes the GPT in `checkpoint` (any checkpoint eval reads) as a transformers GPT2LMHeadModel
 // directory `out` (which must not exist or be empty): config.json (tie_word_embeddings as

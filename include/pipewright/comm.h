@@ -101,6 +101,13 @@ enum class CommBackend { kLocal, kMpi, kNccl };
 
 // "local", "mpi", "nccl".
 const char* CommBackendName(CommBackend b);
+// A launcher's world relays a failing process's error to every other process, each of which
+// then fails with it ("rank 1 aborted: ..."). Such a relayed status carries this payload, so a
+// program that reports errors can print it once (the CLI: on the root process only) instead of
+// once per process.
+inline constexpr char kRelayedAbortPayload[] = "type.pipewright.dev/relayed-abort";
+void MarkRelayedAbort(absl::Status* status);
+bool IsRelayedAbort(const absl::Status& status);
 // The inverse of CommBackendName; InvalidArgument naming the allowed values for anything else.
 absl::StatusOr<CommBackend> ParseCommBackend(absl::string_view name);
 

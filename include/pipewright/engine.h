@@ -128,6 +128,13 @@ struct AsyncReport {
   std::vector<std::pair<int, std::vector<int64_t>>> applied_by_rank;  // (global rank, counts)
 };
 
+// What Engine::Resume resumed.
+struct ResumeInfo {
+  std::string path;  // the checkpoint read (a step checkpoint of a checkpoint directory)
+  int64_t step = 0;  // the step the run continues at
+  std::vector<std::string> warnings;
+};
+
 class Engine {
  public:
   // Checks `run` against `graph` (CheckRunSpec) and `data` against the first stage's input,
@@ -180,9 +187,12 @@ class Engine {
 
   // Checkpoint with global tensor names (docs/checkpoint.md): any plan can resume it.
   absl::Status Save(const std::string& dir) const;
-  // Resumes a checkpoint, or the newest verified one of a checkpoint directory (ReadCheckpoint);
-  // `warnings` (when not null) receives one line per damaged checkpoint skipped.
-  absl::Status Resume(const std::string& dir, std::vector<std::string>* warnings = nullptr);
+  // Resumes a checkpoint, or the newest one of a checkpoint directory that verifies and suits
+  // this run (ReadCheckpoint): the same model, global batch, optimizer kind and seed, every
+  // parameter with its shape. Nothing is changed unless one suits. `info` (when not null)
+  // receives what was resumed and the warnings: checkpoints skipped, and settings that differ
+  // from the checkpoint's (the learning-rate schedule, optimizer, precision, data, dp).
+  absl::Status Resume(const std::string& dir, ResumeInfo* info = nullptr);
 
   // Flight recorder (docs/runtime.md, "Flight recorder"): writes DIR/flight-rank-<G>.json for
   // each rank of this process — its last actions, with start and end, peer, tag, bytes and

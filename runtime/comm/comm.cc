@@ -3,10 +3,19 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 
 namespace pipewright {
+
+void MarkRelayedAbort(absl::Status* status) {
+  if (!status->ok()) status->SetPayload(kRelayedAbortPayload, absl::Cord("1"));
+}
+
+bool IsRelayedAbort(const absl::Status& status) {
+  return status.GetPayload(kRelayedAbortPayload).has_value();
+}
 
 const char* CommBackendName(CommBackend b) {
   switch (b) {

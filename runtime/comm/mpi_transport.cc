@@ -213,6 +213,7 @@ absl::Status ProbeAbortNotices(World& w, bool* progressed) {
       }
       cause = absl::Status(code, absl::StrCat("rank ", st.MPI_SOURCE, " aborted: ", p->error));
     }
+    MarkRelayedAbort(&cause);
     AbortLocked(w, cause, /*notify=*/false);
   }
 }

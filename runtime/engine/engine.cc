@@ -698,18 +698,30 @@ absl::Status Engine::Save(const std::string& dir) const {
       [&r](const std::string& mine) { return r.AllGatherBytes(mine, "writing a checkpoint"); });
 }
 
-absl::Status Engine::Resume(const std::string& dir, std::vector<std::string>* warnings) {
+absl::Status Engine::Resume(const std::string& dir, ResumeInfo* info) {
   Impl& m = *impl_;
-  PW_ASSIGN_OR_RETURN(Checkpoint ck, ReadCheckpoint(dir));
-  if (warnings != nullptr) *warnings = ck.warnings;
-  PW_ASSIGN_OR_RETURN(internal::ResumePoint at,
-                      internal::CheckManifest(ck.path, ck.manifest_json, m.graph, m.ctx.layout,
-                                              m.options.optimizer.kind));
-  PW_RETURN_IF_ERROR(CheckGradSyncResume(ck.path, at, m.options.grad_compression, m.ctx.topo.dp));
-  // Validate every tensor of every rank before touching any weight or optimizer state.
-  for (auto& r : m.ranks) {
-    PW_RETURN_IF_ERROR(internal::CheckParameters(ck.path, ck.model, r->params));
-  }
+  internal::RunSettings settings;
+  settings.seed = m.options.seed;
+  settings.data_source = m.data->Describe();
+  settings.lr = m.lr;
+  settings.optimizer = m.options.optimizer;
+  settings.precision = m.options.precision;
+  settings.layout = m.ctx.layout;
+  // Everything a checkpoint must satisfy before any weight or optimizer state is touched, as
+  // ReadCheckpoint's test: a checkpoint that fails it (another model, seed, shape) is skipped
+  // for an older one that passes, with a warning (Note [Semantic fallback] in docs/checkpoint.md).
+  internal::ResumePoint at;
+  auto accept = [&](const Checkpoint& ck) -> absl::Status {
+    PW_ASSIGN_OR_RETURN(at,
+                        internal::CheckManifest(ck.path, ck.manifest_json, m.graph, m.ctx.layout,
+                                                m.options.optimizer.kind, &settings));
+    PW_RETURN_IF_ERROR(CheckGradSyncResume(ck.path, at, m.options.grad_compression, m.ctx.topo.dp));
+    for (auto& r : m.ranks) {
+      PW_RETURN_IF_ERROR(internal::CheckParameters(ck.path, ck.model, r->params));
+    }
+    return absl::OkStatus();
+  };
+  PW_ASSIGN_OR_RETURN(Checkpoint ck, ReadCheckpoint(dir, nullptr, accept));
   for (auto& r : m.ranks) {
     PW_RETURN_IF_ERROR(r->BindDevice());
     PW_RETURN_IF_ERROR(r->optimizer->LoadState(ck.optimizer, at.optimizer_step));
@@ -733,6 +745,12 @@ absl::Status Engine::Resume(const std::string& dir, std::vector<std::string>* wa
     r->loader.reset();  // restarts at the checkpoint's data position
   }
   m.step = at.step;
+  if (info != nullptr) {
+    info->path = ck.path;
+    info->step = at.step;
+    info->warnings = std::move(ck.warnings);
+    info->warnings.insert(info->warnings.end(), at.warnings.begin(), at.warnings.end());
+  }
   return absl::OkStatus();
 }
 

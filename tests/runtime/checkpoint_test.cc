@@ -452,9 +452,10 @@ TEST_F(CheckpointTest, DebrisOfInterruptedSavesIsRemoved) {
   }
   WriteBytes(dir + "/latest.tmp-55", "step-000002\n");
   WriteBytes(dir + "/notes.txt", "mine");  // not debris: left alone
-  auto removed = RemoveCheckpointDebris(dir);
-  ASSERT_TRUE(removed.ok()) << removed.status();
-  EXPECT_EQ(removed->size(), 5u);
+  auto report = RecoverInterruptedSaves(dir);
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_EQ(report->removed.size(), 5u);
+  EXPECT_TRUE(report->restored.empty());
   std::vector<std::string> left;
   for (const auto& e : fs::directory_iterator(root_)) left.push_back(e.path().filename());
   for (const auto& e : fs::directory_iterator(dir)) left.push_back(e.path().filename());

@@ -57,8 +57,10 @@ TEST_F(CliCheckpoint, SaveEveryKeepsTheNewestAndResumeAutoContinues) {
   const std::string dir = Path("run");
   Result r = RunCli(kTrain + "--steps 7 --save-every 2 --keep 2 --save " + dir);
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  // Saved after steps 2, 4, 6 and at the end (7); the newest two are kept.
-  EXPECT_EQ(Entries(dir), (std::vector<std::string>{"latest", "step-000006", "step-000007"}));
+  // Saved after steps 2, 4, 6 and at the end (7); the newest two are kept. .lock: the writer's
+  // lock file (Note [Checkpoint lock]).
+  EXPECT_EQ(Entries(dir),
+            (std::vector<std::string>{".lock", "latest", "step-000006", "step-000007"}));
   EXPECT_EQ(Latest(dir), "step-000007");
   for (const char* f :
        {"manifest.json", "manifest.json.sha256", "model.safetensors", "optimizer.safetensors"}) {
@@ -196,8 +198,8 @@ TEST_F(CliCheckpoint, KilledAtRandomMomentsEveryResumeContinuesBitIdentically) {
   EXPECT_GE(resumed_runs, kKills / 2) << "most runs were killed before their first step";
   EXPECT_EQ(Latest(dir), "step-000400");
   // --keep 3, nothing left by the interrupted saves (removed at each start, none since).
-  EXPECT_EQ(Entries(dir),
-            (std::vector<std::string>{"latest", "step-000398", "step-000399", "step-000400"}));
+  EXPECT_EQ(Entries(dir), (std::vector<std::string>{".lock", "latest", "step-000398", "step-000399",
+                                                    "step-000400"}));
   for (const std::string& e : Entries(root_)) {
     EXPECT_EQ(e.find(".tmp-"), std::string::npos) << e;
     EXPECT_EQ(e.find(".old-"), std::string::npos) << e;

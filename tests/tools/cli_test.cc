@@ -265,8 +265,10 @@ TEST(Cli, ResumeFromBadCheckpointFails) {
   EXPECT_NE(r.err.find("step-000001/manifest.json: SHA-256 mismatch"), std::string::npos) << r.err;
 
   // A checkpoint of another model is refused by fingerprint.
-  ASSERT_EQ(RunCli("train --preset mlp --steps 1 --save " + dir).exit_code, 0);
-  r = RunCli("train --preset gpt-tiny --steps 2 --resume " + dir);
+  const std::string mlp = TempPath("bad_ckpt_mlp");
+  std::filesystem::remove_all(mlp);
+  ASSERT_EQ(RunCli("train --preset mlp --steps 1 --save " + mlp).exit_code, 0);
+  r = RunCli("train --preset gpt-tiny --steps 2 --resume " + mlp);
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("fingerprint"), std::string::npos) << r.err;
 }
