@@ -1,38 +1,32 @@
 // Evaluation of a checkpoint on held-out data (train.h).
 #include <cmath>
-#include <fstream>
-#include <iterator>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "pipewright/checkpoint.h"
+#include "pipewright/input.h"
 #include "pipewright/model.h"
 #include "pipewright/train.h"
+#include "runtime/train_state.h"
 
 namespace pipewright {
 namespace {
 
 using json = nlohmann::json;
 
-// The manifest alone (the tensors are not read).
-absl::StatusOr<json> ReadManifest(const std::string& checkpoint) {
-  PW_ASSIGN_OR_RETURN(const std::string dir, ResolveCheckpointDir(checkpoint));
-  std::ifstream in(dir + "/manifest.json");
-  if (!in) return absl::NotFoundError(absl::StrCat(dir, "/manifest.json cannot be opened"));
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  json m = json::parse(text, nullptr, false);
-  if (m.is_discarded() || !m.is_object() || !m.contains("model") || !m["model"].is_object()) {
-    return absl::InvalidArgumentError(absl::StrCat(dir, "/manifest.json: model missing"));
-  }
-  return m;
-}
-
-}  // namespace
-
-absl::StatusOr<LayerGraph> CheckpointPresetModel(const std::string& dir) {
+// The graph the manifest of the checkpoint at `path` describes: a GPT from model.gpt, else a
+// preset from model.preset, checked by fingerprint. Errors name `path`/manifest.json.
+absl::StatusOr<LayerGraph> GraphOfManifest(const std::string& path, const std::string& text) {
+  const std::string where = absl::StrCat(path, "/manifest.json");
   // A manifest field of an unexpected JSON type makes nlohmann throw: an error, not a crash.
   try {
-    PW_ASSIGN_OR_RETURN(json m, ReadManifest(dir));
+    PW_RETURN_IF_ERROR(CheckJsonNesting(text, where));
+    json m = json::parse(text, nullptr, false);
+    if (m.is_discarded() || !m.is_object() || !m.contains("model") || !m["model"].is_object()) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": model missing"));
+    }
     const json& model = m["model"];
     const std::string name = model.value("name", "");
     if (model.contains("gpt") && model["gpt"].is_object()) {  // a GPT: rebuilt from its shape
@@ -43,103 +37,146 @@ absl::StatusOr<LayerGraph> CheckpointPresetModel(const std::string& dir) {
                         .seq = a.at("seq").get<int64_t>(),
                         .vocab = a.at("vocab").get<int64_t>(),
                         .tied = a.at("tied").get<bool>()};
-      PW_RETURN_IF_ERROR(CheckGptConfig(c, absl::StrCat(dir, "/manifest.json: model.gpt")));
+      PW_RETURN_IF_ERROR(CheckGptConfig(c, absl::StrCat(where, ": model.gpt")));
       absl::StatusOr<LayerGraph> graph =
           GptModel(name, c, model.value("micro_batch_size", int64_t{1}));
       if (!graph.ok() || graph->Fingerprint() != model.value("fingerprint", "")) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            dir, "/manifest.json: model.gpt does not rebuild the model of model.fingerprint"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ": model.gpt does not rebuild the model of model.fingerprint"));
       }
       return graph;
     }
     if (!model.contains("preset") || !model["preset"].is_string()) {
       return absl::InvalidArgumentError(absl::StrCat(
-          dir, " holds the custom model '", name,
+          path, " holds the custom model '", name,
           "' (not a preset): build its LayerGraph and call EvaluateCheckpoint(graph, dir, data, "
           "batches) from C++"));
     }
     PW_ASSIGN_OR_RETURN(LayerGraph graph, PresetModel(model["preset"].get<std::string>(),
                                                       model.value("micro_batch_size", int64_t{0})));
     if (model.value("fingerprint", "") != graph.Fingerprint()) {
-      return absl::InvalidArgumentError(absl::StrCat(dir,
-                                                     "/manifest.json: fingerprint does not "
-                                                     "match preset '",
+      return absl::InvalidArgumentError(absl::StrCat(where, ": fingerprint does not match preset '",
                                                      model["preset"].get<std::string>(), "'"));
     }
     return graph;
   } catch (const json::exception& e) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(dir, "/manifest.json: malformed (", e.what(), ")"));
+    return absl::InvalidArgumentError(absl::StrCat(where, ": malformed (", e.what(), ")"));
   }
+}
+
+// A fresh instance of every layer of `graph` holding the weights of `ck`, each parameter checked
+// (f32, its shape). Errors name the checkpoint's file.
+absl::StatusOr<std::unique_ptr<Stage>> LoadWeights(const LayerGraph& graph, const Checkpoint& ck) {
+  PW_ASSIGN_OR_RETURN(std::unique_ptr<Stage> stage, graph.Instantiate(0, graph.num_layers(), 0));
+  for (Parameter* p : stage->Parameters()) {
+    auto it = ck.model.find(p->name);
+    if (it == ck.model.end() || it->second.shape() != p->value.shape() ||
+        it->second.dtype() != DType::kF32) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(ck.path, "/model.safetensors: tensor '", p->name, "' missing or misshapen"));
+    }
+    std::copy_n(it->second.data<float>(), it->second.numel(), p->value.data<float>());
+  }
+  return stage;
+}
+
+// The loss of `graph`, instantiated as `stage` with the weights of `ck`, over `batches` of
+// `data`.
+absl::StatusOr<EvalResult> Evaluate(const LayerGraph& graph, Stage& stage, const Checkpoint& ck,
+                                    const Dataset& data, int64_t batches) {
+  BatchLayout layout{1, graph.shape().batch, graph.shape().seq_len, 1};
+  constexpr int64_t kHeldOutStep = int64_t{1} << 40;  // far from any training step
+  double sum = 0;
+  std::vector<Tensor> inputs, targets;
+  for (int64_t i = 0; i < batches; ++i) {
+    StepBatch b = MakeStepBatch(data, layout, kHeldOutStep / layout.global_batch() + i, 0);
+    LayerContext ctx{nullptr, &b.targets[0]};
+    std::vector<Saved> saved;
+    PW_ASSIGN_OR_RETURN(Tensor loss, stage.Forward(b.inputs[0], ctx, &saved));
+    sum += loss.data<float>()[0];
+    inputs.push_back(b.inputs[0]);
+    targets.push_back(b.targets[0]);
+  }
+  EvalResult r;
+  r.inputs = std::move(inputs);
+  r.targets = std::move(targets);
+  r.loss = sum / batches;
+  r.perplexity = std::exp(r.loss);
+  r.tokens = batches * layout.global_batch() * layout.seq_len;
+  r.model = graph.name();
+  json m = json::parse(ck.manifest_json, nullptr, false);
+  r.step = m.is_object() && m.contains("step") && m["step"].is_number_integer()
+               ? m["step"].get<int64_t>()
+               : 0;
+  r.path = ck.path;
+  r.warnings = ck.warnings;
+  return r;
+}
+
+}  // namespace
+
+namespace internal {
+
+absl::StatusOr<std::pair<Checkpoint, LayerGraph>> ReadCheckpointAndGraph(const std::string& dir) {
+  std::optional<LayerGraph> graph;
+  auto accept = [&](const Checkpoint& ck) -> absl::Status {
+    PW_ASSIGN_OR_RETURN(graph, GraphOfManifest(ck.path, ck.manifest_json));
+    return absl::OkStatus();
+  };
+  PW_ASSIGN_OR_RETURN(Checkpoint ck, ReadCheckpoint(dir, nullptr, accept));
+  return std::make_pair(std::move(ck), *std::move(graph));
+}
+
+}  // namespace internal
+
+absl::StatusOr<LayerGraph> CheckpointPresetModel(const std::string& dir) {
+  PW_ASSIGN_OR_RETURN(auto read, internal::ReadCheckpointAndGraph(dir));
+  return std::move(read.second);
 }
 
 absl::StatusOr<EvalResult> EvaluateCheckpoint(const LayerGraph& graph, const std::string& dir,
                                               const Dataset& data, int64_t batches) {
-  // A manifest field of an unexpected JSON type makes nlohmann throw: an error, not a crash.
-  try {
-    if (batches < 1) return absl::InvalidArgumentError("--batches must be >= 1");
-    PW_ASSIGN_OR_RETURN(Checkpoint ck, ReadCheckpoint(dir));
+  if (batches < 1) return absl::InvalidArgumentError("--batches must be >= 1");
+  std::unique_ptr<Stage> stage;
+  auto accept = [&](const Checkpoint& ck) -> absl::Status {
     json m = json::parse(ck.manifest_json, nullptr, false);
-    if (m.is_discarded() || !m.contains("model") || !m["model"].is_object() ||
-        m["model"].value("fingerprint", "") != graph.Fingerprint()) {
+    if (m.is_discarded() || !m.is_object() || !m.contains("model") || !m["model"].is_object() ||
+        !m["model"].contains("fingerprint") || !m["model"]["fingerprint"].is_string() ||
+        m["model"]["fingerprint"].get<std::string>() != graph.Fingerprint()) {
       return absl::InvalidArgumentError(
           absl::StrCat(ck.path, "/manifest.json: model.fingerprint does not match this model (",
                        graph.name(), ")"));
     }
-    PW_ASSIGN_OR_RETURN(auto stage, graph.Instantiate(0, graph.num_layers(), 0));
-    for (Parameter* p : stage->Parameters()) {
-      auto it = ck.model.find(p->name);
-      if (it == ck.model.end() || it->second.shape() != p->value.shape() ||
-          it->second.dtype() != DType::kF32) {
-        return absl::InvalidArgumentError(absl::StrCat(ck.path, "/model.safetensors: tensor '",
-                                                       p->name, "' missing or misshapen"));
-      }
-      std::copy_n(it->second.data<float>(), it->second.numel(), p->value.data<float>());
-    }
-    BatchLayout layout{1, graph.shape().batch, graph.shape().seq_len, 1};
-    constexpr int64_t kHeldOutStep = int64_t{1} << 40;  // far from any training step
-    double sum = 0;
-    std::vector<Tensor> inputs, targets;
-    for (int64_t i = 0; i < batches; ++i) {
-      StepBatch b = MakeStepBatch(data, layout, kHeldOutStep / layout.global_batch() + i, 0);
-      LayerContext ctx{nullptr, &b.targets[0]};
-      std::vector<Saved> saved;
-      PW_ASSIGN_OR_RETURN(Tensor loss, stage->Forward(b.inputs[0], ctx, &saved));
-      sum += loss.data<float>()[0];
-      inputs.push_back(b.inputs[0]);
-      targets.push_back(b.targets[0]);
-    }
-    EvalResult r;
-    r.inputs = std::move(inputs);
-    r.targets = std::move(targets);
-    r.loss = sum / batches;
-    r.perplexity = std::exp(r.loss);
-    r.tokens = batches * layout.global_batch() * layout.seq_len;
-    r.model = graph.name();
-    r.step = m.value("step", int64_t{0});
-    return r;
-  } catch (const json::exception& e) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(dir, "/manifest.json: malformed (", e.what(), ")"));
-  }
+    PW_ASSIGN_OR_RETURN(stage, LoadWeights(graph, ck));
+    return absl::OkStatus();
+  };
+  PW_ASSIGN_OR_RETURN(Checkpoint ck, ReadCheckpoint(dir, nullptr, accept));
+  return Evaluate(graph, *stage, ck, data, batches);
 }
 
 absl::StatusOr<EvalResult> EvaluateCheckpoint(const std::string& dir, const std::string& data,
                                               int64_t batches) {
-  // A manifest field of an unexpected JSON type makes nlohmann throw: an error, not a crash.
-  try {
-    if (batches < 1) return absl::InvalidArgumentError("--batches must be >= 1");
-    PW_ASSIGN_OR_RETURN(LayerGraph graph, CheckpointPresetModel(dir));
-    PW_ASSIGN_OR_RETURN(json m, ReadManifest(dir));
-    const uint64_t seed = m.contains("rng") ? m["rng"].value("seed", uint64_t{0}) : 0;
-    PW_ASSIGN_OR_RETURN(std::unique_ptr<TokenDataset> ds,
-                        OpenDataset(data, graph.shape().seq_len, seed));
-    PW_RETURN_IF_ERROR(CheckVocabulary(*ds, 256));  // the presets are byte-level
-    return EvaluateCheckpoint(graph, dir, *ds, batches);
-  } catch (const json::exception& e) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(dir, "/manifest.json: malformed (", e.what(), ")"));
+  if (batches < 1) return absl::InvalidArgumentError("--batches must be >= 1");
+  // The model each checkpoint describes, instantiated with its weights: one that fails (a
+  // model this runtime cannot rebuild, a misshapen tensor) is skipped for an older one.
+  std::optional<LayerGraph> graph;
+  std::unique_ptr<Stage> stage;
+  auto accept = [&](const Checkpoint& ck) -> absl::Status {
+    PW_ASSIGN_OR_RETURN(graph, GraphOfManifest(ck.path, ck.manifest_json));
+    PW_ASSIGN_OR_RETURN(stage, LoadWeights(*graph, ck));
+    return absl::OkStatus();
+  };
+  PW_ASSIGN_OR_RETURN(Checkpoint ck, ReadCheckpoint(dir, nullptr, accept));
+  json m = json::parse(ck.manifest_json, nullptr, false);
+  uint64_t seed = 0;
+  if (m.is_object() && m.contains("rng") && m["rng"].is_object() && m["rng"].contains("seed") &&
+      m["rng"]["seed"].is_number_unsigned()) {
+    seed = m["rng"]["seed"].get<uint64_t>();
   }
+  PW_ASSIGN_OR_RETURN(std::unique_ptr<TokenDataset> ds,
+                      OpenDataset(data, graph->shape().seq_len, seed));
+  PW_RETURN_IF_ERROR(CheckVocabulary(*ds, 256));  // the presets are byte-level
+  return Evaluate(*graph, *stage, ck, *ds, batches);
 }
 
 }  // namespace pipewright

@@ -14,9 +14,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "pipewright/checkpoint.h"
+#include "pipewright/input.h"
 #include "pipewright/model.h"
 #include "pipewright/ops.h"
 #include "pipewright/train.h"
+#include "runtime/train_state.h"
 
 namespace pipewright {
 namespace {
@@ -66,9 +68,8 @@ Tensor Transposed(const Tensor& t) {
 }
 
 absl::StatusOr<json> ReadJsonFile(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, " cannot be opened"));
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  PW_ASSIGN_OR_RETURN(std::string text, ReadRegularFile(path, "JSON file", kMaxJsonFileBytes));
+  PW_RETURN_IF_ERROR(CheckJsonNesting(text, path));
   json j = json::parse(text, nullptr, false);
   if (j.is_discarded() || !j.is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": not a JSON object"));
@@ -92,14 +93,14 @@ absl::Status FreshDirectory(const std::string& dir, bool create) {
 }  // namespace
 
 absl::Status ExportHuggingFace(const std::string& checkpoint, const std::string& out) {
-  PW_ASSIGN_OR_RETURN(LayerGraph graph, CheckpointPresetModel(checkpoint));
+  PW_ASSIGN_OR_RETURN(auto read, internal::ReadCheckpointAndGraph(checkpoint));
+  auto& [ck, graph] = read;
   absl::StatusOr<GptConfig> gpt = GptConfigOf(graph);
   if (!gpt.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(
         checkpoint, ": model '", graph.name(), "' is not a GPT; --format hf exports GPTs only"));
   }
   const GptConfig& c = *gpt;
-  PW_ASSIGN_OR_RETURN(Checkpoint ck, ReadCheckpoint(checkpoint));
   const json manifest = json::parse(ck.manifest_json, nullptr, false);
   uint64_t seed = 0;
   if (manifest.is_object() && manifest.contains("rng") && manifest["rng"].is_object()) {

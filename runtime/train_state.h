@@ -5,9 +5,11 @@
 
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "pipewright/checkpoint.h"
 #include "pipewright/data.h"
 #include "pipewright/model.h"
 #include "pipewright/optimizer.h"
@@ -75,6 +77,11 @@ absl::StatusOr<ResumePoint> CheckManifest(const std::string& dir, const std::str
 // Checks that every parameter is in `tensors` (from `dir`) with its shape, in f32.
 absl::Status CheckParameters(const std::string& dir, const std::map<std::string, Tensor>& tensors,
                              const std::vector<Parameter*>& params);
+
+// The checkpoint ReadCheckpoint(dir) reads whose manifest describes a model this runtime can
+// rebuild (a GPT's model.gpt or a preset, checked by fingerprint), with that model's graph
+// (runtime/evaluate.cc: eval and the Hugging Face export).
+absl::StatusOr<std::pair<Checkpoint, LayerGraph>> ReadCheckpointAndGraph(const std::string& dir);
 
 }  // namespace pipewright::internal
 

@@ -812,6 +812,7 @@ void RegisterEval(CLI::App& app, int* exit_code) {
       *exit_code = ReportError(r.status());
       return;
     }
+    for (const std::string& w : r->warnings) std::fprintf(stderr, "warning: %s\n", w.c_str());
     if (!f->dump.empty()) {
       json d = {{"loss", r->loss}, {"inputs", json::array()}, {"targets", json::array()}};
       for (size_t i = 0; i < r->inputs.size(); ++i) {
@@ -830,16 +831,13 @@ void RegisterEval(CLI::App& app, int* exit_code) {
       }
     }
     if (f->json) {
-      json j = {{"model", r->model},
-                {"step", r->step},
-                {"loss", r->loss},
-                {"perplexity", r->perplexity},
-                {"tokens", r->tokens}};
+      json j = {{"model", r->model}, {"checkpoint", r->path},       {"step", r->step},
+                {"loss", r->loss},   {"perplexity", r->perplexity}, {"tokens", r->tokens}};
       std::printf("%s\n", j.dump().c_str());
     } else {
-      std::printf("eval: %s at step %lld: loss %.4f, perplexity %.3f over %lld tokens\n",
-                  r->model.c_str(), static_cast<long long>(r->step), r->loss, r->perplexity,
-                  static_cast<long long>(r->tokens));
+      std::printf("eval: %s at step %lld (%s): loss %.4f, perplexity %.3f over %lld tokens\n",
+                  r->model.c_str(), static_cast<long long>(r->step), r->path.c_str(), r->loss,
+                  r->perplexity, static_cast<long long>(r->tokens));
     }
     *exit_code = 0;
   });

@@ -156,7 +156,8 @@ class Trainer {
 
 // Mean loss of the model in checkpoint `dir` over `batches` batches of `data` drawn from a
 // held-out stream (sample indices from 2^40, far from any training step). `graph` must be the
-// model the checkpoint was written for (its fingerprint); its weights come from `dir`.
+// model the checkpoint was written for (its fingerprint); its weights come from `dir`, read as
+// ReadCheckpoint reads (a checkpoint directory's newest one that verifies and fits the model).
 struct EvalResult {
   double loss = 0;
   double perplexity = 0;
@@ -166,6 +167,8 @@ struct EvalResult {
   // The evaluated batches' tokens and next-token targets, [B, T] i32 each (`eval --dump`), so
   // another implementation can check the loss on the same tokens.
   std::vector<Tensor> inputs, targets;
+  std::string path;                   // the checkpoint evaluated (a step checkpoint of a directory)
+  std::vector<std::string> warnings;  // what reading it skipped (ReadCheckpoint)
 };
 absl::StatusOr<EvalResult> EvaluateCheckpoint(const LayerGraph& graph, const std::string& dir,
                                               const Dataset& data, int64_t batches);
