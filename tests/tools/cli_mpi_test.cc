@@ -5,6 +5,7 @@
 #include <signal.h>
 
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -158,6 +159,46 @@ TEST(CliMpi, Sigusr1StopsEveryProcessAfterTheSameStepAndSaves) {
   }
 }
 
+// SIGTERM to mpirun: Open MPI forwards it to every process, which stop after the same step and
+// save one complete checkpoint together, as with SIGUSR1; mpirun itself then exits non-zero
+// (it counts a SIGTERM as an abnormal end of the job: docs/cluster.md, "Preemption").
+TEST(CliMpi, SigtermToMpirunStillSavesACompleteCheckpoint) {
+  const std::string tag = std::to_string(getpid());
+  const std::string out = TempPath("mpi_term_out_" + tag), err = TempPath("mpi_term_err_" + tag);
+  const std::string dir = TempPath("mpi_term_ckpt_" + tag);
+  std::filesystem::remove_all(dir);
+  const std::string env =
+      "env OMPI_MCA_btl=self,vader OMPI_MCA_btl_vader_single_copy_mechanism=none "
+      "OMPI_MCA_pml=ob1 OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_ALLOW_RUN_AS_ROOT=1 "
+      "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ";
+  const std::string launcher =
+      env + PIPEWRIGHT_MPIEXEC + " " + PIPEWRIGHT_MPIEXEC_FLAGS + " -np 2 " + Bin();
+  const std::string train =
+      "train --preset gpt-tiny --micro-batch-size 2 --seed 7 --json --timeout 30 --pp 2 "
+      "--micro-batches 4 --steps 100000 ";
+  pid_t pid = SpawnWith(launcher, train + "--save " + dir, out, err);
+  if (!WaitForSteps(out, 2, std::chrono::seconds(120), pid)) {
+    kill(pid, SIGKILL);
+    Reap(pid);
+    FAIL() << ReadAll(err);
+  }
+  kill(pid, SIGTERM);
+  Reap(pid);
+  // mpirun stops forwarding output once terminated: the checkpoint, not the log, says the step.
+  const size_t printed = StepLosses(ReadAll(out)).size();
+  std::string name;
+  std::getline(std::ifstream(dir + "/latest"), name);
+  ASSERT_EQ(name.rfind("step-", 0), 0u) << ReadAll(err);
+  EXPECT_GE(std::stoul(name.substr(5)), printed);
+  Result rest = RunCli(train + "--stop-after 1 --resume " + dir);
+  ASSERT_EQ(rest.exit_code, 0) << rest.err;
+  EXPECT_NE(rest.err.find("resumed from " + dir + "/" + name), std::string::npos) << rest.err;
+  EXPECT_EQ(rest.err.find("warning"), std::string::npos) << rest.err;
+  if (!HasFailure()) {
+    for (const std::string& p : {out, err, dir}) std::filesystem::remove_all(p);
+  }
+}
+
 // Asynchronous DP over MPI (Note [Async DP]): each process's service thread answers the other
 // replicas' pulls and pushes while its own thread computes; the root reports every replica, the
 // bound holds, the loss falls, and the checkpoint the processes wrote together resumes in one.
@@ -221,6 +262,15 @@ TEST(CliMpi, ARankFailingMidStepEndsTheJobWithItsError) {
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.err.find("rank 1 (pipeline rank 1, replica 0)"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("injected failure"), std::string::npos) << r.err;
+  // Said twice: by the failing process, and relayed once by the root (the other processes, which
+  // fail with the same relayed error, say nothing: kRelayedAbortPayload).
+  size_t said = 0;
+  const std::string relayed = "pipewright: rank 1 aborted: ";
+  for (size_t at = r.err.find(relayed); at != std::string::npos;
+       at = r.err.find(relayed, at + 1)) {
+    ++said;
+  }
+  EXPECT_EQ(said, 1u) << r.err;
   // The steps before the failure were reported by rank 0, the failed one was not.
   EXPECT_EQ(Losses(r).size(), 2u) << r.out;
   // Every rank learned of the failure and reached the end, so they finalised MPI normally: the
