@@ -266,8 +266,7 @@ TEST(CliMpi, ARankFailingMidStepEndsTheJobWithItsError) {
   // fail with the same relayed error, say nothing: kRelayedAbortPayload).
   size_t said = 0;
   const std::string relayed = "pipewright: rank 1 aborted: ";
-  for (size_t at = r.err.find(relayed); at != std::string::npos;
-       at = r.err.find(relayed, at + 1)) {
+  for (size_t at = r.err.find(relayed); at != std::string::npos; at = r.err.find(relayed, at + 1)) {
     ++said;
   }
   EXPECT_EQ(said, 1u) << r.err;

@@ -448,6 +448,24 @@ TEST_F(Torture, ADigestValidButUnusableNewestFallsBack) {
   EXPECT_NE(e.err.find(step4), std::string::npos) << e.err;
 }
 
+// eval names the manifest it read, not the directory's: DIR/step-NNNNNN/manifest.json.
+TEST_F(Torture, EvalNamesTheManifestItRead) {
+  const std::string dir = Path("run");
+  ASSERT_EQ(RunBounded(kTrain + "--steps 1 --save " + dir).exit_code, 0);
+  const std::string step = dir + "/step-000001";
+  absl::StatusOr<pipewright::Checkpoint> ck = pipewright::ReadCheckpoint(step);
+  ASSERT_TRUE(ck.ok()) << ck.status();
+  nlohmann::json m = nlohmann::json::parse(ck->manifest_json);
+  m["model"]["gpt"]["layers"] = "eight";  // digest-valid, but not a GPT this runtime rebuilds
+  pipewright::NamedTensors model(ck->model.begin(), ck->model.end()),
+      opt(ck->optimizer.begin(), ck->optimizer.end());
+  ASSERT_TRUE(pipewright::WriteCheckpoint(step, m.dump(), model, opt).ok());
+  Result e = RunBounded("eval --batches 1 --checkpoint " + dir);
+  EXPECT_EQ(e.exit_code, 2) << e.err;
+  EXPECT_NE(e.err.find(step + "/manifest.json: malformed"), std::string::npos) << e.err;
+  EXPECT_EQ(e.err.find(dir + "/manifest.json"), std::string::npos) << e.err;
+}
+
 // ---- resume checks ----
 
 TEST_F(Torture, ResumeSaysWhatItResumesAndRefusesOrWarnsOnEachMismatch) {
