@@ -16,26 +16,35 @@
 namespace pipewright {
 namespace {
 
-absl::Status OpenError(int err, absl::string_view what, const std::string& path) {
-  std::string msg = absl::StrCat("cannot open ", what, " '", path, "': ", std::strerror(err));
-  switch (err) {
-    case ENOENT:
-    case ENOTDIR:
-      return absl::NotFoundError(msg);
-    case EACCES:
-    case EPERM:
-      return absl::PermissionDeniedError(msg);
-    default:
-      return absl::InvalidArgumentError(msg);
-  }
-}
-
 absl::Status NotRegular(absl::string_view what, const std::string& path, unsigned mode) {
   return absl::InvalidArgumentError(
       absl::StrCat(what, " '", path, "' is ", FileKindName(mode), ", not a regular file"));
 }
 
 }  // namespace
+
+absl::Status ErrnoStatus(int err, absl::string_view what, const std::string& path) {
+  std::string msg = absl::StrCat(what, " '", path, "': ", std::strerror(err));
+  switch (err) {
+    case ENOENT:
+    case ENOTDIR:
+      return absl::NotFoundError(msg);
+    case EACCES:
+    case EPERM:
+    case EROFS:
+      return absl::PermissionDeniedError(msg);
+    case ENOSPC:
+    case EDQUOT:
+      return absl::ResourceExhaustedError(msg);
+    case ELOOP:
+    case ENAMETOOLONG:
+    case EISDIR:
+    case ENXIO:
+      return absl::InvalidArgumentError(msg);
+    default:
+      return absl::InternalError(msg);
+  }
+}
 
 const char* FileKindName(unsigned mode) {
   switch (mode & S_IFMT) {
@@ -60,12 +69,13 @@ const char* FileKindName(unsigned mode) {
 
 absl::StatusOr<RegularFile> RegularFile::Open(const std::string& path, absl::string_view what) {
   struct stat st;
-  if (::stat(path.c_str(), &st) != 0) return OpenError(errno, what, path);
+  if (::stat(path.c_str(), &st) != 0)
+    return ErrnoStatus(errno, absl::StrCat("cannot open ", what), path);
   if (!S_ISREG(st.st_mode)) return NotRegular(what, path, st.st_mode);
   // O_NONBLOCK: should a FIFO have taken the file's place since the stat, open returns at once
   // instead of waiting for a writer; the fstat below then refuses it.
   int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
-  if (fd < 0) return OpenError(errno, what, path);
+  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("cannot open ", what), path);
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     const unsigned mode = st.st_mode;
     ::close(fd);
@@ -118,8 +128,7 @@ absl::StatusOr<std::string> ReadRegularFile(const std::string& path, absl::strin
     const ssize_t n = ::read(f.fd(), out.data() + have, out.size() - have);
     if (n < 0) {
       if (errno == EINTR) continue;
-      return absl::InternalError(
-          absl::StrCat("cannot read ", what, " '", path, "': ", std::strerror(errno)));
+      return ErrnoStatus(errno, absl::StrCat("cannot read ", what), path);
     }
     if (n == 0) break;
     have += static_cast<size_t>(n);

@@ -15,30 +15,6 @@
 #include "runtime/sha256.h"
 
 namespace pipewright::internal {
-namespace {
-
-std::string ErrnoMessage(int err) { return std::strerror(err); }
-
-}  // namespace
-
-absl::Status ErrnoStatus(int err, absl::string_view what, const std::string& path) {
-  std::string msg = absl::StrCat(what, " '", path, "': ", ErrnoMessage(err));
-  switch (err) {
-    case ENOENT:
-    case ENOTDIR:
-      return absl::NotFoundError(msg);
-    case EACCES:
-    case EPERM:
-    case EROFS:
-      return absl::PermissionDeniedError(msg);
-    case ENOSPC:
-    case EDQUOT:
-      return absl::ResourceExhaustedError(msg);
-    default:
-      return absl::InternalError(msg);
-  }
-}
-
 absl::Status WriteAll(int fd, const void* data, size_t size, const std::string& path) {
   const char* p = static_cast<const char*>(data);
   while (size > 0) {

@@ -17,12 +17,9 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "pipewright/checkpoint.h"
+#include "pipewright/input.h"
 
 namespace pipewright::internal {
-
-// "<what> '<path>': <strerror>", with the code errno implies (NotFound, PermissionDenied,
-// ResourceExhausted for a full disk, else Internal).
-absl::Status ErrnoStatus(int err, absl::string_view what, const std::string& path);
 
 // Closes a file descriptor on scope exit unless released.
 class Fd {

@@ -73,6 +73,12 @@ absl::Status CheckJsonNesting(absl::string_view text, absl::string_view what,
 // device or a directory is InvalidArgument naming `what`.
 absl::Status CheckOutputPath(const std::string& path, absl::string_view what);
 
+// "<what> '<path>': <strerror(err)>" with the code `err` implies: NotFound (ENOENT, ENOTDIR),
+// PermissionDenied (EACCES, EPERM, EROFS), ResourceExhausted (a full disk or quota),
+// InvalidArgument (a path that cannot name a file: ELOOP, ENAMETOOLONG, EISDIR, ENXIO), else
+// Internal.
+absl::Status ErrnoStatus(int err, absl::string_view what, const std::string& path);
+
 // "a FIFO", "a directory", "a character device", ... for a stat(2) mode.
 const char* FileKindName(unsigned mode);
 

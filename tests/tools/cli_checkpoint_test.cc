@@ -22,20 +22,9 @@ namespace fs = std::filesystem;
 using namespace pipewright::cli_test;
 
 // A fresh directory of its own per test, removed when the test passes.
-class CliCheckpoint : public ::testing::Test {
+class CliCheckpoint : public CliDirTest {
  protected:
-  void SetUp() override {
-    root_ = TempPath(std::string("ckpt_") +
-                     ::testing::UnitTest::GetInstance()->current_test_info()->name() + "_" +
-                     std::to_string(getpid()));
-    fs::remove_all(root_);
-    fs::create_directories(root_);
-  }
-  void TearDown() override {
-    if (!HasFailure()) fs::remove_all(root_);
-  }
-  std::string Path(const std::string& name) const { return root_ + "/" + name; }
-  std::string root_;
+  CliCheckpoint() : CliDirTest("ckpt_") {}
 };
 
 std::string Latest(const std::string& dir) {

@@ -21,18 +21,9 @@ namespace fs = std::filesystem;
 using namespace pipewright::cli_test;
 using json = nlohmann::json;
 
-class CliHf : public ::testing::Test {
+class CliHf : public CliDirTest {
  protected:
-  void SetUp() override {
-    root_ = TempPath(std::string("hf_") +
-                     ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(root_);
-    fs::create_directories(root_);
-  }
-  void TearDown() override {
-    if (!HasFailure()) fs::remove_all(root_);
-  }
-  std::string Path(const std::string& name) const { return root_ + "/" + name; }
+  CliHf() : CliDirTest("hf_") {}
   // A short gpt-tiny run saved at `name`; `tied`: --tied 1.
   std::string Trained(const std::string& name, bool tied) {
     Result r = RunCli(std::string("train --preset gpt-tiny --pp 2 --steps 3 "
@@ -46,7 +37,6 @@ class CliHf : public ::testing::Test {
     EXPECT_EQ(r.exit_code, 0) << r.err;
     return r.exit_code == 0 ? json::parse(r.out)["loss"].get<double>() : -1;
   }
-  std::string root_;
 };
 
 std::vector<float> Values(const pipewright::Tensor& t) { return t.ToVector(); }

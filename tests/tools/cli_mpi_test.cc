@@ -17,16 +17,18 @@ using namespace pipewright::cli_test;
 
 // mpirun with the settings that work on one machine without a network, as root, with more
 // processes than cores (Open MPI; tests/tools/CMakeLists.txt passes the launcher).
-Result RunMpi(int np, const std::string& args) {
-  const std::string env =
-      "OMPI_MCA_btl=self,vader OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_pml=ob1 "
-      "OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_ALLOW_RUN_AS_ROOT=1 "
-      "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ";
-  const std::string launcher = std::string(PIPEWRIGHT_MPIEXEC) + " " + PIPEWRIGHT_MPIEXEC_FLAGS +
-                               " -np " + std::to_string(np) + " " + Bin();
-  // RunCli prepends the binary; here the launcher comes first, so run through `env`.
-  return RunCliWith("env " + env + launcher, args);
+const std::string kMpiEnv =
+    "env OMPI_MCA_btl=self,vader OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_pml=ob1 "
+    "OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_ALLOW_RUN_AS_ROOT=1 "
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ";
+
+// The command line that starts `program` (default: the binary) in `np` processes.
+std::string MpiLauncher(int np, const std::string& program = Bin()) {
+  return kMpiEnv + PIPEWRIGHT_MPIEXEC + " " + PIPEWRIGHT_MPIEXEC_FLAGS + " -np " +
+         std::to_string(np) + " " + program;
 }
+
+Result RunMpi(int np, const std::string& args) { return RunCliWith(MpiLauncher(np), args); }
 
 const std::string kBase =
     "train --preset gpt-tiny --micro-batch-size 2 --steps 4 --seed 7 --json --timeout 30 ";
@@ -120,12 +122,7 @@ TEST(CliMpi, Sigusr1StopsEveryProcessAfterTheSameStepAndSaves) {
   const std::string out = TempPath("mpi_stop_out_" + tag), err = TempPath("mpi_stop_err_" + tag);
   const std::string dir = TempPath("mpi_stop_ckpt_" + tag);
   std::filesystem::remove_all(dir);
-  const std::string env =
-      "env OMPI_MCA_btl=self,vader OMPI_MCA_btl_vader_single_copy_mechanism=none "
-      "OMPI_MCA_pml=ob1 OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_ALLOW_RUN_AS_ROOT=1 "
-      "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ";
-  const std::string launcher =
-      env + PIPEWRIGHT_MPIEXEC + " " + PIPEWRIGHT_MPIEXEC_FLAGS + " -np 4 " + Bin();
+  const std::string launcher = MpiLauncher(4);
   const std::string train =
       "train --preset gpt-tiny --micro-batch-size 2 --seed 7 --json --timeout 30 --pp 2 --dp 2 "
       "--micro-batches 4 --steps 100000 ";
@@ -167,12 +164,7 @@ TEST(CliMpi, SigtermToMpirunStillSavesACompleteCheckpoint) {
   const std::string out = TempPath("mpi_term_out_" + tag), err = TempPath("mpi_term_err_" + tag);
   const std::string dir = TempPath("mpi_term_ckpt_" + tag);
   std::filesystem::remove_all(dir);
-  const std::string env =
-      "env OMPI_MCA_btl=self,vader OMPI_MCA_btl_vader_single_copy_mechanism=none "
-      "OMPI_MCA_pml=ob1 OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_ALLOW_RUN_AS_ROOT=1 "
-      "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ";
-  const std::string launcher =
-      env + PIPEWRIGHT_MPIEXEC + " " + PIPEWRIGHT_MPIEXEC_FLAGS + " -np 2 " + Bin();
+  const std::string launcher = MpiLauncher(2);
   const std::string train =
       "train --preset gpt-tiny --micro-batch-size 2 --seed 7 --json --timeout 30 --pp 2 "
       "--micro-batches 4 --steps 100000 ";
@@ -281,19 +273,14 @@ TEST(CliMpi, ARankFailingMidStepEndsTheJobWithItsError) {
 // A process that dies (SIGKILL, no chance to say goodbye) must not leave the others waiting
 // forever: the launcher or the receive timeouts end the job with an error.
 TEST(CliMpi, AKilledRankEndsTheJob) {
-  const std::string env =
-      "env OMPI_MCA_btl=self,vader OMPI_MCA_btl_vader_single_copy_mechanism=none "
-      "OMPI_MCA_pml=ob1 OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_ALLOW_RUN_AS_ROOT=1 "
-      "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ";
   // Rank 1 kills itself one second in; `exec` keeps the shell's pid for the pipewright process.
   const std::string wrapper =
       "bash -c 'if [ \"${OMPI_COMM_WORLD_RANK:-${PMIX_RANK:-0}}\" = 1 ]; then "
       "(sleep 1; kill -9 $$) & fi; exec \"$0\" \"$@\"' " +
       Bin();
-  Result r =
-      RunCliWith(env + PIPEWRIGHT_MPIEXEC + " " + PIPEWRIGHT_MPIEXEC_FLAGS + " -np 4 " + wrapper,
-                 "train --preset gpt-tiny --micro-batch-size 2 --steps 100000 --timeout 10 "
-                 "--pp 2 --dp 2 --micro-batches 4 --json");
+  Result r = RunCliWith(MpiLauncher(4, wrapper),
+                        "train --preset gpt-tiny --micro-batch-size 2 --steps 100000 --timeout 10 "
+                        "--pp 2 --dp 2 --micro-batches 4 --json");
   EXPECT_NE(r.exit_code, 0) << r.err;
   EXPECT_FALSE(r.err.empty());
 }

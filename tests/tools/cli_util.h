@@ -57,6 +57,26 @@ class TempCleanup : public ::testing::Environment {
 inline const bool kTempCleanupRegistered =
     (::testing::AddGlobalTestEnvironment(new TempCleanup), true);
 
+// A fixture giving each test a fresh directory of its own under the temp directory (`prefix`
+// and the test's name), removed when the test passes and kept for a look when it fails.
+class CliDirTest : public ::testing::Test {
+ protected:
+  explicit CliDirTest(std::string prefix) : prefix_(std::move(prefix)) {}
+  void SetUp() override {
+    root_ = TempPath(prefix_ + ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::remove_all(root_);
+    std::filesystem::create_directories(root_);
+  }
+  void TearDown() override {
+    if (!HasFailure()) std::filesystem::remove_all(root_);
+  }
+  std::string Path(const std::string& name) const { return root_ + "/" + name; }
+  std::string root_;
+
+ private:
+  std::string prefix_;
+};
+
 // Runs `command args` (command: the binary, or a launcher line ending with it).
 inline Result RunCliWith(const std::string& command, const std::string& args) {
   // One stderr file per process: ctest runs the tests of this binary in parallel.

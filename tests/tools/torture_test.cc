@@ -53,20 +53,13 @@ Result RunEnv(const std::string& env, const std::string& args) {
 Result RunBounded(const std::string& args) { return RunEnv("", args); }
 constexpr int kKilled = 137;  // 128 + SIGKILL, as timeout(1) reports it
 
-class Torture : public ::testing::Test {
+class Torture : public CliDirTest {
  protected:
+  Torture() : CliDirTest("torture_") {}
   void SetUp() override {
     ASSERT_EQ(Reference().size(), 6u) << "the reference run failed";
-    root_ = TempPath(std::string("torture_") +
-                     ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(root_);
-    fs::create_directories(root_);
+    CliDirTest::SetUp();
   }
-  void TearDown() override {
-    if (!HasFailure()) fs::remove_all(root_);
-  }
-  std::string Path(const std::string& name) const { return root_ + "/" + name; }
-  std::string root_;
 };
 
 // Every (step, loss) line equals the uninterrupted run's.
