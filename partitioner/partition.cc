@@ -599,6 +599,10 @@ absl::StatusOr<Plan> internal::Partition(const ModelCosts& model, const DeviceSp
                                                    " non-empty stages (pp ", o.pp, " x chunks ",
                                                    spec.chunks, ")"));
   }
+  if (S > kMaxPlanStages) {  // a plan reader refuses more (plan.h): never write one
+    return absl::InvalidArgumentError(absl::StrCat("pp ", o.pp, " x chunks ", spec.chunks, " = ", S,
+                                                   " stages; a plan has at most ", kMaxPlanStages));
+  }
   StageCosts c(scaled, dev, o.precision, PeakInflightPerStage(sched), spec.chunks,
                SplitsBackward(sched), o.zero == 1 ? o.dp : 1);
   const double bottleneck = OptimalBottleneck(c, S, o.allow_recompute);

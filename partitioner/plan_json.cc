@@ -6,13 +6,24 @@
 // check records "path: message" and carries on, so one run reports every problem of a file.
 // Nothing here throws: nlohmann's parse exceptions are caught, every value's type is checked
 // before it is read, and writing replaces invalid UTF-8 instead of throwing.
+//
+// Note [Hostile documents]. Whatever the text, reading takes time linear in its size and memory
+// bounded by the limits of plan.h, and nothing recurses deeper than kMaxJsonDepth:
+//  - the nesting is checked by a linear scan (CheckJsonNesting) before the parser sees the text;
+//  - the parser is nlohmann's SAX parser feeding our own DOM builder (JsonBuilder), which counts
+//    values and the entries of "stages" / "layers" and stops at the first limit, and reports
+//    duplicate keys. (nlohmann's callback parser, used before, rescans the enclosing array
+//    after every object for a discarded value: quadratic in the stages. And an ordered_json
+//    object inserts a key by a linear search: quadratic in its keys. Documents are read into
+//    std::map-backed json instead; only writing keeps the member order.)
+//  - messages show values, keys and strings through bounded helpers (Describe, Quote, ShownKey),
+//    and at most kMaxListedProblems problems are listed.
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -20,31 +31,94 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
+#include "pipewright/input.h"
 #include "pipewright/plan.h"
 #include "pipewright/schedule.h"
 
 namespace pipewright {
 namespace {
 
-// ordered_json keeps members in the order written, so files read like DESIGN.md's example.
-using json = nlohmann::ordered_json;
+// Read documents are std::map-backed (logarithmic key lookup and insertion); written ones are
+// ordered_json, which keeps members in the order written, so files read like DESIGN.md's
+// example.
+using json = nlohmann::json;
+using ordered_json = nlohmann::ordered_json;
 
 constexpr int64_t kIntMax = std::numeric_limits<int>::max();
 constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
 // Validation generates the plan's schedule, whose size is p * v * m (stage, micro-batch)
-// pairs. A bound keeps a hostile "micro_batches": 2000000000 from exhausting memory; it is far
-// above any real plan (p = 128, v = 4, m = 2048 is under half of it).
-constexpr int64_t kMaxStageMicroBatches = int64_t{1} << 20;
+// pairs: kMaxStageMicroBatches (schedule.h) keeps a hostile "micro_batches": 2000000000 from
+// exhausting memory.
 
-std::string Dump(const json& j) { return j.dump(2, ' ', false, json::error_handler_t::replace); }
+// Longest key or string a message quotes in full.
+constexpr size_t kMaxShown = 64;
+
+std::string Dump(const ordered_json& j) {
+  return j.dump(2, ' ', false, ordered_json::error_handler_t::replace);
+}
+
+// `s` as a JSON string literal (quotes, escapes; invalid UTF-8 replaced), its first kMaxShown
+// bytes only when it is longer: "<first bytes>"... (N bytes).
+std::string Quote(absl::string_view s) {
+  const bool cut = s.size() > kMaxShown;
+  std::string q = json(std::string(cut ? s.substr(0, kMaxShown) : s))
+                      .dump(-1, ' ', false, json::error_handler_t::replace);
+  if (cut) absl::StrAppend(&q, "... (", s.size(), " bytes)");
+  return q;
+}
+
+// A key as a path shows it: itself when short and plain, else quoted (Quote).
+std::string ShownKey(absl::string_view key) {
+  bool plain = !key.empty() && key.size() <= kMaxShown;
+  for (char c : key)
+    plain = plain && static_cast<unsigned char>(c) >= 0x20 && c != '"' && c != '\\';
+  return plain ? std::string(key) : Quote(key);
+}
+
+// Appends `v`'s compact JSON text to `out` but gives up (false) once `out` is longer than
+// `limit`: every level appends a bracket first, so the recursion is at most `limit` deep and the
+// work at most about `limit` characters, whatever `v` holds.
+bool AppendCompact(const json& v, size_t limit, std::string& out) {
+  if (out.size() > limit) return false;
+  if (v.is_array()) {
+    out += '[';
+    bool first = true;
+    for (const json& e : v) {
+      if (!first) out += ',';
+      first = false;
+      if (!AppendCompact(e, limit, out)) return false;
+    }
+    out += ']';
+  } else if (v.is_object()) {
+    out += '{';
+    bool first = true;
+    for (const auto& [key, e] : v.items()) {
+      if (!first) out += ',';
+      first = false;
+      out += json(key.substr(0, limit + 1)).dump(-1, ' ', false, json::error_handler_t::replace);
+      out += ':';
+      if (!AppendCompact(e, limit, out)) return false;
+    }
+    out += '}';
+  } else if (v.is_string()) {
+    const std::string& s = v.get_ref<const std::string&>();
+    out += json(s.substr(0, limit + 1)).dump(-1, ' ', false, json::error_handler_t::replace);
+  } else {
+    out += v.dump(-1, ' ', false, json::error_handler_t::replace);  // a scalar: short
+  }
+  return out.size() <= limit;
+}
 
 // A value as messages show it: its compact JSON text, or for a long container just its kind.
+// Bounded work and output on any value (AppendCompact).
 std::string Describe(const json& v) {
-  std::string s = v.dump(-1, ' ', false, json::error_handler_t::replace);
-  if (s.size() <= 40) return s;
+  constexpr size_t kLimit = 40;
+  std::string s;
+  if (AppendCompact(v, kLimit, s)) return s;
   if (v.is_object()) return "an object";
   if (v.is_array()) return absl::StrCat("an array of ", v.size(), " elements");
-  return s.substr(0, 37) + "...";
+  return s.substr(0, kLimit - 3) + "...";
 }
 
 std::string Member(const std::string& path, absl::string_view key) {
@@ -52,79 +126,183 @@ std::string Member(const std::string& path, absl::string_view key) {
 }
 std::string Element(const std::string& path, size_t i) { return absl::StrCat(path, "[", i, "]"); }
 
+// "path: message" entries; past kMaxListedProblems only counted, and Finish() adds one
+// "<doc>: N more problems" entry for them.
 class Problems {
  public:
+  explicit Problems(std::string doc) : doc_(std::move(doc)) {}
   void Add(const std::string& path, absl::string_view message) {
-    list_.push_back(absl::StrCat(path, ": ", message));
+    if (list_.size() < kMaxListedProblems) {
+      list_.push_back(absl::StrCat(path, ": ", message));
+    } else {
+      ++unlisted_;
+    }
   }
   bool empty() const { return list_.empty(); }
-  const std::vector<std::string>& list() const { return list_; }
-  absl::Status ToStatus() const { return absl::InvalidArgumentError(absl::StrJoin(list_, "\n")); }
+  const std::string& doc() const { return doc_; }
+  std::vector<std::string> Finish() && {
+    if (unlisted_ > 0) {
+      list_.push_back(absl::StrCat(doc_, ": ", unlisted_, " more problem",
+                                   unlisted_ == 1 ? "" : "s", " not listed (only the first ",
+                                   kMaxListedProblems, " are)"));
+    }
+    return std::move(list_);
+  }
+  absl::Status ToStatus() && {
+    return absl::InvalidArgumentError(absl::StrJoin(std::move(*this).Finish(), "\n"));
+  }
 
  private:
+  std::string doc_;
   std::vector<std::string> list_;
+  int64_t unlisted_ = 0;
 };
 
-// Parses `text` strictly (no comments, nothing after the value). nlohmann keeps the last of
-// two equal keys silently; a parser callback reports them instead, since a plan whose second
-// "layers" wins is a plan nobody reviewed. `doc` names the whole document in messages.
-std::optional<json> Parse(absl::string_view text, const std::string& doc, Problems& p) {
-  struct Frame {
-    bool array = false;
-    size_t index = 0;  // arrays: the element being read
-    std::string key;   // objects: the member being read
-    std::set<std::string> keys;
-  };
-  std::vector<Frame> frames;
-  auto path_of = [&](const std::string& key) {
-    std::string path;
-    for (size_t i = 0; i + 1 < frames.size(); ++i) {
-      path = frames[i].array ? Element(path, frames[i].index) : Member(path, frames[i].key);
+// The document's one long list (a plan's "stages", a layer graph's "layers") and its limit.
+struct ListLimit {
+  const char* key;
+  int64_t max;
+  const char* what;  // "a plan has": "stages: more than N entries: a plan has at most N stages"
+};
+
+// nlohmann SAX handler that builds the document (Note [Hostile documents]): values into json,
+// with the limits checked as they arrive and duplicate keys reported ("a plan whose second
+// "layers" wins is a plan nobody reviewed"; nlohmann alone would keep the last silently).
+// Returning false from a handler stops the parse.
+class JsonBuilder {
+ public:
+  JsonBuilder(const ListLimit& list, Problems& p) : list_(list), p_(p) {}
+
+  json& root() { return root_; }
+
+  bool null() { return Put(nullptr) != nullptr; }
+  bool boolean(bool v) { return Put(v) != nullptr; }
+  bool number_integer(json::number_integer_t v) { return Put(v) != nullptr; }
+  bool number_unsigned(json::number_unsigned_t v) { return Put(v) != nullptr; }
+  bool number_float(json::number_float_t v, const json::string_t&) { return Put(v) != nullptr; }
+  bool string(json::string_t& v) { return Put(std::move(v)) != nullptr; }
+  bool binary(json::binary_t&) { return false; }  // only binary formats have them
+  bool start_object(std::size_t) { return Open(json::object()); }
+  bool start_array(std::size_t) { return Open(json::array()); }
+  bool end_object() { return Close(); }
+  bool end_array() { return Close(); }
+
+  bool key(json::string_t& k) {
+    Frame& f = frames_.back();
+    auto [it, inserted] = f.value->get_ref<json::object_t&>().emplace(k, nullptr);
+    if (!inserted) {
+      p_.Add(Member(PathOfOpen(), ShownKey(k)), "duplicate key");
+      it->second = nullptr;  // the later value replaces the earlier
     }
-    return Member(path, key);
-  };
-  json::parser_callback_t callback = [&](int, json::parse_event_t event, json& parsed) {
-    switch (event) {
-      case json::parse_event_t::object_start:
-        frames.emplace_back();
-        break;
-      case json::parse_event_t::array_start:
-        frames.emplace_back();
-        frames.back().array = true;
-        break;
-      case json::parse_event_t::key:
-        if (!frames.empty() && parsed.is_string()) {
-          Frame& f = frames.back();
-          f.key = parsed.get<std::string>();
-          if (!f.keys.insert(f.key).second) p.Add(path_of(f.key), "duplicate key");
-        }
-        break;
-      case json::parse_event_t::object_end:
-      case json::parse_event_t::array_end:
-        if (!frames.empty()) frames.pop_back();
-        if (!frames.empty() && frames.back().array) ++frames.back().index;
-        break;
-      case json::parse_event_t::value:
-        if (!frames.empty() && frames.back().array) ++frames.back().index;
-        break;
-    }
+    f.slot = &it->second;
+    f.key = std::move(k);
     return true;
-  };
-  try {
-    return json::parse(text.begin(), text.end(), callback);
-  } catch (const json::exception& e) {
+  }
+
+  template <class Exception>
+  bool parse_error(std::size_t, const std::string&, const Exception& e) {
     // "[json.exception.parse_error.101] parse error at line 1, ..." without the bracket tag.
     std::string what = e.what();
-    size_t tag_end = what.find("] ");
+    const size_t tag_end = what.find("] ");
     if (what.rfind("[json.exception", 0) == 0 && tag_end != std::string::npos) {
       what = what.substr(tag_end + 2);
     }
-    p.Add(doc, absl::StrCat("not valid JSON: ", what));
-  } catch (...) {
-    p.Add(doc, "not valid JSON: the parser failed");
+    p_.Add(p_.doc(), absl::StrCat("not valid JSON: ", what));
+    return false;
   }
-  return std::nullopt;
+
+ private:
+  struct Frame {
+    json* value;           // the open array or object
+    json* slot = nullptr;  // objects: where the current member's value goes
+    std::string key;       // objects: the current member's key
+  };
+
+  // Places `v` where the document is at, or reports a limit and returns nullptr.
+  json* Put(json&& v) {
+    if (++values_ > kMaxJsonValues) {
+      p_.Add(p_.doc(), absl::StrCat("more than ", kMaxJsonValues, " JSON values; a ", p_.doc(),
+                                    " has at most ", kMaxJsonValues));
+      return nullptr;
+    }
+    if (frames_.empty()) {
+      root_ = std::move(v);
+      return &root_;
+    }
+    Frame& top = frames_.back();
+    if (top.value->is_object()) {
+      *top.slot = std::move(v);
+      return top.slot;
+    }
+    json::array_t& a = top.value->get_ref<json::array_t&>();
+    if (frames_.size() == 2 && frames_[0].value->is_object() && frames_[0].key == list_.key &&
+        static_cast<int64_t>(a.size()) >= list_.max) {
+      p_.Add(list_.key, absl::StrCat("more than ", list_.max, " entries: ", list_.what, " at most ",
+                                     list_.max, " ", list_.key));
+      return nullptr;
+    }
+    // Pointers into `a` stay valid while they are used: nothing is appended to an array while
+    // one of its elements is open.
+    a.push_back(std::move(v));
+    return &a.back();
+  }
+
+  bool Open(json&& container) {
+    json* v = Put(std::move(container));
+    if (v == nullptr) return false;
+    frames_.push_back(Frame{v, nullptr, {}});
+    return true;
+  }
+
+  bool Close() {
+    frames_.pop_back();
+    return true;
+  }
+
+  // The path of the innermost open container, as problems name it ("stages[3].predicted").
+  std::string PathOfOpen() const {
+    std::string path;
+    for (size_t i = 0; i + 1 < frames_.size(); ++i) {
+      const Frame& f = frames_[i];
+      path =
+          f.value->is_array() ? Element(path, f.value->size() - 1) : Member(path, ShownKey(f.key));
+    }
+    return path;
+  }
+
+  const ListLimit list_;
+  Problems& p_;
+  json root_;
+  std::vector<Frame> frames_;
+  int64_t values_ = 0;
+};
+
+// Parses `text` strictly (no comments, nothing after the value) within the limits of plan.h
+// and `list`, reporting duplicate keys (Note [Hostile documents]). `p.doc()` names the whole
+// document in messages.
+std::optional<json> Parse(absl::string_view text, const ListLimit& list, Problems& p) {
+  if (absl::Status s = CheckJsonNesting(text, p.doc()); !s.ok()) {
+    // "plan: JSON nested deeper than 64 levels (at byte 12)"
+    p.Add(p.doc(), absl::StripPrefix(s.message(), absl::StrCat(p.doc(), ": ")));
+    return std::nullopt;
+  }
+  JsonBuilder builder(list, p);
+  bool ok = false;
+  try {
+    ok = json::sax_parse(text.begin(), text.end(), &builder);
+  } catch (const std::exception& e) {
+    p.Add(p.doc(), absl::StrCat("not valid JSON: ", e.what()));
+    return std::nullopt;
+  } catch (...) {
+    p.Add(p.doc(), "not valid JSON: the parser failed");
+    return std::nullopt;
+  }
+  if (!ok) return std::nullopt;
+  return std::move(builder.root());
 }
+
+constexpr ListLimit kPlanList{"stages", kMaxPlanStages, "a plan has"};
+constexpr ListLimit kModelList{"layers", kMaxModelLayers, "a layer graph has"};
 
 // --- typed reads of single values -----------------------------------------------------------
 
@@ -194,7 +372,7 @@ class Fields {
     for (const auto& [key, value] : v->items()) {
       bool known = false;
       for (const char* k : keys) known = known || key == k;
-      if (!known) p_.Add(Member(path_, key), "unknown key");
+      if (!known) p_.Add(Member(path_, ShownKey(key)), "unknown key");
     }
   }
 
@@ -262,7 +440,7 @@ class Fields {
 void CheckFingerprint(const std::string& path, const std::string& fp, Problems& p) {
   if (!absl::StartsWith(fp, "sha256:")) {
     p.Add(path,
-          absl::StrCat("must start with \"sha256:\" (LayerGraph::Fingerprint), got \"", fp, "\""));
+          absl::StrCat("must start with \"sha256:\" (LayerGraph::Fingerprint), got ", Quote(fp)));
   }
 }
 
@@ -291,7 +469,7 @@ void ReadLayers(const json& layers, ModelCosts& m, Problems& p) {
     if (std::optional<std::string> name = f.String("name")) {
       c.name = *name;
       if (size_t j = first.at(*name); j != i) {
-        p.Add(f.At("name"), absl::StrCat("duplicate layer name \"", *name, "\" (also layers[", j,
+        p.Add(f.At("name"), absl::StrCat("duplicate layer name ", Quote(*name), " (also layers[", j,
                                          "]); names must be unique"));
       }
     }
@@ -319,11 +497,11 @@ void ReadLayers(const json& layers, ModelCosts& m, Problems& p) {
         if (t->empty()) {
           p.Add(f.At("tied_to"), "must name an earlier layer (omit the key for an untied layer)");
         } else if (it == first.end()) {
-          p.Add(f.At("tied_to"), absl::StrCat("no layer is named \"", *t,
-                                              "\" (expected the name of an earlier layer)"));
+          p.Add(f.At("tied_to"), absl::StrCat("no layer is named ", Quote(*t),
+                                              " (expected the name of an earlier layer)"));
         } else if (it->second >= i) {
           p.Add(f.At("tied_to"),
-                absl::StrCat("\"", *t, "\" is layers[", it->second,
+                absl::StrCat(Quote(*t), " is layers[", it->second,
                              it->second == i ? "], this layer itself" : "], a later layer",
                              "; tied_to must name an earlier layer"));
         } else {
@@ -364,7 +542,7 @@ std::optional<ScheduleKind> ReadPlanKind(Fields& f, Problems& p) {
     // A custom schedule is a hand-written program, which a plan has no room for.
     p.Add(f.At("kind"),
           absl::StrCat(kind.ok() ? "custom schedules cannot be planned"
-                                 : absl::StrCat("unknown schedule \"", *name, "\""),
+                                 : absl::StrCat("unknown schedule ", Quote(*name)),
                        "; expected one of gpipe, 1f1b, interleaved, zb-h1, zb-v, dualpipev"));
     return std::nullopt;
   }
@@ -497,7 +675,7 @@ void ReadStages(const json& stages, const StageContext& ctx, Plan& plan, Problem
         s.recompute = *rc;
       } else {
         p.Add(f.At("recompute"),
-              absl::StrCat("must be \"none\", \"selective\" or \"full\", got \"", *r, "\""));
+              absl::StrCat("must be \"none\", \"selective\" or \"full\", got ", Quote(*r)));
       }
     }
 
@@ -524,10 +702,16 @@ void ReadStages(const json& stages, const StageContext& ctx, Plan& plan, Problem
             absl::StrCat(sum, " bytes on rank ", rank, " exceed devices.memory_bytes (",
                          *ctx.device_memory, ")"));
     } else {
-      p.Add("stages",
-            absl::StrCat("rank ", rank, " holds stages ", absl::StrJoin(held, ", "), " with ", sum,
-                         " bytes in total, more than devices.memory_bytes (", *ctx.device_memory,
-                         ")"));
+      // At most 8 stage indices: a rank may hold thousands.
+      constexpr size_t kShown = 8;
+      const std::string stages =
+          held.size() <= kShown
+              ? absl::StrJoin(held, ", ")
+              : absl::StrCat(absl::StrJoin(held.begin(), held.begin() + kShown, ", "), ", ... (",
+                             held.size(), " stages)");
+      p.Add("stages", absl::StrCat("rank ", rank, " holds stages ", stages, " with ", sum,
+                                   " bytes in total, more than devices.memory_bytes (",
+                                   *ctx.device_memory, ")"));
     }
   }
 }
@@ -590,7 +774,12 @@ void ReadPlan(const json& doc, const ModelCosts* model, Plan& plan, Problems& p)
     ctx.spec = ScheduleSpec{*kind, static_cast<int>(*ctx.pp), m ? static_cast<int>(*m) : 1,
                             static_cast<int>(*ctx.chunks)};
   }
-  if (kind && ctx.pp && m && ctx.chunks) {
+  if (ctx.want_stages && *ctx.want_stages > kMaxPlanStages) {
+    // Checked before the schedule is generated: its size grows with the stages.
+    p.Add("pipeline_parallel",
+          absl::StrCat(*ctx.pp, " x schedule.chunks ", *ctx.chunks, " = ", *ctx.want_stages,
+                       " stages; a plan has at most ", kMaxPlanStages));
+  } else if (kind && ctx.pp && m && ctx.chunks) {
     // The schedule's own rules (chunk counts, interleaved's m % p, ...) are whatever
     // GenerateSchedule accepts: one mechanism, so a plan never names a schedule that cannot run.
     const ScheduleSpec spec{*kind, static_cast<int>(*ctx.pp), static_cast<int>(*m),
@@ -638,8 +827,8 @@ void ReadPlan(const json& doc, const ModelCosts* model, Plan& plan, Problems& p)
 
   if (model != nullptr) {
     if (name && *name != model->name) {
-      p.Add("model.name",
-            absl::StrCat("the plan is for \"", *name, "\" but the model is \"", model->name, "\""));
+      p.Add("model.name", absl::StrCat("the plan is for ", Quote(*name), " but the model is ",
+                                       Quote(model->name)));
     }
     if (ctx.num_layers && *ctx.num_layers != model->num_layers()) {
       p.Add("model.num_layers",
@@ -656,16 +845,16 @@ void ReadPlan(const json& doc, const ModelCosts* model, Plan& plan, Problems& p)
 }  // namespace
 
 std::string ModelCostsToJson(const ModelCosts& model) {
-  json j;
+  ordered_json j;
   j["format"] = kModelFormat;
   j["name"] = model.name;
   j["fingerprint"] = model.fingerprint;
   j["micro_batch_size"] = model.micro_batch_size;
   j["seq_len"] = model.seq_len;
   j["input_bytes"] = model.input_bytes;
-  json layers = json::array();
+  ordered_json layers = ordered_json::array();
   for (const LayerCost& l : model.layers) {
-    json o;
+    ordered_json o;
     o["name"] = l.name;
     o["kind"] = l.kind;
     o["params"] = l.params;
@@ -686,15 +875,15 @@ std::string ModelCostsToJson(const ModelCosts& model) {
 }
 
 absl::StatusOr<ModelCosts> ModelCostsFromJson(absl::string_view text) {
-  Problems p;
+  Problems p("model");
   ModelCosts model;
-  if (std::optional<json> doc = Parse(text, "model", p)) ReadModel(*doc, model, p);
-  if (!p.empty()) return p.ToStatus();
+  if (std::optional<json> doc = Parse(text, kModelList, p)) ReadModel(*doc, model, p);
+  if (!p.empty()) return std::move(p).ToStatus();
   return model;
 }
 
 std::string PlanToJson(const Plan& plan) {
-  json j;
+  ordered_json j;
   j["format"] = kPlanFormat;
   j["model"] = {{"name", plan.model_name},
                 {"num_layers", plan.num_layers},
@@ -707,18 +896,18 @@ std::string PlanToJson(const Plan& plan) {
                    {"micro_batches", plan.schedule.micro_batches},
                    {"micro_batch_size", plan.micro_batch_size},
                    {"chunks", plan.schedule.chunks}};
-  json stages = json::array();
+  ordered_json stages = ordered_json::array();
   for (const PlanStage& s : plan.stages) {
     const StageMemory& m = s.memory;
-    json mem = {{"params", m.params},
-                {"grads", m.grads},
-                {"optimizer", m.optimizer},
-                {"activations", m.activations},
-                {"total", m.total}};
-    json o;
+    ordered_json mem = {{"params", m.params},
+                        {"grads", m.grads},
+                        {"optimizer", m.optimizer},
+                        {"activations", m.activations},
+                        {"total", m.total}};
+    ordered_json o;
     o["index"] = s.index;
     o["rank"] = s.rank;
-    o["layers"] = json::array({s.begin, s.end});
+    o["layers"] = ordered_json::array({s.begin, s.end});
     o["recompute"] = RecomputeName(s.recompute);
     o["predicted"] = {
         {"forward_s", s.forward_s}, {"backward_s", s.backward_s}, {"memory_bytes", mem}};
@@ -737,10 +926,10 @@ std::string PlanToJson(const Plan& plan) {
 }
 
 std::vector<std::string> ValidatePlanJson(absl::string_view text, const ModelCosts* model) {
-  Problems p;
+  Problems p("plan");
   Plan plan;
-  if (std::optional<json> doc = Parse(text, "plan", p)) ReadPlan(*doc, model, plan, p);
-  return p.list();
+  if (std::optional<json> doc = Parse(text, kPlanList, p)) ReadPlan(*doc, model, plan, p);
+  return std::move(p).Finish();
 }
 
 std::vector<std::string> ValidatePlan(const Plan& plan, const ModelCosts* model) {
@@ -757,10 +946,10 @@ std::vector<std::string> ValidatePlan(const Plan& plan, const ModelCosts* model)
 }
 
 absl::StatusOr<Plan> PlanFromJson(absl::string_view text, const ModelCosts* model) {
-  Problems p;
+  Problems p("plan");
   Plan plan;
-  if (std::optional<json> doc = Parse(text, "plan", p)) ReadPlan(*doc, model, plan, p);
-  if (!p.empty()) return p.ToStatus();
+  if (std::optional<json> doc = Parse(text, kPlanList, p)) ReadPlan(*doc, model, plan, p);
+  if (!p.empty()) return std::move(p).ToStatus();
   return plan;
 }
 

@@ -84,7 +84,9 @@ absl::StatusOr<SearchResult> SearchPlans(const ModelCosts& model, const DeviceSp
             last_invalid = std::string(sched.status().message());
             continue;
           }
-          if (sched->num_stages > model.num_layers()) continue;
+          if (sched->num_stages > model.num_layers() || sched->num_stages > kMaxPlanStages) {
+            continue;
+          }
           ++result.candidates;
           int64_t shortfall = 0;
           absl::StatusOr<Plan> plan = internal::Partition(model, dev, po, &shortfall);

@@ -317,6 +317,14 @@ absl::StatusOr<Schedule> ParseProgram(absl::string_view text) {
         stages, ") must be a multiple of the ranks (stage s runs on rank s mod ", p, ")"));
   }
   if (max_mb < 0) return absl::InvalidArgumentError("the program runs no micro-batch");
+  // Like a plan's: a 60 MB text of F0@s0 B0@s0 F1@s0 B1@s0 ... is a step of millions of
+  // micro-batches, which the engine would try to hold.
+  if (const int64_t pairs = int64_t{stages} * (int64_t{max_mb} + 1);
+      pairs > kMaxStageMicroBatches) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the program runs ", stages, " stages x ", max_mb + 1, " micro-batches = ", pairs,
+        " (stage, micro-batch) pairs; a program has at most ", kMaxStageMicroBatches));
+  }
   ScheduleSpec spec{ScheduleKind::kCustom, p, max_mb + 1, stages / p};
   return ParseSchedule(text, spec);
 }

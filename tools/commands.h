@@ -9,6 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "pipewright/input.h"
 
 namespace pipewright::tools {
 
@@ -27,10 +28,24 @@ void RegisterImport(CLI::App& app, int* exit_code);
 // 2 for InvalidArgument / NotFound / FailedPrecondition / OutOfRange / Unimplemented, 1 otherwise.
 int ReportError(const absl::Status& status);
 
-// A whole file; NotFound naming `what` and the path when it cannot be read.
-absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view what);
-// Writes (truncates) a file: NotFound when it cannot be opened, DataLoss on a short write.
-absl::Status WriteFile(const std::string& path, const std::string& text);
+// The whole regular file `path`, at most `max_bytes` of it (ReadRegularFile, pipewright/input.h):
+// a FIFO, a device or a directory is InvalidArgument naming `what` (the flag, e.g. "--plan") and
+// the kind of file, a missing file NotFound, a larger file InvalidArgument naming the limit.
+// Every file a subcommand reads goes through ReadFile or ReadJsonFile (docs/runtime.md, "Input
+// limits").
+absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view what,
+                                     int64_t max_bytes = kMaxJsonFileBytes);
+// ReadFile for a JSON document: at most kMaxJsonFileBytes, and nested at most kMaxJsonDepth
+// deep ("plan 'p.json': JSON nested deeper than 64 levels (at byte 105)"), checked before any
+// parser sees it.
+absl::StatusOr<std::string> ReadJsonFile(const std::string& path, absl::string_view what);
+// Replaces `path` with `text`: a FIFO, socket, block device or directory there is refused
+// (CheckOutputPath, InvalidArgument naming `what`); a regular file is replaced atomically (a
+// temporary file beside it, renamed over it), so a failed write leaves the old file whole; a
+// character device (/dev/null) is written in place. NotFound when the file cannot be created,
+// DataLoss when the disk is full.
+absl::Status WriteFile(const std::string& path, const std::string& text,
+                       absl::string_view what = "output file");
 
 // "80GiB", "512 MiB", "1.5GB", "4096" (bytes): binary and decimal units, case-insensitive.
 absl::StatusOr<int64_t> ParseByteSize(const std::string& text);

@@ -201,6 +201,8 @@ void PrintHuman(const json& s) {
 }
 
 absl::Status RunModel(const ModelFlags& f) {
+  // Before the model is built (--profile takes a while): an output that cannot be written.
+  if (!f.output.empty()) PW_RETURN_IF_ERROR(CheckOutputPath(f.output, "--output"));
   PW_ASSIGN_OR_RETURN(BuiltModel m, Build(f));
   std::string text = ModelCostsToJson(m.costs);
   if (text.empty() || text.back() != '\n') text += '\n';
@@ -209,7 +211,7 @@ absl::Status RunModel(const ModelFlags& f) {
     std::fwrite(text.data(), 1, text.size(), stdout);
     return absl::OkStatus();
   }
-  PW_RETURN_IF_ERROR(WriteFile(f.output, text));
+  PW_RETURN_IF_ERROR(WriteFile(f.output, text, "--output"));
   const json summary = Summary(m, f.output);
   if (f.json) {
     std::printf("%s\n", summary.dump().c_str());

@@ -36,7 +36,7 @@ absl::StatusOr<ModelCosts> LoadModel(const PlanFlags& f) {
     return absl::InvalidArgumentError("give exactly one of --model FILE and --preset NAME");
   }
   if (!f.preset.empty()) return PresetModelCosts(f.preset, 0);  // with its LM-head tie
-  PW_ASSIGN_OR_RETURN(std::string text, ReadFile(f.model, "--model"));
+  PW_ASSIGN_OR_RETURN(std::string text, ReadJsonFile(f.model, "--model"));
   absl::StatusOr<ModelCosts> m = ModelCostsFromJson(text);
   if (!m.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(f.model, ":\n", m.status().message()));
@@ -92,6 +92,10 @@ void PrintStages(const Plan& p, const ModelCosts& m) {
 }
 
 int RunPlan(const PlanFlags& f) {
+  // Before the search: an output that cannot be written is known now (WriteFile checks again).
+  if (!f.out.empty()) {
+    if (absl::Status s = CheckOutputPath(f.out, "--output"); !s.ok()) return ReportError(s);
+  }
   absl::StatusOr<ModelCosts> model = LoadModel(f);
   if (!model.ok()) return ReportError(model.status());
   DeviceSpec dev;
@@ -151,7 +155,7 @@ int RunPlan(const PlanFlags& f) {
   }
   const Plan& best = r->best.front();
   if (!f.out.empty()) {
-    if (absl::Status s = WriteFile(f.out, PlanToJson(best) + "\n"); !s.ok()) {
+    if (absl::Status s = WriteFile(f.out, PlanToJson(best) + "\n", "--output"); !s.ok()) {
       return ReportError(s);
     }
   }

@@ -47,6 +47,9 @@ absl::StatusOr<Schedule> BuildSchedule(const SimulateFlags& f) {
 }
 
 absl::Status RunSimulate(const SimulateFlags& f) {
+  // Outputs that cannot be written are refused before any work (WriteFile checks again).
+  if (!f.trace.empty()) PW_RETURN_IF_ERROR(CheckOutputPath(f.trace, "--trace"));
+  if (!f.svg.empty()) PW_RETURN_IF_ERROR(CheckOutputPath(f.svg, "--svg"));
   auto schedule = BuildSchedule(f);
   if (!schedule.ok()) return schedule.status();
   if (!schedule->lowered) {
@@ -71,12 +74,13 @@ absl::Status RunSimulate(const SimulateFlags& f) {
     return absl::InvalidArgumentError(std::string(result.status().message()));
   }
   if (!f.trace.empty()) {
-    if (absl::Status st = WriteFile(f.trace, ToChromeTrace(*schedule, *result) + "\n"); !st.ok()) {
+    if (absl::Status st = WriteFile(f.trace, ToChromeTrace(*schedule, *result) + "\n", "--trace");
+        !st.ok()) {
       return st;
     }
   }
   if (!f.svg.empty()) {
-    if (absl::Status st = WriteFile(f.svg, ToSvg(*schedule, *result)); !st.ok()) return st;
+    if (absl::Status st = WriteFile(f.svg, ToSvg(*schedule, *result), "--svg"); !st.ok()) return st;
   }
   const ScheduleSpec& spec = schedule->spec;
   if (f.json) {

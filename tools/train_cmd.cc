@@ -242,7 +242,7 @@ absl::StatusOr<LoadedModel> LoadModel(const TrainFlags& f) {
     PW_ASSIGN_OR_RETURN(LayerGraph graph, PresetGraph(f.preset, f.micro_batch_size, f.tied));
     return LoadedModel{std::move(graph), std::nullopt};
   }
-  PW_ASSIGN_OR_RETURN(std::string text, ReadFile(f.plan, "--plan"));
+  PW_ASSIGN_OR_RETURN(std::string text, ReadJsonFile(f.plan, "--plan"));
   absl::StatusOr<Plan> plan = PlanFromJson(text);
   if (!plan.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(f.plan, ":\n", plan.status().message()));
@@ -459,13 +459,13 @@ RunRecord RunSteps(Engine& t, const TrainFlags& f, bool root, const TrainOptions
 // the measured timeline.
 absl::Status WriteOutputs(const Engine& t, const TrainFlags& f, const RunRecord& rec) {
   if (!f.trace.empty() && (rec.failure.ok() || !t.multi_process())) {
-    PW_RETURN_IF_ERROR(WriteFile(f.trace, EngineChromeTrace(t.topology(), t.Events())));
+    PW_RETURN_IF_ERROR(WriteFile(f.trace, EngineChromeTrace(t.topology(), t.Events()), "--trace"));
   }
   PW_RETURN_IF_ERROR(rec.failure);
   if (!f.svg.empty() && t.step() > rec.first_step) {
     // The last step's measured timeline of replica 0, drawn like the simulator's.
     SimResult measured = MeasuredTimeline(t.schedule(), t.topology(), t.Events(), t.step() - 1, 0);
-    PW_RETURN_IF_ERROR(WriteFile(f.svg, ToSvg(t.schedule(), measured)));
+    PW_RETURN_IF_ERROR(WriteFile(f.svg, ToSvg(t.schedule(), measured), "--svg"));
   }
   return absl::OkStatus();
 }
@@ -825,7 +825,7 @@ void RegisterEval(CLI::App& app, int* exit_code) {
           d["targets"].push_back(std::vector<int32_t>(y, y + t.dim(1)));
         }
       }
-      if (absl::Status s = WriteFile(f->dump, d.dump()); !s.ok()) {
+      if (absl::Status s = WriteFile(f->dump, d.dump(), "--dump"); !s.ok()) {
         *exit_code = ReportError(s);
         return;
       }

@@ -47,11 +47,11 @@ std::string Summary(const std::string& path, const Plan& p) {
 }
 
 int RunValidate(const ValidateFlags& f) {
-  absl::StatusOr<std::string> text = ReadFile(f.plan, "plan");
+  absl::StatusOr<std::string> text = ReadJsonFile(f.plan, "plan");
   if (!text.ok()) return InputError(f, text.status());
   std::optional<ModelCosts> model;
   if (!f.model.empty()) {
-    absl::StatusOr<std::string> model_text = ReadFile(f.model, "--model");
+    absl::StatusOr<std::string> model_text = ReadJsonFile(f.model, "--model");
     if (!model_text.ok()) return InputError(f, model_text.status());
     absl::StatusOr<ModelCosts> parsed = ModelCostsFromJson(*model_text);
     if (!parsed.ok()) {

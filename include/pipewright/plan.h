@@ -26,6 +26,23 @@ namespace pipewright {
 inline constexpr char kModelFormat[] = "pipewright.model/v1";
 inline constexpr char kPlanFormat[] = "pipewright.plan/v1";
 
+// Limits of the two documents (docs/plan.md, "Limits"), checked while the text is parsed, before
+// any rule, so a hostile file is refused in time linear in its size and memory linear in the
+// limits. Files are also at most kMaxJsonFileBytes and nest at most kMaxJsonDepth
+// (pipewright/input.h); texts handed to the parsers are nesting-checked here too.
+//
+// Stages of a plan (pipeline_parallel x chunks): far above any real pipeline (p = 128, v = 4 is
+// 512), and every stage needs a layer of its own.
+inline constexpr int kMaxPlanStages = 1 << 16;
+// Layers of a layer graph (a transformer block is one layer): 64 MiB holds about 400,000.
+inline constexpr int kMaxModelLayers = 1 << 18;
+// JSON values (scalars, arrays and objects) of either document: a plan of kMaxPlanStages stages
+// has about 1,000,000 and a layer graph of kMaxModelLayers layers under 3,700,000. It bounds
+// the parsed document's memory (about 100 bytes a value at worst) whatever the text holds.
+inline constexpr int64_t kMaxJsonValues = int64_t{1} << 22;
+// Problems listed by one validation; the rest are counted in a last "N more problems" entry.
+inline constexpr int kMaxListedProblems = 1000;
+
 // Activation recomputation of one stage: keep every layer's saved tensors (none); keep what the
 // matrix products need but remake the cheap pointwise outputs in the backward (selective: a
 // transformer block's LayerNorm and GELU outputs, LayerContext::selective_recompute); or keep

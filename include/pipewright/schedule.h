@@ -23,6 +23,7 @@
 #ifndef PIPEWRIGHT_SCHEDULE_H_
 #define PIPEWRIGHT_SCHEDULE_H_
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -67,6 +68,11 @@ struct Program {
 enum class ScheduleKind { kGpipe, k1F1B, kInterleaved, kZbH1, kZbV, kDualPipeV, kCustom };
 const char* ScheduleKindName(ScheduleKind kind);  // "gpipe", "1f1b", "interleaved", "zb-h1", …
 absl::StatusOr<ScheduleKind> ParseScheduleKind(absl::string_view name);
+
+// The most (stage, micro-batch) pairs, p * v * m, a plan or a hand-written program may schedule
+// (docs/plan.md, "Limits"): a bound on what reading a file can make the generator, the validator
+// and the engine build. It is far above any real step (p = 128, v = 4, m = 2048 is under half).
+inline constexpr int64_t kMaxStageMicroBatches = int64_t{1} << 20;
 
 struct ScheduleSpec {
   ScheduleKind kind = ScheduleKind::k1F1B;

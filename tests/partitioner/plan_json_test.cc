@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "pipewright/plan.h"
@@ -85,7 +86,7 @@ ModelCosts MakeModel(int layers = 10) {
   m.input_bytes = 512;
   for (int i = 0; i < layers; ++i) {
     LayerCost l;
-    l.name = "l" + std::to_string(i);
+    l.name = absl::StrCat("l", i);
     l.kind = i == 0 ? "embedding" : "transformer_block";
     l.params = 1000 * (i + 1);
     l.forward_flops = 1.0 / 3 * (i + 1) * 1e9;
@@ -704,6 +705,234 @@ TEST(ModelJsonRules, TiedToNamesAnEarlierLayer) {
   EXPECT_MODEL_PROBLEM([](json& j) { j["layers"][3]["tied_to"] = 0; }, "layers[3].tied_to",
                        "string");
   EXPECT_TRUE(ModelProblems([](json& j) { j["layers"][3]["tied_to"] = "l1"; }).empty());
+}
+
+// --- hostile documents: nesting, size and count limits (plan.h, Note [Hostile documents]) ----
+
+// `doc` with the value at JSON pointer `where` replaced by `depth` nested arrays.
+std::string WithDeepValue(json doc, const std::string& where, int depth) {
+  doc[json::json_pointer(where)] = "@DEEP@";
+  std::string text = doc.dump();
+  const std::string deep = std::string(depth, '[') + std::string(depth, ']');
+  text.replace(text.find("\"@DEEP@\""), std::string("\"@DEEP@\"").size(), deep);
+  return text;
+}
+
+// The one problem a too-deep document gets: "<doc>: JSON nested deeper than 64 levels (at byte
+// N)", N the offset of the bracket that went too deep, inside the replaced value.
+void ExpectNestingProblem(const std::vector<std::string>& problems, const std::string& doc,
+                          const std::string& text, const std::string& where) {
+  ASSERT_EQ(problems.size(), 1u) << where << "\n" << Joined(problems);
+  const std::string prefix = doc + ": JSON nested deeper than 64 levels (at byte ";
+  ASSERT_TRUE(absl::StartsWith(problems[0], prefix)) << where << ": " << problems[0];
+  const size_t byte = std::stoul(problems[0].substr(prefix.size()));
+  const size_t deep = text.find(std::string(1000, '['));
+  ASSERT_NE(deep, std::string::npos);
+  EXPECT_GE(byte, deep) << where << ": the offset is not inside the deep value";
+  EXPECT_LT(byte, deep + 64) << where << ": the offset is not where the limit was crossed";
+}
+
+TEST(PlanJsonLimits, DeepNestingAnywhereIsOneNamedProblem) {
+  const json doc = json::parse(PlanToJson(MakePlan()));
+  for (const std::string where :
+       {"/format", "/model", "/devices", "/pipeline_parallel", "/data_parallel", "/schedule",
+        "/stages", "/predicted", "/model/name", "/schedule/kind", "/stages/2", "/stages/1/layers",
+        "/stages/3/predicted/memory_bytes/total", "/extra"}) {
+    const std::string text = WithDeepValue(doc, where, 100000);
+    ExpectNestingProblem(ValidatePlanJson(text), "plan", text, where);
+    absl::StatusOr<Plan> plan = PlanFromJson(text);
+    ASSERT_FALSE(plan.ok());
+    EXPECT_TRUE(absl::StartsWith(plan.status().message(), "plan: JSON nested deeper")) << where;
+  }
+  // Objects nest as deep: {"a":{"a":...}}.
+  std::string objects;
+  for (int i = 0; i < 100000; ++i) objects += "{\"a\":";
+  objects += "0" + std::string(100000, '}');
+  std::vector<std::string> p = ValidatePlanJson(objects);
+  ASSERT_EQ(p.size(), 1u);
+  EXPECT_TRUE(absl::StartsWith(p[0], "plan: JSON nested deeper than 64 levels (at byte 320)"))
+      << p[0];
+}
+
+TEST(PlanJsonLimits, NestingUpToTheLimitIsReadAndDescribedBriefly) {
+  // 62 arrays as the value of devices.count: 64 levels, allowed; the rule's message shows the
+  // value as a kind, not as 124 brackets.
+  const json doc = json::parse(PlanToJson(MakePlan()));
+  const std::string text = WithDeepValue(doc, "/devices/count", 62);
+  std::vector<std::string> p = ValidatePlanJson(text);
+  ASSERT_EQ(p.size(), 1u) << Joined(p);
+  EXPECT_EQ(p[0], "devices.count: must be an integer >= 1, got an array of 1 elements");
+  const std::string model_text =
+      WithDeepValue(json::parse(ModelCostsToJson(MakeModel())), "/layers/3/params", 61);
+  absl::StatusOr<ModelCosts> m = ModelCostsFromJson(model_text);
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().message(),
+            "layers[3].params: must be an integer >= 0, got an array of 1 elements");
+}
+
+TEST(PlanJsonLimits, DeepLayerGraphIsOneNamedProblem) {
+  const json doc = json::parse(ModelCostsToJson(MakeModel()));
+  for (const std::string where : {"/layers", "/layers/4", "/layers/4/name", "/name"}) {
+    const std::string text = WithDeepValue(doc, where, 100000);
+    absl::StatusOr<ModelCosts> m = ModelCostsFromJson(text);
+    ASSERT_FALSE(m.ok()) << where;
+    ExpectNestingProblem({std::string(m.status().message())}, "model", text, where);
+  }
+}
+
+// A plan whose "stages" holds `n` copies of `stage` (compact JSON).
+std::string PlanWithStages(int64_t n, const std::string& stage) {
+  json doc = json::parse(PlanToJson(MakePlan()));
+  doc["stages"] = "@STAGES@";
+  std::string list;
+  list.reserve(static_cast<size_t>(n) * (stage.size() + 1) + 2);
+  list += '[';
+  for (int64_t i = 0; i < n; ++i) {
+    if (i > 0) list += ',';
+    list += stage;
+  }
+  list += ']';
+  std::string text = doc.dump();
+  text.replace(text.find("\"@STAGES@\""), std::string("\"@STAGES@\"").size(), list);
+  return text;
+}
+
+TEST(PlanJsonLimits, AMillionStagesAreRefusedAtTheStageLimit) {
+  // Parsing stops at stage kMaxPlanStages + 1: one problem, whatever the other 934,463 hold.
+  const std::string text = PlanWithStages(1000000, R"({"index":0,"layers":[0,1]})");
+  std::vector<std::string> p = ValidatePlanJson(text);
+  ASSERT_EQ(p.size(), 1u) << Joined(p);
+  EXPECT_EQ(p[0], "stages: more than 65536 entries: a plan has at most 65536 stages");
+  EXPECT_EQ(std::string(PlanFromJson(text).status().message()), p[0]);
+}
+
+TEST(PlanJsonLimits, StageLimitIsExact) {
+  // kMaxPlanStages entries are read (each then has its problems); one more is refused.
+  std::vector<std::string> at = ValidatePlanJson(PlanWithStages(pipewright::kMaxPlanStages, "{}"));
+  EXPECT_FALSE(HasProblem(at, "stages", "at most")) << Joined(at).substr(0, 1000);
+  EXPECT_TRUE(HasProblem(at, "stages[0].index", "missing")) << Joined(at).substr(0, 1000);
+  EXPECT_TRUE(HasProblem(at, "plan", "more problems not listed")) << at.back();
+  std::vector<std::string> over =
+      ValidatePlanJson(PlanWithStages(pipewright::kMaxPlanStages + 1, "{}"));
+  ASSERT_EQ(over.size(), 1u);
+  EXPECT_TRUE(HasProblem(over, "stages", "at most 65536 stages")) << over[0];
+}
+
+TEST(PlanJsonLimits, ListsAtMostAThousandProblems) {
+  // 65,536 empty stages have over 300,000 problems: the first 1000 are listed, then a count.
+  std::vector<std::string> p = ValidatePlanJson(PlanWithStages(pipewright::kMaxPlanStages, "{}"));
+  ASSERT_EQ(p.size(), static_cast<size_t>(pipewright::kMaxListedProblems) + 1);
+  EXPECT_TRUE(absl::StartsWith(p.back(), "plan: ")) << p.back();
+  EXPECT_TRUE(absl::EndsWith(p.back(), " more problems not listed (only the first 1000 are)"))
+      << p.back();
+  const int64_t more = std::stoll(p.back().substr(6));
+  EXPECT_GT(more, 300000);
+  absl::StatusOr<Plan> plan = PlanFromJson(PlanWithStages(pipewright::kMaxPlanStages, "{}"));
+  EXPECT_EQ(std::string(plan.status().message()), Joined(p));
+}
+
+TEST(PlanJsonLimits, ManyValidStagesValidate) {
+  // The plan reader is linear in the stages (the callback parser was quadratic: 10^5 stages
+  // took 6 s); bench/plan_json_bench times it.
+  const Plan plan = MakePlan(ScheduleKind::k1F1B, 10000, 1, 1, 20000, 1);
+  const std::string text = PlanToJson(plan);
+  std::vector<std::string> p = ValidatePlanJson(text);
+  EXPECT_TRUE(p.empty()) << Joined(p);
+  absl::StatusOr<Plan> parsed = PlanFromJson(text);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->stages.size(), 10000u);
+  EXPECT_EQ(parsed->stages.back().end, 20000);
+}
+
+TEST(PlanJsonLimits, TooManyStagesByTheCountsIsRefusedBeforeTheSchedule) {
+  // pipeline_parallel x chunks beyond the limit is named without generating a schedule of
+  // 1,000,000 ranks.
+  std::vector<std::string> p = ProblemsAfter([](json& j) {
+    j["pipeline_parallel"] = 1000000;
+    j["devices"]["count"] = 2000000;
+    j["schedule"]["micro_batches"] = 1;
+  });
+  EXPECT_TRUE(HasProblem(p, "pipeline_parallel", "1000000 stages; a plan has at most 65536"))
+      << Joined(p);
+  EXPECT_FALSE(HasProblem(p, "schedule")) << Joined(p);
+}
+
+TEST(PlanJsonLimits, ManyKeysAreLinear) {
+  // 100,000 unknown keys in one object (an ordered_json object inserts each by a linear search:
+  // 26 s before): each is a problem, the first 1000 listed.
+  // (Built as std::map-backed JSON: the test's ordered_json would be as slow.)
+  nlohmann::json doc = nlohmann::json::parse(PlanToJson(MakePlan()));
+  for (int i = 0; i < 100000; ++i) doc["devices"][absl::StrCat("k", i)] = 0;
+  std::vector<std::string> p = ValidatePlanJson(doc.dump());
+  ASSERT_EQ(p.size(), static_cast<size_t>(pipewright::kMaxListedProblems) + 1);
+  EXPECT_TRUE(HasProblem(p, "devices.k0", "unknown key")) << p[0];
+  EXPECT_TRUE(absl::StartsWith(p.back(), "plan: 99000 more problems")) << p.back();
+}
+
+TEST(PlanJsonLimits, ValueLimit) {
+  // 4,194,305 numbers in a stage's prediction: parsing stops at the value limit.
+  json doc = json::parse(PlanToJson(MakePlan()));
+  doc["stages"][1]["predicted"]["forward_s"] = "@MANY@";
+  std::string text = doc.dump();
+  std::string many = "[0";
+  for (int64_t i = 1; i <= pipewright::kMaxJsonValues; ++i) many += ",0";
+  many += ']';
+  text.replace(text.find("\"@MANY@\""), std::string("\"@MANY@\"").size(), many);
+  std::vector<std::string> p = ValidatePlanJson(text);
+  ASSERT_EQ(p.size(), 1u) << Joined(p);
+  EXPECT_EQ(p[0], "plan: more than 4194304 JSON values; a plan has at most 4194304");
+}
+
+TEST(PlanJsonLimits, LayerLimit) {
+  json doc = json::parse(ModelCostsToJson(MakeModel()));
+  doc["layers"] = "@LAYERS@";
+  std::string text = doc.dump();
+  std::string layers = "[{}";
+  for (int i = 1; i <= pipewright::kMaxModelLayers; ++i) layers += ",{}";
+  layers += ']';
+  text.replace(text.find("\"@LAYERS@\""), std::string("\"@LAYERS@\"").size(), layers);
+  absl::StatusOr<ModelCosts> m = ModelCostsFromJson(text);
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().message(),
+            "layers: more than 262144 entries: a layer graph has at most 262144 layers");
+}
+
+TEST(PlanJsonLimits, DuplicateKeysAreNamedAtTheirPath) {
+  std::string text = PlanToJson(MakePlan());
+  const std::string total = "\"total\": ";
+  // The second stage's memory total, given twice.
+  size_t at = text.find(total);
+  at = text.find(total, at + 1);
+  text.insert(at, "\"total\": 1,\n");
+  std::vector<std::string> p = ValidatePlanJson(text);
+  EXPECT_TRUE(HasProblem(p, "stages[1].predicted.memory_bytes.total", "duplicate key"))
+      << Joined(p);
+}
+
+TEST(PlanJsonLimits, MessagesStayShortWhateverTheValues) {
+  // Long strings and keys are quoted in part, control characters escaped: one short line each.
+  const std::string huge(1 << 20, 'x');
+  const std::string line_break = "a\nb";
+  std::vector<std::string> p = ProblemsAfter([&](json& j) {
+    j["format"] = huge;
+    j["schedule"]["kind"] = huge;
+    j["stages"][0]["recompute"] = line_break;
+    j["model"]["fingerprint"] = huge;
+    j[huge] = 1;
+    j["predicted"][line_break] = 1;
+    j["devices"]["count"] = json::array({huge, huge});
+  });
+  EXPECT_TRUE(HasProblem(p, "schedule.kind", "unknown schedule \"xxxx")) << Joined(p);
+  EXPECT_TRUE(HasProblem(p, "stages[0].recompute", "got \"a\\nb\"")) << Joined(p);
+  EXPECT_TRUE(HasProblem(p, "predicted.\"a\\nb\"", "unknown key")) << Joined(p);
+  EXPECT_TRUE(HasProblem(p, "\"" + std::string(64, 'x') + "\"... (1048576 bytes)", "unknown key"))
+      << Joined(p);
+  EXPECT_TRUE(HasProblem(p, "devices.count", "got an array of 2 elements")) << Joined(p);
+  EXPECT_GE(p.size(), 6u);
+  for (const std::string& line : p) {
+    EXPECT_LT(line.size(), 300u) << line.substr(0, 300);
+    EXPECT_EQ(line.find('\n'), std::string::npos) << line;
+  }
 }
 
 // --- fuzzing ---------------------------------------------------------------------------------

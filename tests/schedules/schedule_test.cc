@@ -552,5 +552,20 @@ TEST(ParseProgram, NamesWhatIsWrong) {
   EXPECT_NE(bad.message().find("line 1"), std::string::npos) << bad;
 }
 
+// A step of more (stage, micro-batch) pairs than a plan may schedule is refused before the
+// programs are built (issue 34: a 58 MB program of 2.5M micro-batches grew train to 18 GB).
+TEST(ParseProgram, BoundsTheStageMicroBatchPairs) {
+  std::string text = "rank 0:";
+  for (int64_t i = 0; i <= kMaxStageMicroBatches; ++i) absl::StrAppend(&text, " F", i, "@s0");
+  absl::Status over = ParseProgram(text).status();
+  EXPECT_EQ(over.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(over.message(),
+            "the program runs 1 stages x 1048577 micro-batches = 1048577 (stage, micro-batch) "
+            "pairs; a program has at most 1048576");
+  // One micro-batch fewer is read (and then refused by the validator for what it is).
+  text.resize(text.rfind(' '));
+  EXPECT_TRUE(ParseProgram(text).ok());
+}
+
 }  // namespace
 }  // namespace pipewright

@@ -1,7 +1,9 @@
 // End-to-end: `pipewright plan` writes a plan that `validate` accepts and `train --plan` runs
 // unchanged, with the predicted and measured per-stage numbers side by side.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -109,6 +111,121 @@ TEST(CliPlan, BadArgumentsExit2) {
     EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.err;
     EXPECT_FALSE(r.err.empty()) << args;
   }
+}
+
+// --- hostile files (issue 34): every file a subcommand reads or writes -----------------------
+
+// Under the shell's `timeout 60`: a blocked open shows as exit 124, not as a hung test.
+Result RunBounded(const std::string& args) { return RunCliWith("timeout 60 " + Bin(), args); }
+
+#define EXPECT_REFUSED(result, text)                                                \
+  do {                                                                              \
+    const Result& pw_r = (result);                                                  \
+    EXPECT_EQ(pw_r.exit_code, 2) << pw_r.err;                                       \
+    EXPECT_NE(pw_r.err.find(text), std::string::npos) << "want: " << (text) << "\n" \
+                                                      << pw_r.err.substr(0, 2000);  \
+  } while (0)
+
+std::string Fifo(const std::string& name) {
+  const std::string path = TempPath("input_" + name);
+  std::filesystem::remove(path);
+  EXPECT_EQ(mkfifo(path.c_str(), 0600), 0) << path;
+  return path;
+}
+
+std::string LinkTo(const std::string& name, const std::string& target) {
+  const std::string path = TempPath("input_" + name);
+  std::filesystem::remove(path);
+  std::filesystem::create_symlink(target, path);
+  return path;
+}
+
+std::string Sparse(const std::string& name) {  // `truncate -s 1G`
+  const std::string path = TempPath("input_" + name);
+  std::ofstream(path, std::ios::trunc).close();
+  std::filesystem::resize_file(path, int64_t{1} << 30);
+  return path;
+}
+
+// The file arguments of every subcommand that reads one, with the role named in messages.
+struct Reader {
+  std::string before, what;  // command line up to the file; "--plan", "plan", ...
+};
+const Reader kReaders[] = {
+    {"validate ", "plan"},
+    {"train --steps 1 --plan ", "--plan"},
+    {"train --preset gpt-tiny --steps 1 --program ", "--program"},
+    {"plan --devices 2 --model ", "--model"},
+    {"simulate --stages 2 --micro-batches 2 --program ", "--program"},
+};
+
+TEST(CliPlanInput, FifoAndCharacterDevicesAreRefusedByName) {
+  const std::string fifo = Fifo("fifo");
+  const std::string link = LinkTo("zero_link", "/dev/zero");
+  for (const Reader& r : kReaders) {
+    EXPECT_REFUSED(RunBounded(r.before + fifo),
+                   r.what + " '" + fifo + "' is a FIFO, not a regular file");
+    EXPECT_REFUSED(RunBounded(r.before + "/dev/zero"),
+                   r.what + " '/dev/zero' is a character device, not a regular file");
+    EXPECT_REFUSED(RunBounded(r.before + link), r.what + " '" + link + "' is a character device");
+  }
+}
+
+TEST(CliPlanInput, OversizedFilesAreRefusedNamingTheLimit) {
+  const std::string big = Sparse("big");
+  for (const Reader& r : kReaders) {
+    EXPECT_REFUSED(RunBounded(r.before + big), r.what + " '" + big + "' is 1073741824 bytes; a " +
+                                                   r.what + " is at most 67108864");
+  }
+}
+
+TEST(CliPlanInput, OutputsThatWouldBlockAreRefusedBeforeTheWork) {
+  const std::string fifo = Fifo("out_fifo");
+  EXPECT_REFUSED(RunBounded("plan --preset gpt-tiny --devices 2 --device-memory 1GiB -o " + fifo),
+                 "cannot write --output '" + fifo + "': it is a FIFO");
+  EXPECT_REFUSED(RunBounded("model --preset gpt-tiny -o " + fifo),
+                 "cannot write --output '" + fifo + "': it is a FIFO");
+  EXPECT_REFUSED(RunBounded("simulate --stages 2 --micro-batches 4 --trace " + fifo),
+                 "cannot write --trace '" + fifo + "': it is a FIFO");
+  EXPECT_REFUSED(RunBounded("simulate --stages 2 --micro-batches 4 --svg " + fifo),
+                 "cannot write --svg '" + fifo + "': it is a FIFO");
+  EXPECT_REFUSED(RunBounded("simulate --stages 2 --micro-batches 4 --svg " + ::testing::TempDir()),
+                 "it is a directory");
+  // A character device is written in place.
+  Result null = RunBounded("plan --preset gpt-tiny --devices 2 --device-memory 1GiB -o /dev/null");
+  EXPECT_EQ(null.exit_code, 0) << null.err;
+}
+
+TEST(CliPlanInput, OutputReplacesTheFileWholeAndKeepsLinks) {
+  const std::string dir = TempPath("out_dir");
+  std::filesystem::create_directories(dir);
+  const std::string plan = dir + "/plan.json", link = dir + "/link.json";
+  std::ofstream(plan) << "old";
+  std::filesystem::permissions(plan, std::filesystem::perms::owner_read |
+                                         std::filesystem::perms::owner_write |
+                                         std::filesystem::perms::group_read);
+  std::filesystem::create_symlink("plan.json", link);
+  Result r = RunBounded("plan --preset gpt-tiny --devices 2 --device-memory 1GiB -o " + link);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  // Written through the link: the link stays, the file it names holds the plan, with its mode.
+  EXPECT_TRUE(std::filesystem::is_symlink(link));
+  json j = ReadJson(plan);
+  ASSERT_TRUE(j.is_object());
+  EXPECT_EQ(j["format"], "pipewright.plan/v1");
+  EXPECT_EQ(std::filesystem::status(plan).permissions() & std::filesystem::perms::all,
+            std::filesystem::perms::owner_read | std::filesystem::perms::owner_write |
+                std::filesystem::perms::group_read);
+  // Nothing but the two names is left in the directory (no temporary file).
+  int entries = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    ++entries;
+    EXPECT_TRUE(e.path() == plan || e.path() == link) << e.path();
+  }
+  EXPECT_EQ(entries, 2);
+  // A directory that does not exist: a named error, exit 2.
+  EXPECT_REFUSED(RunBounded("plan --preset gpt-tiny --devices 2 --device-memory 1GiB -o " + dir +
+                            "/no/such/plan.json"),
+                 "cannot write --output '" + dir + "/no/such/plan.json'");
 }
 
 }  // namespace

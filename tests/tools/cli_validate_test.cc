@@ -2,7 +2,9 @@
 // "path: message" line per problem on stderr and exit 2 for a bad one, file errors, --model
 // and --json.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -21,8 +23,10 @@ using ::pipewright::ModelCosts;
 using ::pipewright::Plan;
 using ::pipewright::PlanStage;
 using ::pipewright::ScheduleKind;
+using ::pipewright::cli_test::Bin;
 using ::pipewright::cli_test::Result;
 using ::pipewright::cli_test::RunCli;
+using ::pipewright::cli_test::RunCliWith;
 using ::pipewright::cli_test::TempPath;
 
 // gpt-tiny-like: 10 layers over pp = 4 stages, dp = 2, 1f1b, 8 micro-batches of 4.
@@ -126,7 +130,7 @@ TEST(CliValidate, BrokenPlanListsEveryProblemOnStderr) {
 TEST(CliValidate, MissingFile) {
   Result r = RunCli("validate " + TempPath("validate_no_such_plan.json"));
   EXPECT_EQ(r.exit_code, 2);
-  EXPECT_NE(r.err.find("cannot read plan"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("cannot open plan"), std::string::npos) << r.err;
   EXPECT_EQ(r.out, "");
 }
 
@@ -162,7 +166,7 @@ TEST(CliValidate, BadModelFileIsBadInput) {
   EXPECT_NE(r.err.find("layers: missing"), std::string::npos) << r.err;
   Result missing = RunCli("validate " + plan + " --model " + TempPath("validate_no_model.json"));
   EXPECT_EQ(missing.exit_code, 2);
-  EXPECT_NE(missing.err.find("cannot read --model"), std::string::npos) << missing.err;
+  EXPECT_NE(missing.err.find("cannot open --model"), std::string::npos) << missing.err;
 }
 
 TEST(CliValidate, JsonOutput) {
@@ -199,6 +203,126 @@ TEST(CliValidate, NeedsAPlanArgument) {
   Result r = RunCli("validate");
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_FALSE(r.err.empty());
+}
+
+// --- hostile input (issue 34): never a crash, never a hang, always a named reason -------------
+
+// The CLI under the shell's `timeout 60`: a command that blocks shows as exit 124, never as a
+// test that hangs.
+Result RunBounded(const std::string& args) { return RunCliWith("timeout 60 " + Bin(), args); }
+
+// Exit 2 (not 124: a hang; not 139: a crash) with `text` on stderr.
+#define EXPECT_REFUSED(result, text)                                                \
+  do {                                                                              \
+    const Result& pw_r = (result);                                                  \
+    EXPECT_EQ(pw_r.exit_code, 2) << pw_r.err;                                       \
+    EXPECT_NE(pw_r.err.find(text), std::string::npos) << "want: " << (text) << "\n" \
+                                                      << pw_r.err.substr(0, 2000);  \
+  } while (0)
+
+std::string Fifo(const std::string& name) {
+  const std::string path = TempPath("validate_" + name);
+  std::filesystem::remove(path);
+  EXPECT_EQ(mkfifo(path.c_str(), 0600), 0) << path;
+  return path;
+}
+
+std::string LinkTo(const std::string& name, const std::string& target) {
+  const std::string path = TempPath("validate_" + name);
+  std::filesystem::remove(path);
+  std::filesystem::create_symlink(target, path);
+  return path;
+}
+
+// A 1 GiB sparse file (`truncate -s 1G`): nothing on disk, far over every limit.
+std::string Sparse(const std::string& name) {
+  const std::string path = Write(name, "");
+  std::filesystem::resize_file(path, int64_t{1} << 30);
+  return path;
+}
+
+// `text` with the value of `key` (a top-level member, or "stages[1].<member>") replaced by
+// 100,000 nested arrays.
+std::string DeepPlan(const std::string& where) {
+  nlohmann::ordered_json j = nlohmann::ordered_json::parse(pipewright::PlanToJson(GoodPlan()));
+  if (where.rfind("stages[1].", 0) == 0) {
+    j["stages"][1][where.substr(10)] = "@DEEP@";
+  } else {
+    j[where] = "@DEEP@";
+  }
+  std::string text = j.dump();
+  text.replace(text.find("\"@DEEP@\""), 8, std::string(100000, '[') + std::string(100000, ']'));
+  return text;
+}
+
+TEST(CliValidateInput, DeepNestingIsANamedErrorNotACrash) {
+  for (const std::string where :
+       {"format", "model", "devices", "pipeline_parallel", "schedule", "stages", "predicted",
+        "stages[1].layers", "stages[1].predicted"}) {
+    const std::string plan = Write("deep.json", DeepPlan(where));
+    Result r = RunBounded("validate " + plan);
+    EXPECT_REFUSED(r,
+                   "pipewright: plan '" + plan + "': JSON nested deeper than 64 levels (at byte ");
+    EXPECT_EQ(Lines(r.err).size(), 1u) << where << "\n" << r.err.substr(0, 2000);
+    Result json = RunBounded("validate --json " + plan);
+    EXPECT_EQ(json.exit_code, 2) << where;
+    EXPECT_NE(json.out.find("JSON nested deeper than 64 levels"), std::string::npos) << where;
+  }
+  // The model given beside it, and train's --plan.
+  const std::string plan = Write("deep_ok_plan.json", pipewright::PlanToJson(GoodPlan()));
+  const std::string model =
+      Write("deep_model.json", "{\"layers\": " + std::string(100000, '[') + "]}");
+  EXPECT_REFUSED(RunBounded("validate " + plan + " --model " + model),
+                 "--model '" + model + "': JSON nested deeper than 64 levels (at byte 74)");
+  const std::string deep = Write("deep_train.json", DeepPlan("stages"));
+  EXPECT_REFUSED(RunBounded("train --plan " + deep + " --steps 1"),
+                 "--plan '" + deep + "': JSON nested deeper than 64 levels");
+  EXPECT_REFUSED(RunBounded("plan --model " + model + " --devices 2"),
+                 "--model '" + model + "': JSON nested deeper than 64 levels");
+}
+
+TEST(CliValidateInput, FifoDeviceAndLinkAreRefusedAtOnce) {
+  const std::string fifo = Fifo("fifo.json");
+  const std::string zero_link = LinkTo("zero_link.json", "/dev/zero");
+  const std::string plan = Write("dev_ok_plan.json", pipewright::PlanToJson(GoodPlan()));
+  EXPECT_REFUSED(RunBounded("validate " + fifo),
+                 "plan '" + fifo + "' is a FIFO, not a regular file");
+  EXPECT_REFUSED(RunBounded("validate /dev/zero"), "plan '/dev/zero' is a character device");
+  EXPECT_REFUSED(RunBounded("validate " + zero_link),
+                 "plan '" + zero_link + "' is a character device");
+  EXPECT_REFUSED(RunBounded("validate " + plan + " --model " + fifo),
+                 "--model '" + fifo + "' is a FIFO");
+  EXPECT_REFUSED(RunBounded("validate " + plan + " --model /dev/zero"),
+                 "--model '/dev/zero' is a character device");
+  EXPECT_REFUSED(RunBounded("validate " + ::testing::TempDir()), "is a directory");
+}
+
+TEST(CliValidateInput, OversizedFileIsRefusedNamingTheLimit) {
+  const std::string big = Sparse("big.json");
+  const std::string plan = Write("big_ok_plan.json", pipewright::PlanToJson(GoodPlan()));
+  EXPECT_REFUSED(RunBounded("validate " + big),
+                 "plan '" + big + "' is 1073741824 bytes; a plan is at most 67108864");
+  EXPECT_REFUSED(RunBounded("validate " + plan + " --model " + big),
+                 "--model '" + big + "' is 1073741824 bytes; a --model is at most 67108864");
+}
+
+TEST(CliValidateInput, AMillionStagesGetANamedAnswer) {
+  // 1,000,000 stages (16 MB): the reader stops at stage 65,537 (the old reader, quadratic in the
+  // stages, gave no answer in 90 s).
+  std::string text = pipewright::PlanToJson(GoodPlan());
+  nlohmann::ordered_json j = nlohmann::ordered_json::parse(text);
+  j["stages"] = "@STAGES@";
+  text = j.dump();
+  std::string stages = "[";
+  for (int i = 0; i < 1000000; ++i) stages += i == 0 ? "{\"layers\":[0,1]}" : ",{\"layers\":[0,1]}";
+  stages += "]";
+  text.replace(text.find("\"@STAGES@\""), 10, stages);
+  const std::string plan = Write("million.json", text);
+  Result r = RunBounded("validate " + plan);
+  EXPECT_REFUSED(r, "stages: more than 65536 entries: a plan has at most 65536 stages");
+  EXPECT_EQ(Lines(r.err).size(), 1u) << r.err.substr(0, 2000);
+  EXPECT_REFUSED(RunBounded("train --plan " + plan + " --steps 1"),
+                 "stages: more than 65536 entries: a plan has at most 65536 stages");
 }
 
 }  // namespace
