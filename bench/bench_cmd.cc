@@ -9,6 +9,7 @@
 #include "bench/pipeline_suite.h"
 #include "pipewright/cpu.h"
 #include "tools/commands.h"
+#include "tools/flags.h"
 
 #if PIPEWRIGHT_WITH_CUDA
 #include "bench/cuda_suite.h"
@@ -189,14 +190,11 @@ void RegisterBench(CLI::App& app, int* exit_code) {
   CLI::App* cmd = app.add_subcommand("bench", "Run a benchmark suite");
   cmd->add_option("--suite", f->suite, "kernels | overhead | scaling | partitioner | cuda")
       ->check(CLI::IsMember({"kernels", "overhead", "scaling", "partitioner", "cuda"}));
-  cmd->add_option("--steps", f->steps, "Timed steps per row (overhead, scaling)")
-      ->check(CLI::Range(1, 1000));
-  cmd->add_option("--micro-batches", f->micro_batches, "Micro-batches (scaling)")
-      ->check(CLI::Range(1, 4096));
-  cmd->add_option("--stage-ms", f->stage_ms, "Delay of one stage's F, I and W (overhead)")
-      ->check(CLI::Range(0.01, 10000.0));
-  cmd->add_option("--repetitions", f->repetitions, "Timed repetitions per row (median)")
-      ->check(CLI::Range(1, 1000));
+  AddInt(cmd, "--steps", &f->steps, {1, 1000}, "Timed steps per row (overhead, scaling)");
+  AddInt(cmd, "--micro-batches", &f->micro_batches, {1, 4096}, "Micro-batches (scaling)");
+  AddReal(cmd, "--stage-ms", &f->stage_ms, RealRange::Closed(0.01, 10000),
+          "Delay of one stage's F, I and W (overhead)");
+  AddInt(cmd, "--repetitions", &f->repetitions, {1, 1000}, "Timed repetitions per row (median)");
   cmd->add_flag("--json", f->json, "Print JSON");
   cmd->callback([f, exit_code] {
     if (f->suite == "overhead") {

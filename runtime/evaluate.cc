@@ -37,9 +37,10 @@ absl::StatusOr<LayerGraph> GraphOfManifest(const std::string& path, const std::s
                         .seq = a.at("seq").get<int64_t>(),
                         .vocab = a.at("vocab").get<int64_t>(),
                         .tied = a.at("tied").get<bool>()};
-      PW_RETURN_IF_ERROR(CheckGptConfig(c, absl::StrCat(where, ": model.gpt")));
-      absl::StatusOr<LayerGraph> graph =
-          GptModel(name, c, model.value("micro_batch_size", int64_t{1}));
+      // Every field in its range before anything is built (Note [GPT limits] in model.cc).
+      const int64_t micro_batch_size = model.value("micro_batch_size", int64_t{1});
+      PW_RETURN_IF_ERROR(CheckGptConfig(c, absl::StrCat(where, ": model.gpt"), micro_batch_size));
+      absl::StatusOr<LayerGraph> graph = GptModel(name, c, micro_batch_size);
       if (!graph.ok() || graph->Fingerprint() != model.value("fingerprint", "")) {
         return absl::InvalidArgumentError(
             absl::StrCat(where, ": model.gpt does not rebuild the model of model.fingerprint"));

@@ -1,6 +1,7 @@
 #include "pipewright/model.h"
 
 #include <set>
+#include <tuple>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
@@ -249,13 +250,8 @@ absl::StatusOr<LayerGraph> ModelBuilder::Build() const {
 
 absl::StatusOr<LayerGraph> GptModel(const std::string& name, const GptConfig& c,
                                     int64_t micro_batch_size) {
-  if (c.layers < 1 || c.hidden < 1 || c.heads < 1 || c.seq < 1 || c.vocab < 1) {
-    return absl::InvalidArgumentError("GPT config: every dimension must be >= 1");
-  }
-  if (c.hidden % c.heads != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("GPT config: hidden %d is not divisible by heads %d", c.hidden, c.heads));
-  }
+  // Before building anything: a refused config allocates nothing (a million layer nodes would).
+  PW_RETURN_IF_ERROR(CheckGptConfig(c, absl::StrCat("GPT model '", name, "'"), micro_batch_size));
   ModelBuilder b(name, {micro_batch_size, c.seq});
   b.Add("embed", layers::Embedding(c.vocab, c.seq, c.hidden));
   for (int64_t i = 0; i < c.layers; ++i) {
@@ -348,22 +344,33 @@ absl::Status UnknownPreset(absl::string_view preset) {
       "unknown preset '", preset, "' (known: ", absl::StrJoin(PresetNames(), ", "), ")"));
 }
 
-// The cost model keeps parameters and bytes in int64: refuse a configuration whose largest
-// counts would overflow it, instead of wrapping around silently.
-absl::Status CheckGptFits(const GptConfig& c, int64_t micro_batch_size) {
-  const double l = c.layers, h = c.hidden, s = c.seq, v = c.vocab, b = micro_batch_size;
-  const double params = 12 * l * h * h + 13 * l * h + (2 * v + s) * h;
-  const double attention_bytes = 4 * b * c.heads * s * s + 12 * b * s * h;
-  const double logits_bytes = 4 * b * s * v;
-  constexpr double kMax = 4.0e18;  // below 2^63 with headroom for the sums over layers
-  if (params > kMax || attention_bytes * l > kMax || logits_bytes > kMax) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "GPT config layers=%d,hidden=%d,heads=%d,seq=%d,vocab=%d at micro-batch size %d is too "
-        "large: its parameter or byte counts overflow 64-bit integers",
-        c.layers, c.hidden, c.heads, c.seq, c.vocab, micro_batch_size));
+// Note [GPT limits]. Every GptConfig is checked by CheckGptConfig before a graph is built
+// (GptModel calls it): each field in its range (model.h), and the counts the cost model keeps in
+// int64 computed here exactly, with overflow checks, for the micro-batch size: the parameters'
+// bytes (18 per parameter, the most the partitioner counts), the activations all blocks save
+// for the backward and the logits' bytes. A config whose counts would overflow is refused by
+// name instead of wrapping around.
+
+// int64 arithmetic that remembers an overflow.
+class CheckedInt {
+ public:
+  explicit CheckedInt(int64_t v) : v_(v) {}
+  CheckedInt operator*(CheckedInt o) const {
+    CheckedInt r(0);
+    r.overflow_ = overflow_ || o.overflow_ || __builtin_mul_overflow(v_, o.v_, &r.v_);
+    return r;
   }
-  return absl::OkStatus();
-}
+  CheckedInt operator+(CheckedInt o) const {
+    CheckedInt r(0);
+    r.overflow_ = overflow_ || o.overflow_ || __builtin_add_overflow(v_, o.v_, &r.v_);
+    return r;
+  }
+  bool overflow() const { return overflow_; }
+
+ private:
+  int64_t v_;
+  bool overflow_ = false;
+};
 
 }  // namespace
 
@@ -385,7 +392,6 @@ absl::StatusOr<LayerGraph> PresetModel(absl::string_view preset, int64_t micro_b
   if (micro_batch_size < 0) return absl::InvalidArgumentError("micro-batch size must be >= 1");
   if (const GptPreset* p = FindGptPreset(preset)) {
     const int64_t b = micro_batch_size ? micro_batch_size : p->default_micro_batch_size;
-    PW_RETURN_IF_ERROR(CheckGptFits(p->config, b));
     return GptModel(p->name, p->config, b);
   }
   if (preset == "mlp") {
@@ -406,21 +412,51 @@ absl::StatusOr<LayerGraph> PresetModel(absl::string_view preset, int64_t micro_b
   return UnknownPreset(preset);
 }
 
-absl::Status CheckGptConfig(const GptConfig& c, absl::string_view context) {
-  for (const auto& [name, v] : {std::pair<const char*, int64_t>{"layers", c.layers},
-                                {"hidden", c.hidden},
-                                {"heads", c.heads},
-                                {"seq", c.seq},
-                                {"vocab", c.vocab}}) {
-    if (v < 1) {
-      return absl::InvalidArgumentError(absl::StrCat(context, ": ", name, "=", v, " must be >= 1"));
+absl::Status CheckGptConfig(const GptConfig& c, absl::string_view context,
+                            int64_t micro_batch_size) {
+  const std::tuple<const char*, int64_t, int64_t> fields[] = {
+      {"layers", c.layers, kMaxGptLayers},
+      {"hidden", c.hidden, kMaxGptHidden},
+      {"heads", c.heads, kMaxGptHidden},
+      {"seq", c.seq, kMaxGptSeq},
+      {"vocab", c.vocab, kMaxGptVocab},
+      {"micro_batch_size", micro_batch_size, kMaxGptMicroBatchSize}};
+  for (const auto& [name, v, max] : fields) {
+    if (v < 1 || v > max) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(context, ": ", name, "=", v, " is out of range [1, ", max, "]"));
     }
   }
   if (c.hidden % c.heads != 0) {
     return absl::InvalidArgumentError(
         absl::StrFormat("%s: hidden=%d is not divisible by heads=%d", context, c.hidden, c.heads));
   }
-  return CheckGptFits(c, 1);
+  // Note [GPT limits]: the largest counts, exactly (the per-layer formulas of
+  // runtime/layers/specs.cc, summed).
+  const CheckedInt l(c.layers), h(c.hidden), a(c.heads), s(c.seq), v(c.vocab);
+  const CheckedInt n = CheckedInt(micro_batch_size) * s;  // tokens per micro-batch
+  const CheckedInt params = l * (CheckedInt(12) * h * h + CheckedInt(13) * h) +
+                            (CheckedInt(2) * v + s) * h + CheckedInt(2) * h;
+  const CheckedInt block_bytes = CheckedInt(4) * (CheckedInt(16) * n * h + CheckedInt(4) * n +
+                                                  CheckedInt(micro_batch_size) * a * s);
+  const CheckedInt logits_bytes = CheckedInt(8) * n * v;
+  const struct {
+    const char* what;
+    CheckedInt bytes;
+  } counts[] = {{"the bytes of its parameters, gradients and optimizer state (18 per parameter)",
+                 CheckedInt(18) * params},
+                {"the bytes all its blocks save for the backward", l * block_bytes},
+                {"the bytes of its logits", logits_bytes},
+                {"its total bytes", CheckedInt(18) * params + l * block_bytes + logits_bytes}};
+  for (const auto& count : counts) {
+    if (count.bytes.overflow()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: layers=%d,hidden=%d,heads=%d,seq=%d,vocab=%d at micro-batch size %d is too "
+          "large: %s overflow 64-bit integers",
+          context, c.layers, c.hidden, c.heads, c.seq, c.vocab, micro_batch_size, count.what));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<GptConfig> ParseGptSpec(absl::string_view spec) {
@@ -469,8 +505,6 @@ absl::StatusOr<GptConfig> ParseGptSpec(absl::string_view spec) {
         return absl::InvalidArgumentError(
             absl::StrCat(context, ": tied=", text, " must be 0 or 1"));
       }
-    } else if (v < 1) {
-      return absl::InvalidArgumentError(absl::StrCat(context, ": ", name, "=", v, " must be >= 1"));
     }
     *key->value = v;
   }
@@ -517,7 +551,6 @@ absl::StatusOr<GptConfig> GptConfigOf(const LayerGraph& graph) {
 absl::StatusOr<ModelCosts> GptModelCosts(const std::string& name, const GptConfig& c,
                                          int64_t micro_batch_size) {
   if (micro_batch_size < 1) return absl::InvalidArgumentError("micro-batch size must be >= 1");
-  PW_RETURN_IF_ERROR(CheckGptFits(c, micro_batch_size));
   PW_ASSIGN_OR_RETURN(LayerGraph graph, GptModel(name, c, micro_batch_size));
   return ToModelCosts(graph);
 }

@@ -420,7 +420,13 @@ absl::StatusOr<Schedule> GenerateSchedule(const ScheduleSpec& spec) {
           "custom schedules are not generated: write them in the text form and use "
           "ParseSchedule");
   }
-  s.num_stages = p * s.spec.chunks;
+  const int v = s.spec.chunks;                  // >= 1 here
+  if (int64_t{p} * m > kMaxScheduleSize / v) {  // (p x m x v itself could overflow)
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " with p=", p, " ranks, m=", m, " micro-batches and v=", v,
+                     " chunks is too large: p x m x v must be at most ", kMaxScheduleSize));
+  }
+  s.num_stages = p * v;
   for (int st = 0; st < s.num_stages; ++st) s.stage_rank.push_back(StageRank(s.spec, st));
   s.programs.resize(p);
   for (int r = 0; r < p; ++r) s.programs[r].rank = r;

@@ -23,6 +23,8 @@ void RegisterValidate(CLI::App& app, int* exit_code);
 void RegisterData(CLI::App& app, int* exit_code);
 void RegisterExport(CLI::App& app, int* exit_code);
 void RegisterImport(CLI::App& app, int* exit_code);
+// Every subcommand above, then RequireValues (tools/flags.h): the whole command tree.
+void RegisterCommands(CLI::App& app, int* exit_code);
 
 // Prints "pipewright: <message>" on stderr and returns the exit code for `status`:
 // 2 for InvalidArgument / NotFound / FailedPrecondition / OutOfRange / Unimplemented, 1 otherwise.

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "pipewright/checkpoint.h"
 #include "tools/commands.h"
+#include "tools/flags.h"
 
 namespace pipewright::tools {
 namespace {
@@ -56,9 +57,9 @@ void RegisterImport(CLI::App& app, int* exit_code) {
       "import", "Make a step-0 checkpoint of a GPT preset from a transformers GPT-2 directory");
   cmd->add_option("--format", f->format, "hf (the only format)");
   cmd->add_option("--preset", f->preset, "The GPT preset whose shape the weights have")->required();
-  cmd->add_option("--seed", f->seed,
-                  "The run seed recorded in the checkpoint (its data order; default: the one an "
-                  "export recorded, else 1)");
+  AddUint64(cmd, "--seed", &f->seed,
+            "The run seed recorded in the checkpoint (its data order; default: the one an "
+            "export recorded, else 1)");
   cmd->add_option("IN", f->in, "Directory with config.json and model.safetensors")->required();
   cmd->add_option("DIR", f->out, "New checkpoint directory")->required();
   cmd->footer(

@@ -5,25 +5,6 @@
 #include "pipewright/launch.h"
 #include "tools/commands.h"
 
-namespace pipewright::tools {
-
-int ReportError(const absl::Status& status) {
-  std::fprintf(stderr, "pipewright: %s\n", std::string(status.message()).c_str());
-  switch (status.code()) {
-    case absl::StatusCode::kInvalidArgument:
-    case absl::StatusCode::kNotFound:
-    case absl::StatusCode::kFailedPrecondition:
-    case absl::StatusCode::kOutOfRange:
-    case absl::StatusCode::kUnimplemented:
-    case absl::StatusCode::kAlreadyExists:
-      return 2;
-    default:
-      return 1;
-  }
-}
-
-}  // namespace pipewright::tools
-
 int main(int argc, char** argv) {
   // OpenBLAS's kernels for this CPU when its own detection fell short (Note in
   // kernels/cpu/cpu_features.cc); returns unless it re-executes this program.
@@ -31,16 +12,7 @@ int main(int argc, char** argv) {
   CLI::App app{"pipewright: pipeline-parallel model-sharding runtime"};
   app.require_subcommand(1);
   int exit_code = 0;
-  pipewright::tools::RegisterTrain(app, &exit_code);
-  pipewright::tools::RegisterEval(app, &exit_code);
-  pipewright::tools::RegisterBench(app, &exit_code);
-  pipewright::tools::RegisterSimulate(app, &exit_code);
-  pipewright::tools::RegisterModel(app, &exit_code);
-  pipewright::tools::RegisterPlan(app, &exit_code);
-  pipewright::tools::RegisterValidate(app, &exit_code);
-  pipewright::tools::RegisterData(app, &exit_code);
-  pipewright::tools::RegisterExport(app, &exit_code);
-  pipewright::tools::RegisterImport(app, &exit_code);
+  pipewright::tools::RegisterCommands(app, &exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -48,6 +20,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForAllHelp& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
+    // Among them a refused option value (tools/flags.h), whose message names the option.
     std::fprintf(stderr, "pipewright: %s\n", e.what());
     std::fprintf(stderr, "run 'pipewright --help' for usage\n");
     return 2;

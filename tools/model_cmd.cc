@@ -15,6 +15,7 @@
 #include "pipewright/model.h"
 #include "pipewright/plan.h"
 #include "tools/commands.h"
+#include "tools/flags.h"
 
 namespace pipewright::tools {
 namespace {
@@ -40,9 +41,7 @@ absl::StatusOr<BuiltModel> Build(const ModelFlags& f) {
   if (f.preset.empty() == f.gpt.empty()) {
     return absl::InvalidArgumentError("give exactly one of --preset NAME and --gpt SPEC");
   }
-  if (f.micro_batch_size < 0) return absl::InvalidArgumentError("--micro-batch-size must be >= 1");
   if (f.reps_given && !f.profile) return absl::InvalidArgumentError("--reps needs --profile");
-  if (f.reps < 1) return absl::InvalidArgumentError("--reps must be >= 1");
   BuiltModel m;
   if (!f.preset.empty()) {
     PW_ASSIGN_OR_RETURN(m.costs, PresetModelCosts(f.preset, f.micro_batch_size));
@@ -248,12 +247,13 @@ void RegisterModel(CLI::App& app, int* exit_code) {
                   "megatron-145.6b | megatron-310.1b | megatron-529.6b | megatron-1t");
   cmd->add_option("--gpt", f->gpt,
                   "layers=L,hidden=H,heads=A,seq=S,vocab=V[,tied=0|1] (tied defaults to 1)");
-  cmd->add_option("--micro-batch-size", f->micro_batch_size,
-                  "Sequences per micro-batch the costs are for (default: the preset's; --gpt: 1)");
+  AddInt(cmd, "--micro-batch-size", &f->micro_batch_size,
+         {0, kMaxMicroBatchSize, "0: the preset's default; --gpt: 1"},
+         "Sequences per micro-batch the costs are for (default: the preset's; --gpt: 1)");
   cmd->add_flag("--profile", f->profile, "Measure every layer's forward and backward time here");
-  CLI::Option* reps =
-      cmd->add_option("--reps", f->reps, "Timed repetitions per layer with --profile (default 5)");
-  cmd->add_option("--seed", f->seed, "Weights and synthetic batch seed for --profile");
+  CLI::Option* reps = AddInt(cmd, "--reps", &f->reps, {1, 10000},
+                             "Timed repetitions per layer with --profile (default 5)");
+  AddUint64(cmd, "--seed", &f->seed, "Weights and synthetic batch seed for --profile");
   cmd->add_option("-o,--output", f->output, "Write the layer graph to FILE and print a summary");
   cmd->add_flag("--json", f->json, "Print the summary as JSON");
   cmd->callback([f, exit_code, reps] {

@@ -12,11 +12,18 @@
 #include "pipewright/model.h"
 #include "pipewright/partitioner.h"
 #include "tools/commands.h"
+#include "tools/flags.h"
 
 namespace pipewright::tools {
 namespace {
 
 using json = nlohmann::json;
+
+// The largest global batch the search takes (--global-batch, or --micro-batches x
+// --micro-batch-size x dp): its cost grows with the micro-batches it simulates.
+constexpr int64_t kMaxGlobalBatch = 65536;
+// The largest --device-memory and --reserve: 1 EiB.
+constexpr int64_t kMaxDeviceBytes = int64_t{1} << 60;
 
 struct PlanFlags {
   std::string model, preset, out;
@@ -111,7 +118,6 @@ int RunPlan(const PlanFlags& f) {
   dev.link_latency_s = f.latency_us * 1e-6;
   dev.memory_bandwidth = f.hbm_gbps * 1e9;
   SearchOptions o;
-  if (f.devices < 1) return ReportError(absl::InvalidArgumentError("--devices must be >= 1"));
   if (f.pp) o.pp = f.pp;
   if (f.dp) o.dp = f.dp;
   if (f.pp && !f.dp) o.dp = f.devices / f.pp;
@@ -136,6 +142,12 @@ int RunPlan(const PlanFlags& f) {
           "--micro-batches needs --pp or --dp and --micro-batch-size, and no --global-batch"));
     }
     o.global_batch = int64_t{*o.dp} * f.micro_batches * *o.micro_batch_size;
+    if (o.global_batch > kMaxGlobalBatch) {
+      return ReportError(absl::InvalidArgumentError(
+          absl::StrCat("--micro-batches ", f.micro_batches, " x --micro-batch-size ",
+                       *o.micro_batch_size, " x dp ", *o.dp, " = ", o.global_batch,
+                       " sequences: the global batch must be at most ", kMaxGlobalBatch)));
+    }
   }
   if (o.global_batch == 0) {
     // Default: eight micro-batches of the model's size per device, enough to fill a pipeline.
@@ -213,10 +225,16 @@ absl::StatusOr<int64_t> ParseByteSize(const std::string& text) {
     }
   }
   double value = 0;
-  if (!absl::SimpleAtod(absl::StripAsciiWhitespace(t), &value) || !std::isfinite(value) ||
-      value < 0 || value * unit > 9e18) {
+  const absl::string_view number = absl::StripAsciiWhitespace(t);
+  // Decimal only: SimpleAtod (strtod) would also read hex ("0x10") and "nan(...)".
+  if (number.empty() || number.find_first_not_of("0123456789.eE+-") != absl::string_view::npos ||
+      !absl::SimpleAtod(number, &value) || !std::isfinite(value) || value < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "'", text, "' is not a size: use bytes or a number with KiB, MiB, GiB, TiB, KB, MB, GB"));
+  }
+  if (value * unit > 9e18) {  // below 2^63, so that llround is exact and defined
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", text, "' is too large: at most 9e18 bytes"));
   }
   return static_cast<int64_t>(std::llround(value * unit));
 }
@@ -227,36 +245,38 @@ void RegisterPlan(CLI::App& app, int* exit_code) {
       "plan", "Partition a model over devices: search pp x dp, micro-batch size and schedule");
   cmd->add_option("--model", f->model, "Layer graph JSON (pipewright model -o)");
   cmd->add_option("--preset", f->preset, "A built-in model instead of --model");
-  cmd->add_option("--devices", f->devices, "Number of devices (pp x dp)")->required();
-  cmd->add_option("--device-memory", f->device_memory, "Memory per device, e.g. 80GiB");
-  cmd->add_option("--reserve", f->reserve, "Memory kept free per device, e.g. 2GiB");
-  cmd->add_option("--pp", f->pp, "Pipeline stages (default: try every divisor)");
-  cmd->add_option("--dp", f->dp, "Data-parallel replicas (default: devices / pp)");
+  AddInt(cmd, "--devices", &f->devices, {1, kMaxParallel}, "Number of devices (pp x dp)")
+      ->required();
+  AddByteSize(cmd, "--device-memory", &f->device_memory, {1, kMaxDeviceBytes},
+              "Memory per device, e.g. 80GiB");
+  AddByteSize(cmd, "--reserve", &f->reserve, {0, kMaxDeviceBytes},
+              "Memory kept free per device, e.g. 2GiB");
+  AddInt(cmd, "--pp", &f->pp, {1, kMaxParallel}, "Pipeline stages (default: try every divisor)");
+  AddInt(cmd, "--dp", &f->dp, {1, kMaxParallel}, "Data-parallel replicas (default: devices / pp)");
   cmd->add_option("--schedule", f->schedule,
                   "gpipe|1f1b|interleaved|zb-h1|zb-v|dualpipev (default: all but dualpipev)")
       ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"}));
-  cmd->add_option("--chunks", f->chunks, "Model chunks per rank for interleaved (default 2)");
-  cmd->add_option("--micro-batch-size", f->micro_batch_size, "Sequences per micro-batch")
-      ->check(CLI::PositiveNumber);
-  cmd->add_option("--micro-batches", f->micro_batches, "Micro-batches per replica")
-      ->check(CLI::PositiveNumber);
-  cmd->add_option("--global-batch", f->global_batch,
-                  "Sequences per step (default: 8 micro-batches per device)")
-      ->check(CLI::PositiveNumber);
+  AddInt(cmd, "--chunks", &f->chunks, {1, kMaxParallel},
+         "Model chunks per rank for interleaved (default 2)");
+  AddInt(cmd, "--micro-batch-size", &f->micro_batch_size, {1, kMaxMicroBatchSize},
+         "Sequences per micro-batch");
+  AddInt(cmd, "--micro-batches", &f->micro_batches, {1, kMaxGlobalBatch},
+         "Micro-batches per replica");
+  AddInt(cmd, "--global-batch", &f->global_batch, {1, kMaxGlobalBatch},
+         "Sequences per step (default: 8 micro-batches per device)");
   cmd->add_option("--precision", f->precision, "fp32|bf16|fp16 (bytes per parameter 16|18)");
-  cmd->add_option("--device-tflops", f->tflops, "Sustained TFLOP/s per device (unprofiled layers)")
-      ->check(CLI::PositiveNumber);
-  cmd->add_option("--link-gbps", f->link_gbps, "P2P / all-reduce GB/s per device")
-      ->check(CLI::PositiveNumber);
-  cmd->add_option("--link-latency-us", f->latency_us, "Per-message latency (microseconds)")
-      ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--hbm-gbps", f->hbm_gbps, "Device memory GB/s (optimizer step)")
-      ->check(CLI::PositiveNumber);
+  AddReal(cmd, "--device-tflops", &f->tflops, RealRange::LeftOpen(0, 1e9),
+          "Sustained TFLOP/s per device (unprofiled layers)");
+  AddReal(cmd, "--link-gbps", &f->link_gbps, RealRange::LeftOpen(0, 1e9),
+          "P2P / all-reduce GB/s per device");
+  AddReal(cmd, "--link-latency-us", &f->latency_us, RealRange::Closed(0, 1e9),
+          "Per-message latency (microseconds)");
+  AddReal(cmd, "--hbm-gbps", &f->hbm_gbps, RealRange::LeftOpen(0, 1e9),
+          "Device memory GB/s (optimizer step)");
   cmd->add_flag("--no-recompute", f->no_recompute, "Never recompute activations to fit");
-  cmd->add_option("--zero", f->zero,
-                  "0: every replica keeps its stage's optimizer state; 1: ZeRO-1, split over the "
-                  "dp replicas (default: try both where dp >= 2)")
-      ->check(CLI::Range(0, 1));
+  AddInt(cmd, "--zero", &f->zero, {0, 1},
+         "0: every replica keeps its stage's optimizer state; 1: ZeRO-1, split over the "
+         "dp replicas (default: try both where dp >= 2)");
   cmd->add_option("-o,--output", f->out, "Write the best plan here");
   cmd->add_flag("--json", f->json, "Print the five best and the plan as JSON");
   cmd->callback([f, exit_code] { *exit_code = RunPlan(*f); });

@@ -8,6 +8,7 @@
 #include "pipewright/simulator.h"
 #include "pipewright/status.h"
 #include "tools/commands.h"
+#include "tools/flags.h"
 
 namespace pipewright::tools {
 namespace {
@@ -23,9 +24,6 @@ struct SimulateFlags {
 };
 
 absl::StatusOr<Schedule> BuildSchedule(const SimulateFlags& f) {
-  if (f.stages < 1) return absl::InvalidArgumentError("--stages must be >= 1");
-  if (f.micro_batches < 1) return absl::InvalidArgumentError("--micro-batches must be >= 1");
-  if (f.chunks < 0) return absl::InvalidArgumentError("--chunks must be >= 1");
   ScheduleSpec spec;
   spec.ranks = f.stages;
   spec.micro_batches = f.micro_batches;
@@ -121,18 +119,23 @@ void RegisterSimulate(CLI::App& app, int* exit_code) {
       "simulate", "Predict a pipeline schedule's makespan, bubble and peak memory");
   cmd->add_option("--schedule", f->schedule,
                   "gpipe | 1f1b | interleaved | zb-h1 | zb-v | dualpipev");
-  cmd->add_option("--stages", f->stages, "Pipeline ranks p")->required();
-  cmd->add_option("--micro-batches", f->micro_batches, "Micro-batches per step m")->required();
-  cmd->add_option("--chunks", f->chunks, "Model chunks per rank v (default 1; zb-v, dualpipev: 2)")
-      ->check(CLI::Range(1, 4096));
-  cmd->add_option("--cost-f", f->cost_f, "Forward time of a whole stage");
-  cmd->add_option("--cost-b", f->cost_b, "Input-gradient backward time of a whole stage");
-  cmd->add_option("--cost-w", f->cost_w, "Weight-gradient backward time of a whole stage");
-  cmd->add_option("--comm-latency", f->comm_latency, "Latency per P2P message");
-  cmd->add_option("--comm-per-byte", f->comm_per_byte, "Transfer time per byte");
-  cmd->add_option("--message-bytes", f->message_bytes, "Bytes per P2P message");
-  cmd->add_option("--reduce-time", f->reduce_time, "REDUCE_GRADS time per stage");
-  cmd->add_option("--optimizer-time", f->optimizer_time, "OPTIMIZER_STEP time");
+  AddInt(cmd, "--stages", &f->stages, {1, kMaxParallel}, "Pipeline ranks p")->required();
+  AddInt(cmd, "--micro-batches", &f->micro_batches, {1, kMaxMicroBatches},
+         "Micro-batches per step m")
+      ->required();
+  AddInt(cmd, "--chunks", &f->chunks, {1, 4096},
+         "Model chunks per rank v (default 1; zb-v, dualpipev: 2)");
+  // Times in any one unit; a whole run's sums stay finite.
+  const RealRange time = RealRange::Closed(0, 1e12);
+  AddReal(cmd, "--cost-f", &f->cost_f, time, "Forward time of a whole stage");
+  AddReal(cmd, "--cost-b", &f->cost_b, time, "Input-gradient backward time of a whole stage");
+  AddReal(cmd, "--cost-w", &f->cost_w, time, "Weight-gradient backward time of a whole stage");
+  AddReal(cmd, "--comm-latency", &f->comm_latency, time, "Latency per P2P message");
+  AddReal(cmd, "--comm-per-byte", &f->comm_per_byte, time, "Transfer time per byte");
+  AddReal(cmd, "--message-bytes", &f->message_bytes, RealRange::Closed(0, 1e15),
+          "Bytes per P2P message");
+  AddReal(cmd, "--reduce-time", &f->reduce_time, time, "REDUCE_GRADS time per stage");
+  AddReal(cmd, "--optimizer-time", &f->optimizer_time, time, "OPTIMIZER_STEP time");
   cmd->add_flag("--json", f->json, "Print JSON");
   cmd->add_option("--trace", f->trace, "Write a Chrome trace (Perfetto) to FILE");
   cmd->add_option("--svg", f->svg, "Write an SVG timeline to FILE");

@@ -28,6 +28,7 @@
 #include "pipewright/trace.h"
 #include "pipewright/train.h"
 #include "tools/commands.h"
+#include "tools/flags.h"
 #include "tools/train_report.h"
 
 namespace pipewright::tools {
@@ -73,31 +74,9 @@ struct TrainFlags {
   std::set<std::string> given;  // flags the user gave explicitly
 };
 
+// What no single flag's range says (each flag's own range is checked as it is parsed:
+// RegisterTrain, tools/flags.h).
 absl::Status CheckFlags(const TrainFlags& f) {
-  if (f.pp < 1) return absl::InvalidArgumentError("--pp must be >= 1");
-  if (f.dp < 1) return absl::InvalidArgumentError("--dp must be >= 1");
-  if (f.chunks < 1) return absl::InvalidArgumentError("--chunks must be >= 1");
-  if (f.micro_batches < 1) return absl::InvalidArgumentError("--micro-batches must be >= 1");
-  if (f.micro_batch_size < 0) return absl::InvalidArgumentError("--micro-batch-size must be >= 1");
-  if (f.steps < 0) return absl::InvalidArgumentError("--steps must be >= 0");
-  if (f.stop_after < 0) return absl::InvalidArgumentError("--stop-after must be >= 0");
-  if (!(f.lr > 0) || !std::isfinite(f.lr)) return absl::InvalidArgumentError("--lr must be > 0");
-  if (f.warmup < 0) return absl::InvalidArgumentError("--warmup must be >= 0");
-  if (f.base_batch < 1) return absl::InvalidArgumentError("--base-batch must be >= 1");
-  if (!(f.timeout_s > 0)) return absl::InvalidArgumentError("--timeout must be > 0 seconds");
-  if (!(f.bucket_mb > 0)) return absl::InvalidArgumentError("--bucket-mb must be > 0");
-  if (!(f.loss_scale >= 1) || !std::isfinite(f.loss_scale) || f.loss_scale > 16777216.0f) {
-    return absl::InvalidArgumentError("--loss-scale must be in [1, 2^24]");
-  }
-  if (f.data_workers < 0 || f.data_workers > 64) {
-    return absl::InvalidArgumentError("--data-workers must be in [0, 64]");
-  }
-  if (f.data_delay_us < 0) return absl::InvalidArgumentError("--data-delay-us must be >= 0");
-  if (f.loss_scale_window < 1) {
-    return absl::InvalidArgumentError("--loss-scale-window must be >= 1");
-  }
-  if (f.save_every < 0) return absl::InvalidArgumentError("--save-every must be >= 0");
-  if (f.keep < 0) return absl::InvalidArgumentError("--keep must be >= 0");
   if (f.save.empty()) {
     if (f.save_every > 0 || f.keep > 0) {
       return absl::InvalidArgumentError(absl::StrCat(f.save_every > 0 ? "--save-every" : "--keep",
@@ -109,10 +88,6 @@ absl::Status CheckFlags(const TrainFlags& f) {
     }
   }
   PW_ASSIGN_OR_RETURN(const DpMode dp_mode, ParseDpMode(f.dp_mode));
-  if (f.staleness < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--staleness ", f.staleness, ": must be >= 0 (0: lock-step, like synchronous DP)"));
-  }
   if (dp_mode == DpMode::kSync && f.given.count("--staleness") > 0) {
     return absl::InvalidArgumentError("--staleness needs --dp-mode async");
   }
@@ -677,54 +652,61 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
   CLI::App* cmd = app.add_subcommand("train", "Train a model: pp x dp ranks on CPU threads");
   cmd->add_option("--preset", f->preset, "Model preset: mlp, gpt-tiny, gpt-small, gpt2-124m")
       ->check(CLI::IsMember(TrainablePresets()));
-  cmd->add_option("--tied", f->tied,
-                  "1: tie the LM head to the token embedding (GPT-2's weight tying); 0: untie it "
-                  "(default: the preset's; gpt2-124m is tied, gpt-tiny and gpt-small are not)")
-      ->check(CLI::Range(0, 1));
-  cmd->add_option("--zero", f->zero,
-                  "1: the distributed optimizer (ZeRO-1): each dp replica keeps and updates the "
-                  "optimizer state of its share of the parameters (dp >= 2; default: the plan's, "
-                  "else 0)")
-      ->check(CLI::Range(0, 1));
-  cmd->add_option("--pp", f->pp, "Pipeline-parallel stages");
-  cmd->add_option("--dp", f->dp, "Data-parallel replicas");
+  AddInt(cmd, "--tied", &f->tied, {0, 1},
+         "1: tie the LM head to the token embedding (GPT-2's weight tying); 0: untie it "
+         "(default: the preset's; gpt2-124m is tied, gpt-tiny and gpt-small are not)");
+  AddInt(cmd, "--zero", &f->zero, {0, 1},
+         "1: the distributed optimizer (ZeRO-1): each dp replica keeps and updates the "
+         "optimizer state of its share of the parameters (dp >= 2; default: the plan's, "
+         "else 0)");
+  AddInt(cmd, "--pp", &f->pp, {1, kMaxParallel}, "Pipeline-parallel stages");
+  AddInt(cmd, "--dp", &f->dp, {1, kMaxParallel}, "Data-parallel replicas");
   cmd->add_option("--schedule", f->schedule, "Pipeline schedule")
       ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"}));
-  cmd->add_option("--chunks", f->chunks, "Model chunks per rank (interleaved)");
-  cmd->add_option("--micro-batches", f->micro_batches, "Micro-batches per step (per replica)");
-  cmd->add_option("--micro-batch-size", f->micro_batch_size,
-                  "Sequences per micro-batch (0: the preset's default)");
+  AddInt(cmd, "--chunks", &f->chunks, {1, kMaxParallel}, "Model chunks per rank (interleaved)");
+  AddInt(cmd, "--micro-batches", &f->micro_batches, {1, kMaxMicroBatches},
+         "Micro-batches per step (per replica)");
+  AddInt(cmd, "--micro-batch-size", &f->micro_batch_size,
+         {0, kMaxMicroBatchSize, "0: the preset's default"},
+         "Sequences per micro-batch (0: the preset's default)");
   cmd->add_option("--recompute", f->recompute,
                   "Activation recomputation: none|selective|full (docs/memory.md)");
   cmd->add_option("--plan", f->plan, "Partition plan JSON");
   cmd->add_option("--program", f->program,
                   "A hand-written schedule: one 'rank R: F0@s0 ...' line per rank "
                   "(docs/schedules.md); sets pp, the stages and the micro-batches");
-  cmd->add_option("--steps", f->steps, "Total optimizer steps (a resumed run continues to it)");
-  cmd->add_option("--stop-after", f->stop_after,
-                  "Stop after this many steps in this run (the LR schedule still spans --steps)");
+  AddInt(cmd, "--steps", &f->steps, {0, kMaxSteps},
+         "Total optimizer steps (a resumed run continues to it)");
+  AddInt(cmd, "--stop-after", &f->stop_after, {0, kMaxSteps, "0: no limit"},
+         "Stop after this many steps in this run (the LR schedule still spans --steps; 0: no "
+         "limit)");
   cmd->add_option("--data", f->data,
                   "synthetic, a token file ('pipewright data prepare'), or a text file "
                   "(byte-level tokens); files are memory-mapped");
-  cmd->add_option("--data-workers", f->data_workers,
-                  "Loader threads per data-loading rank building whole steps ahead (0: build "
-                  "each step on the rank's thread); results do not depend on it");
-  cmd->add_option("--data-delay-us", f->data_delay_us,
-                  "Benchmark only: sleep this long per sample (an artificially slow data source)")
+  AddInt(cmd, "--data-workers", &f->data_workers, {0, 64},
+         "Loader threads per data-loading rank building whole steps ahead (0: build "
+         "each step on the rank's thread); results do not depend on it");
+  AddInt(cmd, "--data-delay-us", &f->data_delay_us, {0, 10'000'000},
+         "Benchmark only: sleep this long per sample (an artificially slow data source)")
       ->group("");  // hidden from --help
-  cmd->add_option("--seed", f->seed,
-                  "Seed for weights and data (default 1; a resumed run: the checkpoint's)");
-  cmd->add_option("--lr", f->lr, "Peak learning rate for --base-batch sequences");
+  AddUint64(cmd, "--seed", &f->seed,
+            "Seed for weights and data (default 1; a resumed run: the checkpoint's)");
+  AddReal(cmd, "--lr", &f->lr, RealRange::LeftOpen(0, 1e3),
+          "Peak learning rate for --base-batch sequences");
   cmd->add_option(
       "--lr-scaling", f->lr_scaling,
       "none|linear|sqrt: scale --lr with the global batch (sqrt: the square-root rule for "
       "Adam-family optimizers)");
-  cmd->add_option("--base-batch", f->base_batch, "Batch that --lr is tuned for");
-  cmd->add_option("--warmup", f->warmup, "Linear warm-up steps before cosine decay");
-  cmd->add_option("--min-lr-ratio", f->min_lr_ratio, "Final lr as a fraction of the peak");
-  cmd->add_option("--clip", f->clip, "Clip gradients to this global norm (0: off)");
+  AddInt(cmd, "--base-batch", &f->base_batch, {1, int64_t{1} << 40},
+         "Batch that --lr is tuned for");
+  AddInt(cmd, "--warmup", &f->warmup, {0, kMaxSteps}, "Linear warm-up steps before cosine decay");
+  AddReal(cmd, "--min-lr-ratio", &f->min_lr_ratio, RealRange::Closed(0, 1),
+          "Final lr as a fraction of the peak");
+  AddReal(cmd, "--clip", &f->clip, RealRange::Closed(0, 1e9, "0: off"),
+          "Clip gradients to this global norm (0: off)");
   cmd->add_option("--optimizer", f->optimizer, "adamw|sgd");
-  cmd->add_option("--weight-decay", f->weight_decay, "Decoupled weight decay");
+  AddReal(cmd, "--weight-decay", &f->weight_decay, RealRange::Closed(0, 1e3),
+          "Decoupled weight decay");
   cmd->add_option("--device", f->device,
                   "cpu | cuda (ranks over every visible GPU) | cuda:N (every rank on GPU N)");
   cmd->add_option("--inject-failure", f->inject_failure,
@@ -738,14 +720,16 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
   cmd->add_option("--precision", f->precision,
                   "fp32|bf16|fp16: bf16/fp16 run matrix products on 16-bit inputs with fp32 "
                   "accumulation and fp32 master weights");
-  cmd->add_option("--loss-scale", f->loss_scale, "fp16: initial dynamic loss scale (65536)");
-  cmd->add_option("--loss-scale-window", f->loss_scale_window,
-                  "fp16: finite steps in a row before the loss scale doubles (1000)");
+  AddReal(cmd, "--loss-scale", &f->loss_scale, RealRange::Closed(1, 16777216),
+          "fp16: initial dynamic loss scale (65536)");
+  AddInt(cmd, "--loss-scale-window", &f->loss_scale_window, {1, kMaxSteps},
+         "fp16: finite steps in a row before the loss scale doubles (1000)");
   cmd->add_option("--trace", f->trace, "Write a Chrome trace of every rank here");
   cmd->add_option("--svg", f->svg, "Write the last step's measured timeline (SVG) here");
-  cmd->add_option("--timeout", f->timeout_s,
-                  "Seconds a receive or collective may wait before the run fails");
-  cmd->add_option("--bucket-mb", f->bucket_mb, "Gradient all-reduce bucket size (MiB)");
+  AddReal(cmd, "--timeout", &f->timeout_s, RealRange::LeftOpen(0, 1e7),
+          "Seconds a receive or collective may wait before the run fails");
+  AddReal(cmd, "--bucket-mb", &f->bucket_mb, RealRange::Closed(1e-6, 1048576),
+          "Gradient all-reduce bucket size (MiB)");
   cmd->add_option("--grad-compression", f->grad_compression,
                   "Gradients between replicas: none (fp32 all-reduce), bf16 (half the bytes, "
                   "fp32 sums, error feedback) or powersgd:R (rank-R factors of every matrix, "
@@ -754,23 +738,25 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
                   "sync (every step sums all replicas' gradients) or async (bounded staleness: "
                   "each replica's gradients applied as they come by the parameters' owners; "
                   "needs --dp >= 2)");
-  cmd->add_option("--staleness", f->staleness,
-                  "async: the most steps a replica may run ahead of the slowest (0: lock-step; "
-                  "default 1)");
+  AddInt(cmd, "--staleness", &f->staleness, {0, 65536, "0: lock-step"},
+         "async: the most steps a replica may run ahead of the slowest (0: lock-step; "
+         "default 1)");
   cmd->add_option("--slow-replica", f->slow_replica,
                   "R:FACTOR: replica R computes FACTOR times slower (benchmarks of stragglers)");
-  cmd->add_option("--threads-per-rank", f->threads_per_rank,
-                  "Threads each CPU rank runs its kernels on (0: automatic, the usable cores "
-                  "divided among the ranks)");
+  AddInt(cmd, "--threads-per-rank", &f->threads_per_rank, {0, 255, "0: automatic"},
+         "Threads each CPU rank runs its kernels on (0: automatic, the usable cores "
+         "divided among the ranks)");
   cmd->add_option("--save", f->save,
                   "Checkpoint directory: DIR/step-NNNNNN per saved step and DIR/latest naming the "
                   "newest; written at the end, every --save-every steps, and on SIGTERM/SIGINT/"
                   "SIGUSR1");
-  cmd->add_option("--save-every", f->save_every, "Save a checkpoint every N steps (needs --save)");
+  AddInt(cmd, "--save-every", &f->save_every, {0, kMaxSteps, "0: only at the end"},
+         "Save a checkpoint every N steps (needs --save; 0: only at the end)");
   cmd->add_option("--flight-dir", f->flight_dir,
                   "Where each rank's flight record (its last actions) goes on a failure or "
                   "SIGUSR2 (default: --save DIR, else .)");
-  cmd->add_option("--keep", f->keep, "Keep the newest K step checkpoints (0: all; needs --save)");
+  AddInt(cmd, "--keep", &f->keep, {0, 1 << 20, "0: all"},
+         "Keep the newest K step checkpoints (0: all; needs --save)");
   cmd->add_option("--resume", f->resume,
                   "Continue from a checkpoint (or a checkpoint directory's newest verified one); "
                   "'auto': from --save DIR when it holds one");
@@ -800,7 +786,7 @@ void RegisterEval(CLI::App& app, int* exit_code) {
   CLI::App* cmd = app.add_subcommand("eval", "Evaluate a checkpoint's loss on data");
   cmd->add_option("--checkpoint", f->checkpoint, "Checkpoint directory")->required();
   cmd->add_option("--data", f->data, "synthetic, a token file, or a text file");
-  cmd->add_option("--batches", f->batches, "Held-out batches to evaluate");
+  AddInt(cmd, "--batches", &f->batches, {1, 65536}, "Held-out batches to evaluate");
   cmd->add_flag("--json", f->json, "Print JSON");
   cmd->add_option("--dump", f->dump,
                   "Also write the evaluated tokens and targets as JSON to FILE (scripts/hf-check "

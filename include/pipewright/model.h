@@ -140,14 +140,26 @@ std::vector<std::string> PresetNames();
 ModelCosts ToModelCosts(const LayerGraph& graph);
 
 // `pipewright model --gpt SPEC`: "layers=96,hidden=12288,heads=96,seq=2048,vocab=51200" with an
-// optional ",tied=0|1". Every key but tied is required, once, as an integer >= 1; hidden must
-// be divisible by heads. tied defaults to 1 (GPT-3 and Megatron-LM tie the LM head to the
-// token embedding; tied=0 unties it). Errors are InvalidArgument naming the key.
+// optional ",tied=0|1". Every key but tied is required, once, as an integer in its range
+// (CheckGptConfig); hidden must be divisible by heads. tied defaults to 1 (GPT-3 and Megatron-LM
+// tie the LM head to the token embedding; tied=0 unties it). Errors are InvalidArgument naming the
+// key.
 absl::StatusOr<GptConfig> ParseGptSpec(absl::string_view spec);
-// What ParseGptSpec checks of a parsed config (every dimension >= 1, hidden divisible by heads,
-// counts within 64 bits), for configs from elsewhere (a checkpoint's model.gpt); `context`
-// starts each message.
-absl::Status CheckGptConfig(const GptConfig& config, absl::string_view context);
+// The ranges of a GptConfig's fields (docs/runtime.md, "Input limits"); heads must also divide
+// hidden. A micro-batch size is in [1, kMaxGptMicroBatchSize].
+inline constexpr int64_t kMaxGptLayers = 100000;
+inline constexpr int64_t kMaxGptHidden = int64_t{1} << 20;  // heads too
+inline constexpr int64_t kMaxGptSeq = int64_t{1} << 24;
+inline constexpr int64_t kMaxGptVocab = (int64_t{1} << 31) - 1;
+inline constexpr int64_t kMaxGptMicroBatchSize = int64_t{1} << 24;
+// The one check of a GPT's shape, which GptModel (so every preset, --gpt spec, checkpoint
+// manifest and import) runs before building anything: every field in its range, hidden divisible
+// by heads, and the parameter, activation and logit byte counts at `micro_batch_size` within
+// int64 (computed with overflow checks; Note [GPT limits] in runtime/model.cc). InvalidArgument
+// naming the field and its range; `context` starts each message ("--gpt '...'",
+// "DIR/manifest.json: model.gpt").
+absl::Status CheckGptConfig(const GptConfig& config, absl::string_view context,
+                            int64_t micro_batch_size = 1);
 
 // The GptConfig of a graph GptModel built (checked by rebuilding it: same fingerprint);
 // NotFound for any other graph. What a checkpoint records as its architecture.

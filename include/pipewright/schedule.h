@@ -90,8 +90,13 @@ struct Schedule {
   std::vector<Program> programs;  // one per rank, index = rank
 };
 
-// Generates the compute actions of every rank (no communication). Any (p >= 1, m >= 1) is
-// generated or refused with an InvalidArgument message that says what would work.
+// The largest p x m x v GenerateSchedule makes: each (rank, micro-batch, chunk) costs a few
+// actions and their simulation, under 1 KiB in all, so 2^20 of them stay under a GiB.
+inline constexpr int64_t kMaxScheduleSize = int64_t{1} << 20;
+
+// Generates the compute actions of every rank (no communication). Any (p >= 1, m >= 1) with
+// p x m x v <= kMaxScheduleSize is generated or refused with an InvalidArgument message that
+// says what would work.
 absl::StatusOr<Schedule> GenerateSchedule(const ScheduleSpec& spec);
 
 // Inserts RECV_F before each F (and RECV_B before each B/I) whose neighbour stage is on

@@ -56,8 +56,8 @@ struct TrainOptions {
   LrScaling lr_scaling = LrScaling::kNone;
   int64_t base_batch = 32;  // the batch `lr` was tuned for (linear scaling rule)
   int64_t warmup_steps = 5;
-  float min_lr_ratio = 0.1f;
-  float clip_norm = 1.0f;  // <= 0 disables clipping
+  float min_lr_ratio = 0.1f;  // in [0, 1]
+  float clip_norm = 1.0f;     // finite, >= 0; 0 disables clipping
   OptimizerConfig optimizer;
   Precision precision = Precision::kFp32;   // mixed precision: precision.h
   LossScaleOptions loss_scale;              // fp16 only

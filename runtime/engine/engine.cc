@@ -40,6 +40,28 @@ absl::Status CheckTrainOptions(const TrainOptions& o) {
   if (!(o.lr > 0) || !std::isfinite(o.lr)) {
     return absl::InvalidArgumentError("--lr must be a positive number");
   }
+  // (NaN fails every comparison: each test below is written to be false for it.)
+  if (!(o.min_lr_ratio >= 0 && o.min_lr_ratio <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("TrainOptions::min_lr_ratio is ", o.min_lr_ratio,
+                                                   ": must be a number in [0, 1]"));
+  }
+  if (!(o.clip_norm >= 0) || !std::isfinite(o.clip_norm)) {
+    return absl::InvalidArgumentError(absl::StrCat("TrainOptions::clip_norm is ", o.clip_norm,
+                                                   ": must be a finite number >= 0 (0: off)"));
+  }
+  if (!(o.optimizer.weight_decay >= 0) || !std::isfinite(o.optimizer.weight_decay)) {
+    return absl::InvalidArgumentError(absl::StrCat("TrainOptions::optimizer.weight_decay is ",
+                                                   o.optimizer.weight_decay,
+                                                   ": must be a finite number >= 0"));
+  }
+  if (o.warmup_steps < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("TrainOptions::warmup_steps is ", o.warmup_steps, ": must be >= 0"));
+  }
+  if (o.base_batch < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("TrainOptions::base_batch is ", o.base_batch, ": must be >= 1"));
+  }
   if (o.precision == Precision::kFp16) PW_RETURN_IF_ERROR(LossScaler::Validate(o.loss_scale));
   if (o.bucket_bytes < 1) return absl::InvalidArgumentError("the bucket size must be positive");
   if (o.grad_compression.enabled() && o.precision == Precision::kFp16) {

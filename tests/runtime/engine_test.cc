@@ -7,6 +7,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -423,6 +425,42 @@ TEST(EngineSetupTest, RejectsBadShapesClearly) {
   e = MakeEngine(Tiny(), o);
   ASSERT_FALSE(e.ok());
   EXPECT_NE(std::string(e.status().message()).find("boundaries"), std::string::npos) << e.status();
+}
+
+TEST(EngineSetupTest, RejectsNonFiniteOrOutOfRangeTrainOptionsByField) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  struct Case {
+    const char* field;  // as the message names it
+    std::function<void(TrainOptions&)> set;
+  };
+  std::vector<Case> cases;
+  for (float v : {nan, inf, -inf, -1.0f}) {
+    cases.push_back({"TrainOptions::clip_norm", [v](TrainOptions& o) { o.clip_norm = v; }});
+    cases.push_back({"TrainOptions::optimizer.weight_decay",
+                     [v](TrainOptions& o) { o.optimizer.weight_decay = v; }});
+  }
+  for (float v : {nan, inf, -0.5f, 1.5f}) {
+    cases.push_back({"TrainOptions::min_lr_ratio", [v](TrainOptions& o) { o.min_lr_ratio = v; }});
+  }
+  cases.push_back({"TrainOptions::warmup_steps", [](TrainOptions& o) { o.warmup_steps = -1; }});
+  cases.push_back({"TrainOptions::base_batch", [](TrainOptions& o) { o.base_batch = 0; }});
+  for (const Case& c : cases) {
+    EngineSetup o = Options(1, 1, ScheduleKind::k1F1B, 1, Recompute::kNone, 2);
+    c.set(o.train);
+    auto e = MakeEngine(Tiny(), o);
+    ASSERT_FALSE(e.ok()) << c.field;
+    EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument) << e.status();
+    EXPECT_NE(std::string(e.status().message()).find(c.field), std::string::npos) << e.status();
+  }
+  // The edges of the ranges are accepted: no clipping, no decay, a constant or a decayed lr.
+  EngineSetup o = Options(1, 1, ScheduleKind::k1F1B, 1, Recompute::kNone, 2);
+  o.train.clip_norm = 0;
+  o.train.optimizer.weight_decay = 0;
+  o.train.min_lr_ratio = 1;
+  EXPECT_TRUE(MakeEngine(Tiny(), o).ok());
+  o.train.min_lr_ratio = 0;
+  EXPECT_TRUE(MakeEngine(Tiny(), o).ok());
 }
 
 TEST(EngineBoundaries, BalancedSplitIsContiguousAndMinimisesTheMax) {

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <set>
 #include <string>
 #include <vector>
@@ -284,6 +285,77 @@ TEST(ModelCostsTest, OverflowingConfigIsRefused) {
   GptConfig big{.layers = 1000000, .hidden = 4000000, .heads = 4, .seq = 8, .vocab = 10};
   EXPECT_EQ(GptModelCosts("big", big, 1).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_FALSE(GptModelCosts("x", *PresetGptConfig("gpt-tiny"), 0).ok());
+}
+
+TEST(ModelCostsTest, GptFieldsOutsideTheirRangesAreRefusedByName) {
+  const GptConfig ok{.layers = 2, .hidden = 64, .heads = 4, .seq = 16, .vocab = 100};
+  EXPECT_TRUE(CheckGptConfig(ok, "ok").ok());
+  struct Case {
+    const char* field;
+    int64_t GptConfig::*member;
+    int64_t max;
+  };
+  const Case cases[] = {{"layers", &GptConfig::layers, kMaxGptLayers},
+                        {"hidden", &GptConfig::hidden, kMaxGptHidden},
+                        {"heads", &GptConfig::heads, kMaxGptHidden},
+                        {"seq", &GptConfig::seq, kMaxGptSeq},
+                        {"vocab", &GptConfig::vocab, kMaxGptVocab}};
+  for (const Case& c : cases) {
+    for (int64_t v : {int64_t{0}, int64_t{-1}, c.max + 1, std::numeric_limits<int64_t>::max()}) {
+      GptConfig bad = ok;
+      bad.*c.member = v;
+      absl::Status s = CheckGptConfig(bad, "ctx");
+      ASSERT_FALSE(s.ok()) << c.field << "=" << v;
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+      const std::string want = std::string("ctx: ") + c.field + "=" + std::to_string(v) +
+                               " is out of range [1, " + std::to_string(c.max) + "]";
+      EXPECT_EQ(std::string(s.message()), want);
+    }
+  }
+  // The largest layer count is accepted; GptModel refuses the next without building anything
+  // (a billion layer nodes would take gigabytes).
+  GptConfig deep = ok;
+  deep.layers = kMaxGptLayers;
+  EXPECT_TRUE(CheckGptConfig(deep, "deep").ok());
+  deep.layers = 1000000000;
+  absl::StatusOr<LayerGraph> g = GptModel("deep", deep, 1);
+  ASSERT_FALSE(g.ok());
+  EXPECT_NE(g.status().message().find("layers=1000000000 is out of range [1, 100000]"),
+            std::string::npos)
+      << g.status();
+  // The micro-batch size is checked too.
+  for (int64_t b : {int64_t{0}, kMaxGptMicroBatchSize + 1}) {
+    absl::Status s = CheckGptConfig(ok, "ctx", b);
+    ASSERT_FALSE(s.ok()) << b;
+    EXPECT_NE(s.message().find("micro_batch_size=" + std::to_string(b)), std::string::npos) << s;
+  }
+  EXPECT_NE(ParseGptSpec("layers=100001,hidden=64,heads=4,seq=16,vocab=100")
+                .status()
+                .message()
+                .find("layers=100001 is out of range [1, 100000]"),
+            std::string::npos);
+}
+
+TEST(ModelCostsTest, GptCountsThatOverflowInt64AreRefused) {
+  // Every field within its range, but 12 * layers * hidden^2 parameters (x 18 bytes) overflow.
+  GptConfig wide{
+      .layers = kMaxGptLayers, .hidden = kMaxGptHidden, .heads = 16, .seq = 8, .vocab = 10};
+  absl::Status s = CheckGptConfig(wide, "wide");
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("parameters"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("overflow 64-bit integers"), std::string::npos) << s;
+  // The logits of a long sequence over a large vocabulary at a large micro-batch size.
+  GptConfig wordy{.layers = 1, .hidden = 64, .heads = 4, .seq = kMaxGptSeq, .vocab = kMaxGptVocab};
+  EXPECT_TRUE(CheckGptConfig(wordy, "wordy", 1).ok());
+  s = CheckGptConfig(wordy, "wordy", kMaxGptMicroBatchSize);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("overflow 64-bit integers"), std::string::npos) << s;
+  // The presets, at their default micro-batch sizes, are within every limit.
+  for (const std::string& name : PresetNames()) {
+    if (absl::StatusOr<GptConfig> c = PresetGptConfig(name); c.ok()) {
+      EXPECT_TRUE(CheckGptConfig(*c, name).ok()) << name;
+    }
+  }
 }
 
 TEST(ModelCostsTest, ProfileGptTinyTimesEveryLayer) {

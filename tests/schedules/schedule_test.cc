@@ -209,6 +209,22 @@ TEST(GeneratorTest, BadSpecsAreRefused) {
   EXPECT_EQ(dpv->stage_rank, (std::vector<int>{0, 1, 2, 3, 3, 2, 1, 0}));
 }
 
+TEST(GeneratorTest, SchedulesAboveTheSizeLimitAreRefused) {
+  // p x m x v <= kMaxScheduleSize = 2^20; refused before anything is generated.
+  for (const ScheduleSpec& spec :
+       {Spec(ScheduleKind::k1F1B, 1, (1 << 20) + 1), Spec(ScheduleKind::kGpipe, 64, 1 << 20),
+        Spec(ScheduleKind::kInterleaved, 1024, 1024, 2),
+        Spec(ScheduleKind::kZbV, 2, (1 << 18) + 1, 1),  // chunks 1 means the V's 2
+        Spec(ScheduleKind::kInterleaved, 65536, 65536, 65536)}) {
+    absl::StatusOr<Schedule> s = GenerateSchedule(spec);
+    ASSERT_FALSE(s.ok()) << spec.ranks << " x " << spec.micro_batches;
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(s.status().message().find("p x m x v must be at most 1048576"), std::string::npos)
+        << s.status();
+  }
+  EXPECT_TRUE(GenerateSchedule(Spec(ScheduleKind::k1F1B, 1, 1 << 20)).ok());  // at the limit
+}
+
 TEST(GeneratorTest, PeakInFlight1F1BAndGpipe) {
   for (int p = 1; p <= 8; ++p) {
     for (int m = 1; m <= 32; ++m) {

@@ -1,0 +1,177 @@
+// Validators of the `pipewright` options (Note [Flag values] in flags.h).
+#include "tools/flags.h"
+
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "tools/commands.h"
+
+namespace pipewright::tools {
+namespace {
+
+// The names the validators go by in CLI11 (Option::get_validator).
+constexpr char kRangeValidator[] = "pipewright-range";
+constexpr char kNonEmptyValidator[] = "pipewright-non-empty";
+
+// The shortest text that reads back as `x` at the precision of T: "0.003", "1e9", "16777216".
+template <typename T>
+std::string Shortest(T x) {
+  if (x == std::floor(x) && std::abs(x) < 1e7) return absl::StrFormat("%.0f", x);
+  std::string text;
+  for (int digits = 1; digits <= std::numeric_limits<T>::max_digits10; ++digits) {
+    text = absl::StrFormat("%.*g", digits, static_cast<double>(x));
+    T back = 0;
+    if (std::sscanf(text.c_str(), std::is_same_v<T, float> ? "%f" : "%lf", &back) == 1 &&
+        back == x) {
+      break;
+    }
+  }
+  // "1e+09" -> "1e9", "1e-06" -> "1e-6".
+  const size_t e = text.find('e');
+  if (e != std::string::npos) {
+    std::string exponent = text.substr(e + 1);
+    const bool negative = exponent[0] == '-';
+    exponent = exponent.substr(exponent[0] == '-' || exponent[0] == '+' ? 1 : 0);
+    while (exponent.size() > 1 && exponent[0] == '0') exponent.erase(0, 1);
+    text = absl::StrCat(text.substr(0, e), "e", negative ? "-" : "", exponent);
+  }
+  return text;
+}
+
+std::string Interval(const RealRange& r) {
+  return absl::StrCat(r.min_open ? "(" : "[", Shortest(r.min), ", ", Shortest(r.max), "]");
+}
+
+std::string IntInterval(const IntRange& r) { return absl::StrCat("[", r.min, ", ", r.max, "]"); }
+
+// "1EiB", "80GiB", "3000": exact binary multiples in their unit, anything else in bytes.
+std::string Bytes(int64_t n) {
+  static const std::pair<const char*, int64_t> kUnits[] = {
+      {"EiB", int64_t{1} << 60}, {"PiB", int64_t{1} << 50}, {"TiB", int64_t{1} << 40},
+      {"GiB", int64_t{1} << 30}, {"MiB", int64_t{1} << 20}, {"KiB", int64_t{1} << 10}};
+  for (const auto& [unit, scale] : kUnits) {
+    if (n != 0 && n % scale == 0) return absl::StrCat(n / scale, unit);
+  }
+  return absl::StrCat(n);
+}
+
+}  // namespace
+
+std::string FlagError(const std::string& flag, const std::string& value, const std::string& rule,
+                      const std::string& note) {
+  const bool quote = value.empty() || value.find_first_of(" \t\n'") != std::string::npos;
+  return absl::StrCat(flag, " ", quote ? absl::StrCat("'", value, "'") : value, ": ", rule,
+                      note.empty() ? "" : absl::StrCat(" (", note, ")"));
+}
+
+std::string OptionName(const CLI::Option& opt) {
+  if (!opt.get_lnames().empty()) return "--" + opt.get_lnames().front();
+  if (!opt.get_snames().empty()) return "-" + opt.get_snames().front();
+  return opt.get_single_name();
+}
+
+CLI::Validator IntValidator(const std::string& flag, const IntRange& range) {
+  return CLI::Validator(
+      [flag, range](std::string& text) -> std::string {
+        int64_t v = 0;
+        // absl reads decimal only: no octal "010", no hex "0x10", no "1e3", no overflow.
+        if (!absl::SimpleAtoi(text, &v) || v < range.min || v > range.max) {
+          throw FlagValueError(FlagError(
+              flag, text, absl::StrCat("must be an integer in ", IntInterval(range)), range.note));
+        }
+        text = absl::StrCat(v);
+        return "";
+      },
+      IntInterval(range), kRangeValidator);
+}
+
+CLI::Validator Uint64Validator(const std::string& flag) {
+  return CLI::Validator(
+      [flag](std::string& text) -> std::string {
+        uint64_t v = 0;
+        if (!absl::SimpleAtoi(text, &v)) {
+          throw FlagValueError(FlagError(
+              flag, text,
+              absl::StrCat("must be an integer in [0, ", std::numeric_limits<uint64_t>::max(), "]"),
+              ""));
+        }
+        text = absl::StrCat(v);
+        return "";
+      },
+      "", kRangeValidator);
+}
+
+CLI::Validator RealValidator(const std::string& flag, const RealRange& range, bool float_target) {
+  return CLI::Validator(
+      [flag, range, float_target](std::string& text) -> std::string {
+        double v = 0;
+        // Decimal only: absl::SimpleAtod (strtod) would also read hex ("0x10") and "nan(...)".
+        // "1e400" reads as inf, refused below like "inf".
+        const absl::string_view digits = absl::StripAsciiWhitespace(text);
+        bool ok = !digits.empty() &&
+                  digits.find_first_not_of("0123456789.eE+-") == absl::string_view::npos &&
+                  absl::SimpleAtod(digits, &v) && std::isfinite(v);
+        // What the option's variable will hold (a float rounds 1e-50 to 0 and 1e39 to inf).
+        if (ok && float_target) v = static_cast<float>(v);
+        ok = ok && std::isfinite(v) && (range.min_open ? v > range.min : v >= range.min) &&
+             v <= range.max;
+        if (!ok) {
+          throw FlagValueError(
+              FlagError(flag, text, absl::StrCat("must be a finite number in ", Interval(range)),
+                        range.note));
+        }
+        text = float_target ? Shortest(static_cast<float>(v)) : Shortest(v);
+        return "";
+      },
+      Interval(range), kRangeValidator);
+}
+
+CLI::Validator ByteSizeValidator(const std::string& flag, const IntRange& range) {
+  const std::string interval = absl::StrCat("[", Bytes(range.min), ", ", Bytes(range.max), "]");
+  return CLI::Validator(
+      [flag, range, interval](std::string& text) -> std::string {
+        absl::StatusOr<int64_t> bytes = ParseByteSize(text);
+        if (!bytes.ok() || *bytes < range.min || *bytes > range.max) {
+          throw FlagValueError(FlagError(
+              flag, text,
+              absl::StrCat("must be a size in ", interval,
+                           " (bytes, or a number with KiB, MiB, GiB, TiB, KB, MB, GB, TB)"),
+              range.note));
+        }
+        return "";
+      },
+      interval, kRangeValidator);
+}
+
+CLI::Option* AddByteSize(CLI::App* cmd, const std::string& names, std::string* value,
+                         const IntRange& range, const std::string& help) {
+  CLI::Option* opt = cmd->add_option(names, *value, help);
+  opt->check(ByteSizeValidator(OptionName(*opt), range));
+  opt->type_name("SIZE");
+  opt->capture_default_str();
+  return opt;
+}
+
+void RequireValues(CLI::App& app) {
+  for (CLI::Option* opt : app.get_options()) {
+    if (opt->get_expected_max() == 0) continue;  // a flag: takes no value
+    // Text options show their default in --help too (numeric ones did where registered).
+    if (opt->get_type_name().rfind("TEXT", 0) == 0) opt->capture_default_str();
+    const std::string flag = OptionName(*opt);
+    opt->check(CLI::Validator(
+        [flag](std::string& text) -> std::string {
+          if (text.empty()) throw FlagValueError(FlagError(flag, text, "must not be empty", ""));
+          return "";
+        },
+        "", kNonEmptyValidator));
+  }
+  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) RequireValues(*sub);
+}
+
+}  // namespace pipewright::tools
