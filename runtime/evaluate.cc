@@ -1,5 +1,8 @@
 // Evaluation of a checkpoint on held-out data (train.h).
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <nlohmann/json.hpp>
@@ -7,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "pipewright/checkpoint.h"
 #include "pipewright/model.h"
+#include "pipewright/run_memory.h"
 #include "pipewright/train.h"
 
 namespace pipewright {
@@ -27,6 +31,22 @@ absl::StatusOr<json> ReadManifest(const std::string& checkpoint) {
   return m;
 }
 
+// Bytes of the tensor files of the checkpoint ReadCheckpoint(dir) would read first (the
+// sizes on disk; 0 when there is none: ReadCheckpoint then says why).
+int64_t CheckpointTensorBytes(const std::string& dir) {
+  absl::StatusOr<std::string> resolved = ResolveCheckpointDir(dir);
+  if (!resolved.ok()) return 0;
+  std::error_code ec;
+  int64_t bytes = 0;
+  for (const auto& e : std::filesystem::directory_iterator(*resolved, ec)) {
+    std::error_code size_ec;
+    if (e.path().extension() != ".safetensors" || !e.is_regular_file(size_ec)) continue;
+    const uintmax_t size = e.file_size(size_ec);
+    if (!size_ec) bytes += static_cast<int64_t>(std::min<uintmax_t>(size, INT64_MAX - bytes));
+  }
+  return bytes;
+}
+
 }  // namespace
 
 absl::StatusOr<LayerGraph> CheckpointPresetModel(const std::string& dir) {
@@ -44,8 +64,14 @@ absl::StatusOr<LayerGraph> CheckpointPresetModel(const std::string& dir) {
                         .vocab = a.at("vocab").get<int64_t>(),
                         .tied = a.at("tied").get<bool>()};
       PW_RETURN_IF_ERROR(CheckGptConfig(c, absl::StrCat(dir, "/manifest.json: model.gpt")));
-      absl::StatusOr<LayerGraph> graph =
-          GptModel(name, c, model.value("micro_batch_size", int64_t{1}));
+      const int64_t micro_batch_size = model.value("micro_batch_size", int64_t{1});
+      // Its costs at that micro-batch size within 64 bits (GptModelCosts checks) before the
+      // graph computes them.
+      if (absl::Status s = GptModelCosts(name, c, micro_batch_size).status(); !s.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(dir, "/manifest.json: model.micro_batch_size: ", s.message()));
+      }
+      absl::StatusOr<LayerGraph> graph = GptModel(name, c, micro_batch_size);
       if (!graph.ok() || graph->Fingerprint() != model.value("fingerprint", "")) {
         return absl::InvalidArgumentError(absl::StrCat(
             dir, "/manifest.json: model.gpt does not rebuild the model of model.fingerprint"));
@@ -78,6 +104,10 @@ absl::StatusOr<EvalResult> EvaluateCheckpoint(const LayerGraph& graph, const std
   // A manifest field of an unexpected JSON type makes nlohmann throw: an error, not a crash.
   try {
     if (batches < 1) return absl::InvalidArgumentError("--batches must be >= 1");
+    // Before anything is read or allocated: the whole model, one micro-batch and the
+    // checkpoint's tensors must fit this process (run_memory.h).
+    PW_RETURN_IF_ERROR(CheckEvaluationMemory(graph, data.Spec(), batches,
+                                             CheckpointTensorBytes(dir), ThisHostMemory()));
     PW_ASSIGN_OR_RETURN(Checkpoint ck, ReadCheckpoint(dir));
     json m = json::parse(ck.manifest_json, nullptr, false);
     if (m.is_discarded() || !m.contains("model") || !m["model"].is_object() ||
