@@ -341,8 +341,8 @@ std::string RunMemoryNeed::Describe() const {
   const RankMemoryNeed* big = Largest(*this);
   if (big == nullptr) return "nothing on this process (it runs no ranks)";
   if (ranks.size() == 1) {
-    return absl::StrCat(NeedBytes(host_bytes()),
-                        " on this process (1 rank: ", DescribeRank(*big, micro_batch_size), ")");
+    return absl::StrCat(NeedBytes(host_bytes()), " on this process (rank ", big->global_rank, ": ",
+                        DescribeRank(*big, micro_batch_size), ")");
   }
   return absl::StrCat(NeedBytes(host_bytes()), " on this process (", ranks.size(),
                       " ranks; the largest, rank ", big->global_rank, ": ",

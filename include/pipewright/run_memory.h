@@ -85,7 +85,8 @@ struct RunMemoryNeed {
   std::vector<RankMemoryNeed> ranks;
   int64_t host_bytes() const;  // summed over the ranks (saturating)
   // "12.3 GiB on this process (2 ranks; the largest, rank 0: weights …, gradients …,
-  // optimizer …, activations … for 4 micro-batches of 8 sequences, data batches …)".
+  // optimizer …, activations … for 4 micro-batches of 8 sequences, data batches …)"; with one
+  // rank "(rank 3: …)".
   std::string Describe() const;
 };
 

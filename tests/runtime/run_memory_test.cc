@@ -133,7 +133,7 @@ TEST(RunMemory, RefusesARunOverTheMachinesMemoryNamingItsParts) {
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
   for (const char* part :
-       {"the run needs ", " on this process (1 rank: weights ", ", gradients ", ", optimizer ",
+       {"the run needs ", " on this process (rank 0: weights ", ", gradients ", ", optimizer ",
         ", activations ", " for 4 micro-batches of 2 sequences, data batches ",
         "; this machine has ", " (MemTotal; cgroup: none)"}) {
     EXPECT_TRUE(absl::StrContains(s.message(), part)) << part << " not in: " << s;
