@@ -38,10 +38,12 @@ int64_t CheckpointTensorBytes(const std::string& dir) {
   if (!resolved.ok()) return 0;
   std::error_code ec;
   int64_t bytes = 0;
-  for (const auto& e : std::filesystem::directory_iterator(*resolved, ec)) {
+  // increment(ec), not a range-for: iterating must not throw.
+  for (std::filesystem::directory_iterator it(*resolved, ec), end; !ec && it != end;
+       it.increment(ec)) {
     std::error_code size_ec;
-    if (e.path().extension() != ".safetensors" || !e.is_regular_file(size_ec)) continue;
-    const uintmax_t size = e.file_size(size_ec);
+    if (it->path().extension() != ".safetensors" || !it->is_regular_file(size_ec)) continue;
+    const uintmax_t size = it->file_size(size_ec);
     if (!size_ec) bytes += static_cast<int64_t>(std::min<uintmax_t>(size, INT64_MAX - bytes));
   }
   return bytes;
