@@ -156,7 +156,9 @@ class Trainer {
 
 // Mean loss of the model in checkpoint `dir` over `batches` batches of `data` drawn from a
 // held-out stream (sample indices from 2^40, far from any training step). `graph` must be the
-// model the checkpoint was written for (its fingerprint); its weights come from `dir`.
+// model the checkpoint was written for (its fingerprint); its weights come from `dir`. Before
+// reading or instantiating anything, a model too big for this machine is refused
+// (CheckEvaluationMemory, run_memory.h: FailedPrecondition naming what it would need).
 struct EvalResult {
   double loss = 0;
   double perplexity = 0;
