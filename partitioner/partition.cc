@@ -56,7 +56,27 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
+// Parameter and byte counts are non-negative and saturate at kMemoryOverflow instead of
+// overflowing int64: a saturated count stays saturated through every sum and product, so it is
+// larger than any device and the run it describes is refused, never wrapped round to a small
+// number (docs/memory.md, "Checked at start").
+int64_t SatAdd(int64_t a, int64_t b) {
+  int64_t r = 0;
+  return __builtin_add_overflow(a, b, &r) ? kMemoryOverflow : r;
+}
+int64_t SatMul(int64_t a, int64_t b) {
+  int64_t r = 0;
+  return __builtin_mul_overflow(a, b, &r) ? kMemoryOverflow : r;
+}
+// a - b for b <= a, where a saturated stays saturated.
+int64_t SatSub(int64_t a, int64_t b) { return a == kMemoryOverflow ? kMemoryOverflow : a - b; }
+// The sum over [i, j) of a saturating prefix sum.
+int64_t RangeSum(const std::vector<int64_t>& prefix, int i, int j) {
+  return SatSub(prefix[j], prefix[i]);
+}
+
 std::string Bytes(int64_t b) {
+  if (b == kMemoryOverflow) return "more than 8 EiB (the count overflows 64 bits)";
   const double x = static_cast<double>(b);
   if (std::abs(x) >= kGiB) return absl::StrFormat("%.2f GiB", x / kGiB);
   if (std::abs(x) >= (1 << 20)) return absl::StrFormat("%.2f MiB", x / (1 << 20));
@@ -80,11 +100,11 @@ class StageCosts {
   // `split_backward`: the schedule runs input and weight gradients apart (I, W), so a selective
   // stage holds its remade tensors from I to W: selective counts as none there (an upper bound).
   // `optimizer_shards`: the replicas the optimizer state is split over (ZeRO-1: dp; else 1).
-  StageCosts(const ModelCosts& model, const DeviceSpec& dev, Precision precision,
+  StageCosts(const ModelCosts& model, const DeviceSpec& dev, const ParamBytes& param_bytes,
              std::vector<int> inflight, int chunks, bool split_backward = false,
              int optimizer_shards = 1)
       : model_(model),
-        pb_(BytesPerParam(precision)),
+        pb_(param_bytes),
         inflight_(std::move(inflight)),
         split_backward_(split_backward),
         shards_(std::max(1, optimizer_shards)) {
@@ -94,6 +114,7 @@ class StageCosts {
     params_.assign(L + 1, 0);
     act_.assign(L + 1, 0);
     sel_bytes_.assign(L + 1, 0);
+    sel_layer_.assign(L, 0);
     sel_time_.assign(L + 1, 0);
     const double flops_per_s = dev.tflops * 1e12;
     for (int i = 0; i < L; ++i) {
@@ -104,9 +125,10 @@ class StageCosts {
                                          : l.backward_flops / flops_per_s + dev.layer_overhead_s;
       f_[i + 1] = f_[i] + f;
       b_[i + 1] = b_[i] + b;
-      params_[i + 1] = params_[i] + l.params;
-      act_[i + 1] = act_[i] + l.activation_bytes;
-      sel_bytes_[i + 1] = sel_bytes_[i] + std::min(l.selective_saving_bytes, l.activation_bytes);
+      params_[i + 1] = SatAdd(params_[i], l.params);
+      act_[i + 1] = SatAdd(act_[i], l.activation_bytes);
+      sel_layer_[i] = std::min(l.selective_saving_bytes, l.activation_bytes);
+      sel_bytes_[i + 1] = SatAdd(sel_bytes_[i], sel_layer_[i]);
       // The remaking runs at the forward's speed (measured forward times scale by FLOPs).
       const double sel = l.selective_recompute_flops <= 0 ? 0
                          : l.forward_flops > 0 ? f * l.selective_recompute_flops / l.forward_flops
@@ -132,7 +154,7 @@ class StageCosts {
   // Seconds of a selective stage's remaking per micro-batch; what it does not keep.
   double selective(int i, int j) const { return sel_time_[j] - sel_time_[i]; }
   int64_t selective_saving(int i, int j) const {
-    return split_backward_ ? 0 : sel_bytes_[j] - sel_bytes_[i];
+    return split_backward_ ? 0 : RangeSum(sel_bytes_, i, j);
   }
   // Extra seconds per micro-batch of recomputation `rc` on [i, j).
   double recompute_time(int i, int j, Recompute rc) const {
@@ -143,7 +165,7 @@ class StageCosts {
   double total_compute() const { return f_.back() + b_.back(); }
   double total_forward() const { return f_.back(); }
   double max_layer() const { return max_layer_; }
-  int64_t params(int i, int j) const { return params_[j] - params_[i]; }
+  int64_t params(int i, int j) const { return RangeSum(params_, i, j); }
   int64_t input_bytes(int i) const {
     return i == 0 ? model_.input_bytes : model_.layers[i - 1].output_bytes;
   }
@@ -152,7 +174,8 @@ class StageCosts {
   // Optimizer state of `params` parameters on one replica: an even share under ZeRO-1 (the
   // runtime splits by whole tensors, so a rank may hold up to one tensor's state more).
   int64_t OptimizerBytes(int64_t params) const {
-    return (params * pb_.optimizer + shards_ - 1) / shards_;
+    const int64_t all = SatMul(params, pb_.optimizer);
+    return all == kMemoryOverflow ? all : all / shards_ + (all % shards_ != 0);
   }
   // A tied layer (LayerCost::tied_to): its index, its owner's and its parameter count.
   struct Tie {
@@ -166,36 +189,38 @@ class StageCosts {
   // owner's tensor; Note [Tied parameters] in runtime/model.cc).
   StageMemory Memory(int k, int i, int j, Recompute rc) const {
     StageMemory m;
-    const int64_t p = params(i, j), linked = linked_params(i, j);
-    m.params = (p - linked) * pb_.weights;
-    m.grads = p * pb_.grads;
-    m.optimizer = OptimizerBytes(p - linked);
-    const int64_t saved = act_[j] - act_[i];
+    const int64_t p = params(i, j), trained = SatSub(p, linked_params(i, j));
+    m.params = SatMul(trained, pb_.weights);
+    m.grads = SatMul(p, pb_.grads);
+    m.optimizer = OptimizerBytes(trained);
+    const int64_t saved = RangeSum(act_, i, j);
     const int64_t held = inflight_[k];
     if (rc == Recompute::kFull) {
-      m.activations = held * input_bytes(i) + saved;
+      m.activations = SatAdd(SatMul(held, input_bytes(i)), saved);
     } else if (rc == Recompute::kSelective) {
       // The micro-batch in its backward holds at most one layer's remade tensors beside it;
       // counted as the whole stage's (an upper bound).
       const int64_t saving = selective_saving(i, j);
-      m.activations = held * (saved - saving) + (saving > 0 ? MaxSelective(i, j) : 0);
+      m.activations =
+          SatAdd(SatMul(held, SatSub(saved, saving)), saving > 0 ? MaxSelective(i, j) : 0);
     } else {
-      m.activations = held * saved;
+      m.activations = SatMul(held, saved);
     }
-    m.total = m.params + m.grads + m.optimizer + m.activations;
+    m.total = SatAdd(SatAdd(m.params, m.grads), SatAdd(m.optimizer, m.activations));
     return m;
   }
   // Never above the memory of any recompute choice, and never shrinking as the range grows.
   int64_t MemoryLowerBound(int i, int j) const {
-    const int64_t p = params(i, j) - linked_params(i, j);
-    return params(i, j) * pb_.grads + p * pb_.weights + OptimizerBytes(p) + (act_[j] - act_[i]) -
-           selective_saving(i, j);
+    const int64_t trained = SatSub(params(i, j), linked_params(i, j));
+    const int64_t fixed = SatAdd(SatMul(params(i, j), pb_.grads),
+                                 SatAdd(SatMul(trained, pb_.weights), OptimizerBytes(trained)));
+    return SatAdd(fixed, SatSub(RangeSum(act_, i, j), selective_saving(i, j)));
   }
   // Parameters of tied layers in [i, j) whose owner is in [i, j) too.
   int64_t linked_params(int i, int j) const {
     int64_t n = 0;
     for (const Tie& t : ties_) {
-      if (i <= t.copy && t.copy < j && i <= t.owner && t.owner < j) n += t.params;
+      if (i <= t.copy && t.copy < j && i <= t.owner && t.owner < j) n = SatAdd(n, t.params);
     }
     return n;
   }
@@ -236,12 +261,13 @@ class StageCosts {
   // The largest selective saving of one layer in [i, j).
   int64_t MaxSelective(int i, int j) const {
     int64_t most = 0;
-    for (int l = i; l < j; ++l) most = std::max(most, sel_bytes_[l + 1] - sel_bytes_[l]);
+    for (int l = i; l < j; ++l) most = std::max(most, sel_layer_[l]);
     return most;
   }
   bool split_backward_ = false;
   int shards_ = 1;
-  std::vector<int64_t> params_, act_, sel_bytes_;
+  // Saturating prefix sums (SatAdd) over the layers; sel_layer_ per layer.
+  std::vector<int64_t> params_, act_, sel_bytes_, sel_layer_;
   std::vector<double> sel_time_;
   std::vector<Tie> ties_;
   double max_layer_ = 0;
@@ -386,6 +412,48 @@ absl::Status CheckInputs(const ModelCosts& model, const DeviceSpec& dev,
   return absl::OkStatus();
 }
 
+// A virtual stage's layers [begin, end) and recomputation.
+struct StageSplit {
+  int begin = 0, end = 0;
+  Recompute recompute = Recompute::kNone;
+};
+
+// Each virtual stage's memory (StageCosts::Memory), where a tied layer whose owner is in another
+// stage of the same rank (a V schedule's first and last) is linked to it too: its stage holds its
+// gradient only. One entry of `stages` per stage of `sched`, each a valid range (the caller
+// checks).
+std::vector<StageMemory> SplitMemory(const StageCosts& c, const Schedule& sched,
+                                     const std::vector<StageSplit>& stages) {
+  const int S = sched.num_stages;
+  std::vector<StageMemory> memory(S);
+  for (int k = 0; k < S; ++k) {
+    memory[k] = c.Memory(k, stages[k].begin, stages[k].end, stages[k].recompute);
+  }
+  auto stage_of = [&](int layer) {
+    int found = -1;
+    for (int k = 0; k < S; ++k) {
+      if (stages[k].begin <= layer && layer < stages[k].end) found = k;
+    }
+    return found;
+  };
+  for (const StageCosts::Tie& t : c.ties()) {
+    const int copy_stage = stage_of(t.copy), owner_stage = stage_of(t.owner);
+    if (copy_stage < 0 || owner_stage < 0 || copy_stage == owner_stage ||
+        sched.stage_rank[copy_stage] != sched.stage_rank[owner_stage]) {
+      continue;
+    }
+    StageMemory& m = memory[copy_stage];
+    if (m.total == kMemoryOverflow) continue;  // nothing to subtract from
+    const int b = stages[copy_stage].begin, e = stages[copy_stage].end;
+    const int64_t trained = c.params(b, e) - c.linked_params(b, e);
+    const int64_t before = m.params + m.optimizer;
+    m.params -= t.params * c.param_bytes().weights;
+    m.optimizer = c.OptimizerBytes(trained - t.params);
+    m.total -= before - (m.params + m.optimizer);
+  }
+  return memory;
+}
+
 // Fills stage and plan predictions for plan's split and recompute choices.
 absl::Status PredictWith(const StageCosts& c, const ModelCosts& model, const DeviceSpec& dev,
                          Plan& plan) {
@@ -401,26 +469,32 @@ absl::Status PredictWith(const StageCosts& c, const ModelCosts& model, const Dev
   std::vector<int64_t> rank_memory(p, 0), rank_params(p, 0);
   double worst = -1, largest_message = 0;
   int64_t max_stage_params = 0;
+  std::vector<StageSplit> split;
+  for (int k = 0; k < S; ++k) {
+    const PlanStage& st = plan.stages[k];
+    if (st.begin < 0 || st.end > model.num_layers() || st.begin >= st.end) {
+      return absl::InvalidArgumentError(absl::StrCat("stages[", k, "].layers: range [", st.begin,
+                                                     ", ", st.end, ") is not valid"));
+    }
+    split.push_back({st.begin, st.end, st.recompute});
+  }
+  const std::vector<StageMemory> memory = SplitMemory(c, sched, split);
   for (int k = 0; k < S; ++k) {
     PlanStage& st = plan.stages[k];
     const int i = st.begin, j = st.end;
-    if (i < 0 || j > model.num_layers() || i >= j) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("stages[", k, "].layers: range [", i, ", ", j, ") is not valid"));
-    }
     const double f = c.forward(i, j), b = c.backward(i, j);
     const double rc = c.recompute_time(i, j, st.recompute);
     st.forward_s = f;
     st.backward_s = b + rc;
-    st.memory = c.Memory(k, i, j, st.recompute);
+    st.memory = memory[k];
     st.rank = sched.stage_rank[k];
     // I and W each take half of the backward where the schedule splits them; the
     // recomputed forward runs before I.
     costs.stage_f.push_back(f);
     costs.stage_b.push_back(b / 2 + rc);
     costs.stage_w.push_back(b / 2);
-    rank_memory[st.rank] += st.memory.total;
-    rank_params[st.rank] += c.params(i, j);
+    rank_memory[st.rank] = SatAdd(rank_memory[st.rank], st.memory.total);
+    rank_params[st.rank] = SatAdd(rank_params[st.rank], c.params(i, j));
     max_stage_params = std::max(max_stage_params, c.params(i, j));
     if (j < model.num_layers()) {
       largest_message =
@@ -430,28 +504,6 @@ absl::Status PredictWith(const StageCosts& c, const ModelCosts& model, const Dev
       worst = f + b + rc;
       plan.predicted.bottleneck_stage = k;
     }
-  }
-  // A tied layer whose owner is in another stage of the same rank (a V schedule's first and
-  // last) is linked to it too: its stage holds its gradient only.
-  for (const StageCosts::Tie& t : c.ties()) {
-    int copy_stage = -1, owner_stage = -1;
-    for (int k = 0; k < S; ++k) {
-      if (plan.stages[k].begin <= t.copy && t.copy < plan.stages[k].end) copy_stage = k;
-      if (plan.stages[k].begin <= t.owner && t.owner < plan.stages[k].end) owner_stage = k;
-    }
-    if (copy_stage < 0 || owner_stage < 0 || copy_stage == owner_stage ||
-        sched.stage_rank[copy_stage] != sched.stage_rank[owner_stage]) {
-      continue;
-    }
-    StageMemory& m = plan.stages[copy_stage].memory;
-    const PlanStage& st = plan.stages[copy_stage];
-    const int64_t trained = c.params(st.begin, st.end) - c.linked_params(st.begin, st.end);
-    const int64_t before = m.params + m.optimizer;
-    m.params -= t.params * c.param_bytes().weights;
-    m.optimizer = c.OptimizerBytes(trained - t.params);
-    const int64_t freed = before - (m.params + m.optimizer);
-    m.total -= freed;
-    rank_memory[sched.stage_rank[copy_stage]] -= freed;
   }
   costs.comm_latency = dev.link_latency_s;
   costs.comm_per_byte = 1.0 / dev.link_bandwidth;
@@ -563,7 +615,8 @@ std::vector<std::string> Suggestions(const ModelCosts& model, const DeviceSpec& 
       break;
     }
   }
-  const int64_t min_devices = (static_bytes + budget - 1) / std::max<int64_t>(1, budget);
+  const int64_t min_devices = static_bytes / std::max<int64_t>(1, budget) +
+                              (static_bytes % std::max<int64_t>(1, budget) != 0);
   if (out.empty()) {
     out.push_back(absl::StrCat(
         "weights, gradients and optimizer state alone need ", Bytes(static_bytes),
@@ -603,7 +656,7 @@ absl::StatusOr<Plan> internal::Partition(const ModelCosts& model, const DeviceSp
     return absl::InvalidArgumentError(absl::StrCat("pp ", o.pp, " x chunks ", spec.chunks, " = ", S,
                                                    " stages; a plan has at most ", kMaxPlanStages));
   }
-  StageCosts c(scaled, dev, o.precision, PeakInflightPerStage(sched), spec.chunks,
+  StageCosts c(scaled, dev, BytesPerParam(o.precision), PeakInflightPerStage(sched), spec.chunks,
                SplitsBackward(sched), o.zero == 1 ? o.dp : 1);
   const double bottleneck = OptimalBottleneck(c, S, o.allow_recompute);
   Plan plan = EmptyPlan(scaled, dev, spec, o.dp, b);
@@ -635,7 +688,7 @@ absl::StatusOr<Plan> internal::Partition(const ModelCosts& model, const DeviceSp
         dev.reserve_bytes ? absl::StrCat(" after a ", Bytes(dev.reserve_bytes), " reserve") : "",
         Bytes(*shortfall));
     if (!o.suggest) return absl::FailedPreconditionError(message);
-    const int64_t static_bytes = c.params(0, L) * c.param_bytes().total();
+    const int64_t static_bytes = SatMul(c.params(0, L), c.param_bytes().total());
     std::vector<std::string> ideas = Suggestions(model, dev, o, b, S, c.budget(), static_bytes);
     return absl::FailedPreconditionError(
         absl::StrCat(message, ".\nwould fit: ", absl::StrJoin(ideas, "; or ")));
@@ -659,9 +712,63 @@ absl::Status Predict(const ModelCosts& model, const DeviceSpec& dev, Precision p
                      Plan& plan) {
   const ModelCosts scaled = model.WithMicroBatchSize(plan.micro_batch_size);
   PW_ASSIGN_OR_RETURN(Schedule sched, GenerateSchedule(plan.schedule));
-  StageCosts c(scaled, dev, precision, PeakInflightPerStage(sched), sched.spec.chunks,
-               SplitsBackward(sched), plan.zero == 1 ? plan.data_parallel : 1);
+  StageCosts c(scaled, dev, BytesPerParam(precision), PeakInflightPerStage(sched),
+               sched.spec.chunks, SplitsBackward(sched), plan.zero == 1 ? plan.data_parallel : 1);
   return PredictWith(c, scaled, dev, plan);
+}
+
+absl::StatusOr<std::vector<RankMemory>> PredictRankMemory(
+    const ModelCosts& model, const Schedule& schedule, const std::vector<int>& boundaries,
+    const std::vector<Recompute>& recompute, const ParamBytes& param_bytes, int optimizer_shards) {
+  const int S = schedule.num_stages, L = model.num_layers();
+  const int ranks = static_cast<int>(schedule.programs.size());
+  if (S < 1 || static_cast<int>(schedule.stage_rank.size()) != S) {
+    return absl::InvalidArgumentError("PredictRankMemory: the schedule places no stages");
+  }
+  if (static_cast<int>(boundaries.size()) != S + 1 || static_cast<int>(recompute.size()) != S) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("PredictRankMemory: ", boundaries.size(), " boundaries and ", recompute.size(),
+                     " recompute entries for ", S, " stages (want ", S + 1, " and ", S, ")"));
+  }
+  if (boundaries.front() != 0 || boundaries.back() != L) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "PredictRankMemory: the boundaries must run from 0 to the model's ", L, " layers"));
+  }
+  std::vector<StageSplit> split;
+  for (int k = 0; k < S; ++k) {
+    if (boundaries[k] >= boundaries[k + 1]) {
+      return absl::InvalidArgumentError(absl::StrCat("PredictRankMemory: stage ", k, "'s range [",
+                                                     boundaries[k], ", ", boundaries[k + 1],
+                                                     ") is empty"));
+    }
+    if (schedule.stage_rank[k] < 0 || schedule.stage_rank[k] >= ranks) {
+      return absl::InvalidArgumentError(absl::StrCat("PredictRankMemory: stage ", k,
+                                                     " is placed on rank ", schedule.stage_rank[k],
+                                                     " of ", ranks));
+    }
+    split.push_back({boundaries[k], boundaries[k + 1], recompute[k]});
+  }
+  if (optimizer_shards < 1) {
+    return absl::InvalidArgumentError("PredictRankMemory: optimizer_shards must be >= 1");
+  }
+  const std::vector<int> held = PeakInflightPerStage(schedule);
+  StageCosts c(model, DeviceSpec{}, param_bytes, held, schedule.spec.chunks,
+               SplitsBackward(schedule), optimizer_shards);
+  const std::vector<StageMemory> memory = SplitMemory(c, schedule, split);
+  std::vector<RankMemory> out(ranks);
+  for (int r = 0; r < ranks; ++r) out[r].rank = r;
+  for (int k = 0; k < S; ++k) {
+    RankMemory& r = out[schedule.stage_rank[k]];
+    r.stages.push_back(k);
+    r.held.push_back(held[k]);
+    StageMemory& m = r.memory;
+    m.params = SatAdd(m.params, memory[k].params);
+    m.grads = SatAdd(m.grads, memory[k].grads);
+    m.optimizer = SatAdd(m.optimizer, memory[k].optimizer);
+    m.activations = SatAdd(m.activations, memory[k].activations);
+    m.total = SatAdd(m.total, memory[k].total);
+  }
+  return out;
 }
 
 absl::StatusOr<std::vector<int>> BalancedBoundaries(const ModelCosts& model, int stages) {
@@ -684,7 +791,7 @@ absl::StatusOr<std::vector<int>> BalancedBoundaries(const ModelCosts& model, int
   dev.tflops = 1e-12;
   dev.layer_overhead_s = 0;
   dev.memory_bytes = std::numeric_limits<int64_t>::max() / 4;
-  StageCosts c(flops, dev, Precision::kFp32, std::vector<int>(stages, 1), 1);
+  StageCosts c(flops, dev, BytesPerParam(Precision::kFp32), std::vector<int>(stages, 1), 1);
   const double bottleneck = OptimalBottleneck(c, stages, /*allow_recompute=*/false);
   Split split;
   if (bottleneck == kInf || !LeastTotalWithin(c, stages, false, bottleneck * (1 + 1e-12), &split)) {

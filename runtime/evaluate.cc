@@ -1,5 +1,8 @@
 // Evaluation of a checkpoint on held-out data (train.h).
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <utility>
@@ -8,6 +11,7 @@
 #include "pipewright/checkpoint.h"
 #include "pipewright/input.h"
 #include "pipewright/model.h"
+#include "pipewright/run_memory.h"
 #include "pipewright/train.h"
 #include "runtime/train_state.h"
 
@@ -40,6 +44,12 @@ absl::StatusOr<LayerGraph> GraphOfManifest(const std::string& path, const std::s
       // Every field in its range before anything is built (Note [GPT limits] in model.cc).
       const int64_t micro_batch_size = model.value("micro_batch_size", int64_t{1});
       PW_RETURN_IF_ERROR(CheckGptConfig(c, absl::StrCat(where, ": model.gpt"), micro_batch_size));
+      // Its costs at that micro-batch size within 64 bits (GptModelCosts checks) before the
+      // graph computes them.
+      if (absl::Status s = GptModelCosts(name, c, micro_batch_size).status(); !s.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ": model.micro_batch_size: ", s.message()));
+      }
       absl::StatusOr<LayerGraph> graph = GptModel(name, c, micro_batch_size);
       if (!graph.ok() || graph->Fingerprint() != model.value("fingerprint", "")) {
         return absl::InvalidArgumentError(
@@ -64,6 +74,36 @@ absl::StatusOr<LayerGraph> GraphOfManifest(const std::string& path, const std::s
     return absl::InvalidArgumentError(absl::StrCat(where, ": malformed (", e.what(), ")"));
   }
 }
+
+// Bytes of the tensor files of the checkpoint ReadCheckpoint(dir) would try first (the sizes on
+// disk; 0 when there is none: ReadCheckpoint then says why).
+int64_t CheckpointTensorBytes(const std::string& dir) {
+  absl::StatusOr<std::string> resolved = ResolveCheckpointDir(dir);
+  if (!resolved.ok()) return 0;
+  std::error_code ec;
+  int64_t bytes = 0;
+  // increment(ec), not a range-for: iterating must not throw.
+  for (std::filesystem::directory_iterator it(*resolved, ec), end; !ec && it != end;
+       it.increment(ec)) {
+    std::error_code size_ec;
+    if (it->path().extension() != ".safetensors" || !it->is_regular_file(size_ec)) continue;
+    const uintmax_t size = it->file_size(size_ec);
+    if (!size_ec) bytes += static_cast<int64_t>(std::min<uintmax_t>(size, INT64_MAX - bytes));
+  }
+  return bytes;
+}
+
+// Bytes of the tensors a checkpoint read holds.
+int64_t LoadedBytes(const Checkpoint& ck) {
+  int64_t bytes = 0;
+  for (const auto* tensors : {&ck.model, &ck.optimizer, &ck.grad_sync}) {
+    for (const auto& [name, t] : *tensors) bytes += static_cast<int64_t>(t.nbytes());
+  }
+  return bytes;
+}
+
+// The samples eval reads: byte-level tokens, input and next-token target.
+SampleSpec TokenSpec(int64_t seq_len) { return {{seq_len}, DType::kI32, {seq_len}, DType::kI32}; }
 
 // A fresh instance of every layer of `graph` holding the weights of `ck`, each parameter checked
 // (f32, its shape). Errors name the checkpoint's file.
@@ -151,6 +191,10 @@ absl::StatusOr<EvalResult> EvaluateCheckpoint(const LayerGraph& graph, const std
     PW_ASSIGN_OR_RETURN(stage, LoadWeights(graph, ck));
     return absl::OkStatus();
   };
+  // Before anything is read or allocated: the whole model, one micro-batch and the checkpoint's
+  // tensors must fit this process (run_memory.h).
+  PW_RETURN_IF_ERROR(CheckEvaluationMemory(graph, data.Spec(), batches,
+                                           CheckpointTensorBytes(dir), ThisHostMemory()));
   PW_ASSIGN_OR_RETURN(Checkpoint ck, ReadCheckpoint(dir, nullptr, accept));
   return Evaluate(graph, *stage, ck, data, batches);
 }
@@ -164,9 +208,22 @@ absl::StatusOr<EvalResult> EvaluateCheckpoint(const std::string& dir, const std:
   std::unique_ptr<Stage> stage;
   auto accept = [&](const Checkpoint& ck) -> absl::Status {
     PW_ASSIGN_OR_RETURN(graph, GraphOfManifest(ck.path, ck.manifest_json));
+    PW_RETURN_IF_ERROR(CheckEvaluationMemory(*graph, TokenSpec(graph->shape().seq_len), batches,
+                                             LoadedBytes(ck), ThisHostMemory()));
     PW_ASSIGN_OR_RETURN(stage, LoadWeights(*graph, ck));
     return absl::OkStatus();
   };
+  // Before any tensor is read: the model the first checkpoint describes, with its tensor files,
+  // must fit this process (run_memory.h); each one read is checked again before it is built.
+  if (absl::StatusOr<std::string> first = ResolveCheckpointDir(dir); first.ok()) {
+    absl::StatusOr<std::string> text = ReadCheckpointManifest(dir);
+    absl::StatusOr<LayerGraph> g =
+        text.ok() ? GraphOfManifest(*first, *text) : absl::StatusOr<LayerGraph>(text.status());
+    if (g.ok()) {
+      PW_RETURN_IF_ERROR(CheckEvaluationMemory(*g, TokenSpec(g->shape().seq_len), batches,
+                                               CheckpointTensorBytes(dir), ThisHostMemory()));
+    }
+  }
   PW_ASSIGN_OR_RETURN(Checkpoint ck, ReadCheckpoint(dir, nullptr, accept));
   json m = json::parse(ck.manifest_json, nullptr, false);
   uint64_t seed = 0;

@@ -113,7 +113,9 @@ size_t RoundedSize(size_t bytes) { return bytes > SIZE_MAX - 63 ? 0 : (bytes + 6
 
 void* CpuAllocator::Allocate(size_t bytes) {
   absl::StatusOr<void*> p = TryAllocate(bytes);
-  PW_CHECK(p.ok());
+  // Fatal, as documented; the runs that user input sizes are refused before they allocate
+  // (CheckRunMemory), so this is the machine running out under a run that fitted.
+  CheckOk(p.status(), "host allocation");
   return *p;
 }
 
@@ -178,19 +180,47 @@ Tensor::Storage::~Storage() {
   if (allocator != nullptr) allocator->Free(ptr, bytes);
 }
 
+namespace {
+
+// The element count of `shape` and its bytes in `dtype`; InvalidArgument for a negative
+// dimension or a count that does not fit 64 bits (never a wrapped one).
+absl::StatusOr<int64_t> CheckedNumElements(const std::vector<int64_t>& shape, DType dtype) {
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    if (d < 0) return absl::InvalidArgumentError("negative dimension in tensor shape");
+    if (__builtin_mul_overflow(n, d, &n)) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor shape [", absl::StrJoin(shape, ", "),
+                                                     "] has more than 2^63 elements"));
+    }
+  }
+  int64_t bytes = 0;
+  if (__builtin_mul_overflow(n, static_cast<int64_t>(DTypeSize(dtype)), &bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor shape [", absl::StrJoin(shape, ", "),
+                                                   "] ", DTypeName(dtype),
+                                                   " has more than 2^63 bytes"));
+  }
+  return n;
+}
+
+}  // namespace
+
 int64_t NumElements(const std::vector<int64_t>& shape) {
   int64_t n = 1;
   for (int64_t d : shape) {
     PW_CHECK(d >= 0);
-    n *= d;
+    PW_CHECK(!__builtin_mul_overflow(n, d, &n));  // internal shapes fit 64 bits
   }
   return n;
 }
 
 Tensor Tensor::Empty(std::vector<int64_t> shape, DType dtype, Allocator* allocator) {
   if (allocator == nullptr) allocator = DefaultCpuAllocator();
+  // Shapes here are internal values (the runtime checks what user input sizes first): one whose
+  // bytes overflow is a broken invariant, never a wrapped small allocation.
+  const absl::StatusOr<int64_t> numel = CheckedNumElements(shape, dtype);
+  CheckOk(numel.status(), "Tensor::Empty");
   Tensor t;
-  t.numel_ = NumElements(shape);
+  t.numel_ = *numel;
   t.shape_ = std::move(shape);
   t.dtype_ = dtype;
   t.storage_ = std::make_shared<Storage>();
@@ -203,11 +233,9 @@ Tensor Tensor::Empty(std::vector<int64_t> shape, DType dtype, Allocator* allocat
 absl::StatusOr<Tensor> Tensor::TryEmpty(std::vector<int64_t> shape, DType dtype,
                                         Allocator* allocator) {
   if (allocator == nullptr) allocator = DefaultCpuAllocator();
-  for (int64_t d : shape) {
-    if (d < 0) return absl::InvalidArgumentError("negative dimension in tensor shape");
-  }
+  PW_ASSIGN_OR_RETURN(const int64_t numel, CheckedNumElements(shape, dtype));
   Tensor t;
-  t.numel_ = NumElements(shape);
+  t.numel_ = numel;
   t.shape_ = std::move(shape);
   t.dtype_ = dtype;
   const size_t bytes = t.nbytes();
@@ -269,7 +297,7 @@ absl::StatusOr<Tensor> Tensor::Reshape(std::vector<int64_t> shape) const {
   for (int64_t d : shape) {
     if (d < 0) return absl::InvalidArgumentError("negative dimension in reshape");
   }
-  if (NumElements(shape) != numel_) {
+  if (absl::StatusOr<int64_t> n = CheckedNumElements(shape, dtype_); !n.ok() || *n != numel_) {
     return absl::InvalidArgumentError(
         absl::StrCat("cannot reshape ", ShapeString(), " to [", absl::StrJoin(shape, ", "), "]"));
   }

@@ -138,8 +138,10 @@ struct ResumeInfo {
 class Engine {
  public:
   // Checks `run` against `graph` (CheckRunSpec) and `data` against the first stage's input,
-  // connects the World's ranks (World::Connect) and instantiates, on every rank this process
-  // runs, only that rank's stages, their optimizer state and its data loader. `data` gives
+  // connects the World's ranks (World::Connect), refuses a run whose predicted memory exceeds
+  // this machine's (CheckRunMemory, run_memory.h: FailedPrecondition naming what it would need)
+  // and only then instantiates, on every rank this process runs, only that rank's stages, their
+  // optimizer state and its data loader. `data` gives
   // every global sample (shared by the ranks; non-null). In a launcher's world every process
   // calls every method below, and the reports (Summary, Events) need GatherReports first.
   static absl::StatusOr<std::unique_ptr<Engine>> Create(const LayerGraph& graph, RunSpec run,

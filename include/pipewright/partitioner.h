@@ -12,6 +12,7 @@
 #define PIPEWRIGHT_PARTITIONER_H_
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -61,6 +62,10 @@ struct PartitionOptions {
   bool suggest = true;
 };
 
+// The memory model's parameter and byte counts saturate at this value instead of overflowing
+// int64: a count that reaches it stands for "more than 8 EiB", which no device holds.
+inline constexpr int64_t kMemoryOverflow = std::numeric_limits<int64_t>::max();
+
 // Per-micro-batch peak number of micro-batches whose activations a virtual stage holds under
 // `schedule` (from each rank's program order: F adds one, the last backward action frees it).
 std::vector<int> PeakInflightPerStage(const Schedule& schedule);
@@ -78,6 +83,29 @@ absl::StatusOr<Plan> Partition(const ModelCosts& model, const DeviceSpec& device
 // Fills plan.predicted and every stage's predicted time and memory for the plan's split.
 absl::Status Predict(const ModelCosts& model, const DeviceSpec& devices, Precision precision,
                      Plan& plan);
+
+// What one pipeline rank of a run holds (docs/memory.md, "Memory of a stage"): its virtual
+// stages' memory summed, as Predict counts it for a plan's stages.
+struct RankMemory {
+  int rank = 0;             // pipeline rank
+  std::vector<int> stages;  // its virtual stages, in model order
+  std::vector<int> held;    // per stage: micro-batches whose activations it holds at once
+  StageMemory memory;       // weights, gradients, optimizer state and activations, summed
+};
+
+// The memory of every pipeline rank of the run `schedule` makes of `model` (its costs at the
+// run's micro-batch size), split at `boundaries` (stages + 1 increasing layer indices from 0 to
+// the number of layers) with per-stage `recompute`: Predict's per-stage model (held micro-batches
+// from PeakInflightPerStage, tied copies linked within a rank) for any schedule, hand-written
+// ones included. `optimizer_shards`: the data-parallel replicas the optimizer state is split
+// over (ZeRO-1: dp; else 1). Counts saturate at kMemoryOverflow. Nothing is allocated beyond the
+// result. InvalidArgument when the boundaries or recompute entries do not fit the schedule.
+absl::StatusOr<std::vector<RankMemory>> PredictRankMemory(const ModelCosts& model,
+                                                          const Schedule& schedule,
+                                                          const std::vector<int>& boundaries,
+                                                          const std::vector<Recompute>& recompute,
+                                                          const ParamBytes& param_bytes,
+                                                          int optimizer_shards = 1);
 
 // The split used when a run names no plan: `stages` contiguous non-empty layer ranges whose
 // largest forward + backward FLOPs is the smallest possible (every layer counts at least 1),

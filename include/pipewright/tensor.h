@@ -116,8 +116,10 @@ class Tensor {
  public:
   Tensor() = default;
 
-  // Uninitialised tensor. CHECK-fails on negative dims (shapes are internal values) and when
-  // the allocator runs out of memory (TryEmpty reports that as a Status instead).
+  // Uninitialised tensor. Fatal (it prints what failed and aborts) on a negative dimension or a
+  // shape whose bytes overflow 64 bits (shapes are internal values) and when the allocator runs
+  // out of memory. TryEmpty reports all three as a Status instead: InvalidArgument for the
+  // shape, ResourceExhausted (or the device's error) for the memory.
   static Tensor Empty(std::vector<int64_t> shape, DType dtype = DType::kF32,
                       Allocator* allocator = nullptr);
   static absl::StatusOr<Tensor> TryEmpty(std::vector<int64_t> shape, DType dtype = DType::kF32,

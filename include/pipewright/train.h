@@ -158,6 +158,8 @@ class Trainer {
 // held-out stream (sample indices from 2^40, far from any training step). `graph` must be the
 // model the checkpoint was written for (its fingerprint); its weights come from `dir`, read as
 // ReadCheckpoint reads (a checkpoint directory's newest one that verifies and fits the model).
+// Before reading or instantiating anything, a model too big for this machine is refused
+// (CheckEvaluationMemory, run_memory.h: FailedPrecondition naming what it would need).
 struct EvalResult {
   double loss = 0;
   double perplexity = 0;

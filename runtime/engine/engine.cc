@@ -14,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "pipewright/checkpoint.h"
 #include "pipewright/cpu.h"
+#include "pipewright/run_memory.h"
 #include "runtime/engine/engine_impl.h"
 #include "runtime/train_state.h"
 
@@ -459,6 +460,11 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const LayerGraph& graph, 
   if (!endpoints.empty() && !endpoints[0].comm->capabilities().tagged_p2p) {
     PW_RETURN_IF_ERROR(CheckFifoOrder(m.run.schedule));
   }
+  // Before any rank allocates: the ranks of this process must fit its memory (run_memory.h).
+  std::vector<RankPlace> places;
+  for (const RankEndpoint& e : endpoints) places.push_back({e.global_rank, e.cuda_device});
+  PW_RETURN_IF_ERROR(
+      CheckRunMemory(m.graph, m.run, m.options, m.data->Spec(), places, ThisHostMemory()));
   if (m.world->multi_process()) {
     // Processes start their clocks together (to within a barrier), so their trace events line
     // up in one timeline.

@@ -103,6 +103,30 @@ TEST(TensorTest, ReshapeSharesStorage) {
   EXPECT_FALSE(t.Reshape({-2, -3}).ok());
 }
 
+// A shape whose element or byte count overflows 64 bits is an error (TryEmpty, Reshape) or a
+// fatal one naming it (Empty), never a wrapped small allocation; memory the system cannot give
+// is ResourceExhausted from TryEmpty.
+TEST(TensorTest, OverflowingShapesAndHugeAllocationsAreErrors) {
+  const int64_t big = int64_t{1} << 40;
+  absl::StatusOr<Tensor> elements = Tensor::TryEmpty({big, big});
+  ASSERT_FALSE(elements.ok());
+  EXPECT_EQ(elements.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(elements.status().message().find("more than 2^63 elements"), std::string::npos)
+      << elements.status();
+  absl::StatusOr<Tensor> bytes = Tensor::TryEmpty({int64_t{1} << 62}, DType::kF32);
+  ASSERT_FALSE(bytes.ok());
+  EXPECT_EQ(bytes.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bytes.status().message().find("more than 2^63 bytes"), std::string::npos)
+      << bytes.status();
+  // 2^61 bytes fit the count but no machine: the allocator says so.
+  absl::StatusOr<Tensor> huge = Tensor::TryEmpty({int64_t{1} << 59}, DType::kF32);
+  ASSERT_FALSE(huge.ok());
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted) << huge.status();
+  Tensor t = Tensor::Empty({2, 3});
+  EXPECT_FALSE(t.Reshape({big, big, 0, big}).ok());  // 0 elements, but the product overflows
+  EXPECT_DEATH(Tensor::Empty({big, big}), "more than 2\\^63 elements");
+}
+
 TEST(TensorTest, CopiesShareCloneIsDeep) {
   Tensor a = Tensor::FromVector({3}, {1, 2, 3});
   Tensor shallow = a;
