@@ -44,12 +44,6 @@ absl::StatusOr<LayerGraph> GraphOfManifest(const std::string& path, const std::s
       // Every field in its range before anything is built (Note [GPT limits] in model.cc).
       const int64_t micro_batch_size = model.value("micro_batch_size", int64_t{1});
       PW_RETURN_IF_ERROR(CheckGptConfig(c, absl::StrCat(where, ": model.gpt"), micro_batch_size));
-      // Its costs at that micro-batch size within 64 bits (GptModelCosts checks) before the
-      // graph computes them.
-      if (absl::Status s = GptModelCosts(name, c, micro_batch_size).status(); !s.ok()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(where, ": model.micro_batch_size: ", s.message()));
-      }
       absl::StatusOr<LayerGraph> graph = GptModel(name, c, micro_batch_size);
       if (!graph.ok() || graph->Fingerprint() != model.value("fingerprint", "")) {
         return absl::InvalidArgumentError(
@@ -193,8 +187,8 @@ absl::StatusOr<EvalResult> EvaluateCheckpoint(const LayerGraph& graph, const std
   };
   // Before anything is read or allocated: the whole model, one micro-batch and the checkpoint's
   // tensors must fit this process (run_memory.h).
-  PW_RETURN_IF_ERROR(CheckEvaluationMemory(graph, data.Spec(), batches,
-                                           CheckpointTensorBytes(dir), ThisHostMemory()));
+  PW_RETURN_IF_ERROR(CheckEvaluationMemory(graph, data.Spec(), batches, CheckpointTensorBytes(dir),
+                                           ThisHostMemory()));
   PW_ASSIGN_OR_RETURN(Checkpoint ck, ReadCheckpoint(dir, nullptr, accept));
   return Evaluate(graph, *stage, ck, data, batches);
 }

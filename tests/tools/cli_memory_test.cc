@@ -53,11 +53,18 @@ void ExpectRefused(const Result& r, const std::string& needs, const std::string&
 const std::string kTrain = "train --preset gpt-tiny --micro-batches 2 --steps 1 ";
 
 // Was: 2147483647 aborted in a PW_CHECK of the loader's batch allocation (tensor.cc), 1000000
-// was killed by the OOM killer at 23 GB.
+// was killed by the OOM killer at 23 GB. The first is now past the flag's range (2^24); the
+// second is within it and refused by the memory prediction.
 TEST(CliMemory, HugeMicroBatchSizeIsRefusedBeforeAllocating) {
   const Result ok = RunLimited(kTrain + "--micro-batch-size 2");
   ASSERT_EQ(ok.exit_code, 0) << "a normal run fits the limit: " << ok.err;
-  for (const std::string b : {"2147483647", "1000000"}) {
+  const Result past = RunLimited(kTrain + "--micro-batch-size 2147483647");
+  EXPECT_EQ(past.exit_code, 2) << past.err;
+  EXPECT_TRUE(absl::StartsWith(past.err,
+                               "pipewright: --micro-batch-size 2147483647: must be an "
+                               "integer in [0, 16777216]"))
+      << past.err;
+  for (const std::string b : {"16777216", "1000000"}) {
     const Result r = RunLimited(kTrain + "--micro-batch-size " + b);
     ExpectRefused(r, "the run needs ", b);
     EXPECT_TRUE(absl::StrContains(r.err, "activations ")) << r.err;
@@ -113,12 +120,15 @@ TEST(CliMemory, EvalOfATooBigModelIsRefusedBeforeAllocating) {
   EXPECT_TRUE(absl::StrContains(r.err, "(weights 3.7 TiB, gradients 3.7 TiB, activations "))
       << r.err;
   EXPECT_TRUE(absl::StrContains(r.err, "the model alone does not fit")) << r.err;
-  // A micro-batch size whose byte counts overflow 64 bits is refused before the graph is built.
+  // A micro-batch size out of range (its byte counts would overflow 64 bits) is refused before
+  // the graph is built (CheckGptConfig).
   const Result overflow = RunLimited(
       "eval --checkpoint " +
       EditedCheckpoint("memory_ck_overflow", {4, 64, 4, 32, 256, false}, int64_t{1} << 60));
   EXPECT_EQ(overflow.exit_code, 2) << overflow.err;
-  EXPECT_TRUE(absl::StrContains(overflow.err, "model.micro_batch_size: ")) << overflow.err;
+  EXPECT_TRUE(
+      absl::StrContains(overflow.err, "micro_batch_size=1152921504606846976 is out of range"))
+      << overflow.err;
 }
 
 }  // namespace
