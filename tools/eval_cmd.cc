@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "pipewright/cpu.h"
+#include "pipewright/input.h"
 #include "pipewright/train.h"
 #include "tools/commands.h"
 #include "tools/flags.h"
@@ -29,6 +30,12 @@ void RegisterEval(CLI::App& app, int* exit_code) {
                   "runs the same tokens through transformers)");
   cmd->callback([f, exit_code] {
     SetCpuKernelThreads(1);
+    if (!f->dump.empty()) {
+      if (absl::Status s = CheckOutputPath(f->dump, "--dump"); !s.ok()) {
+        *exit_code = ReportError(s);
+        return;
+      }
+    }
     auto r = EvaluateCheckpoint(f->checkpoint, f->data, f->batches);
     if (!r.ok()) {
       *exit_code = ReportError(r.status());

@@ -22,6 +22,7 @@
 #include "pipewright/checkpoint.h"
 #include "pipewright/cpu.h"
 #include "pipewright/engine.h"
+#include "pipewright/input.h"
 #include "pipewright/launch.h"
 #include "pipewright/plan.h"
 #include "pipewright/run_spec.h"
@@ -77,6 +78,10 @@ struct TrainFlags {
 // What no single flag's range says (each flag's own range is checked as it is parsed:
 // RegisterTrain, tools/flags.h).
 absl::Status CheckFlags(const TrainFlags& f) {
+  // Outputs that could never be written (a FIFO would block, a directory fails) are refused
+  // before training, not after it.
+  if (!f.trace.empty()) PW_RETURN_IF_ERROR(CheckOutputPath(f.trace, "--trace"));
+  if (!f.svg.empty()) PW_RETURN_IF_ERROR(CheckOutputPath(f.svg, "--svg"));
   if (f.save.empty()) {
     if (f.save_every > 0 || f.keep > 0) {
       return absl::InvalidArgumentError(absl::StrCat(f.save_every > 0 ? "--save-every" : "--keep",

@@ -376,13 +376,23 @@ TEST_F(Torture, ASecondWriterIsRefusedAndTheFirstIsUndisturbed) {
   ExpectReferenceLosses(after, "after the killed writer");
 }
 
-// An unwritable --save fails at the start, before any step.
-TEST_F(Torture, AnUnwritableSaveDirectoryFailsBeforeTraining) {
+// An unwritable --save, or an output that would block (a FIFO), fails at the start, before any
+// step.
+TEST_F(Torture, UnwritableOutputsFailBeforeTraining) {
   std::ofstream(Path("file")) << "x";
   Result r = RunBounded(kTrain + "--steps 2 --save " + Path("file") + "/ck");
   EXPECT_EQ(r.exit_code, 2) << r.err;
   EXPECT_NE(r.err.find("--save: cannot create checkpoint directory"), std::string::npos) << r.err;
   EXPECT_TRUE(StepLosses(r.out).empty());
+  MakeSpecial(Path("fifo"), Special::kFifo);
+  for (const char* flag : {"--trace", "--svg"}) {
+    r = RunBounded(kTrain + "--steps 2 " + flag + " " + Path("fifo"));
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_NE(r.err.find(std::string(flag) + " '" + Path("fifo") + "': it is a FIFO"),
+              std::string::npos)
+        << r.err;
+    EXPECT_TRUE(StepLosses(r.out).empty());
+  }
 }
 
 // ---- checkpoints that verify but must not be used as they are ----
