@@ -20,6 +20,20 @@ namespace {
 
 using json = nlohmann::json;
 
+// The integer `key` of `obj` (`fallback` when absent and given): a JSON integer within int64, so
+// a float or a huge number is an error, never an undefined conversion.
+absl::StatusOr<int64_t> IntField(const json& obj, const char* key, const std::string& where,
+                                 std::optional<int64_t> fallback = std::nullopt) {
+  if (!obj.contains(key) && fallback) return *fallback;
+  if (!obj.contains(key) || !obj[key].is_number_integer() ||
+      (obj[key].is_number_unsigned() && obj[key].get<uint64_t>() > uint64_t{INT64_MAX})) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ".", key, " is ",
+                                                   obj.contains(key) ? obj[key].dump() : "missing",
+                                                   ": expected an integer"));
+  }
+  return obj[key].get<int64_t>();
+}
+
 // The graph the manifest of the checkpoint at `path` describes: a GPT from model.gpt, else a
 // preset from model.preset, checked by fingerprint. Errors name `path`/manifest.json.
 absl::StatusOr<LayerGraph> GraphOfManifest(const std::string& path, const std::string& text) {
@@ -35,14 +49,20 @@ absl::StatusOr<LayerGraph> GraphOfManifest(const std::string& path, const std::s
     const std::string name = model.value("name", "");
     if (model.contains("gpt") && model["gpt"].is_object()) {  // a GPT: rebuilt from its shape
       const json& a = model["gpt"];
-      const GptConfig c{.layers = a.at("layers").get<int64_t>(),
-                        .hidden = a.at("hidden").get<int64_t>(),
-                        .heads = a.at("heads").get<int64_t>(),
-                        .seq = a.at("seq").get<int64_t>(),
-                        .vocab = a.at("vocab").get<int64_t>(),
+      PW_ASSIGN_OR_RETURN(const int64_t layers, IntField(a, "layers", where + ": model.gpt"));
+      PW_ASSIGN_OR_RETURN(const int64_t hidden, IntField(a, "hidden", where + ": model.gpt"));
+      PW_ASSIGN_OR_RETURN(const int64_t heads, IntField(a, "heads", where + ": model.gpt"));
+      PW_ASSIGN_OR_RETURN(const int64_t seq, IntField(a, "seq", where + ": model.gpt"));
+      PW_ASSIGN_OR_RETURN(const int64_t vocab, IntField(a, "vocab", where + ": model.gpt"));
+      const GptConfig c{.layers = layers,
+                        .hidden = hidden,
+                        .heads = heads,
+                        .seq = seq,
+                        .vocab = vocab,
                         .tied = a.at("tied").get<bool>()};
       // Every field in its range before anything is built (Note [GPT limits] in model.cc).
-      const int64_t micro_batch_size = model.value("micro_batch_size", int64_t{1});
+      PW_ASSIGN_OR_RETURN(const int64_t micro_batch_size,
+                          IntField(model, "micro_batch_size", where + ": model", 1));
       PW_RETURN_IF_ERROR(CheckGptConfig(c, absl::StrCat(where, ": model.gpt"), micro_batch_size));
       absl::StatusOr<LayerGraph> graph = GptModel(name, c, micro_batch_size);
       if (!graph.ok() || graph->Fingerprint() != model.value("fingerprint", "")) {
@@ -57,8 +77,10 @@ absl::StatusOr<LayerGraph> GraphOfManifest(const std::string& path, const std::s
           "' (not a preset): build its LayerGraph and call EvaluateCheckpoint(graph, dir, data, "
           "batches) from C++"));
     }
-    PW_ASSIGN_OR_RETURN(LayerGraph graph, PresetModel(model["preset"].get<std::string>(),
-                                                      model.value("micro_batch_size", int64_t{0})));
+    PW_ASSIGN_OR_RETURN(const int64_t micro_batch_size,
+                        IntField(model, "micro_batch_size", where + ": model", 0));
+    PW_ASSIGN_OR_RETURN(LayerGraph graph,
+                        PresetModel(model["preset"].get<std::string>(), micro_batch_size));
     if (model.value("fingerprint", "") != graph.Fingerprint()) {
       return absl::InvalidArgumentError(absl::StrCat(where, ": fingerprint does not match preset '",
                                                      model["preset"].get<std::string>(), "'"));

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cfloat>
+#include <cmath>
 #include <cstdint>
 #include <nlohmann/json.hpp>
 
@@ -101,14 +102,24 @@ void CompareSettings(const json& m, const ResumePoint& at, const RunSettings& ru
     return obj.is_object() && obj.contains(key) && obj[key].is_number() ? obj[key].get<double>()
                                                                         : fallback;
   };
+  // A float from the manifest, converted only when it fits one (a damaged 1e300 does not).
+  auto real = [&](const json& obj, const char* key, float fallback) {
+    const double v = number(obj, key, fallback);
+    return std::isfinite(v) && std::abs(v) <= FLT_MAX ? static_cast<float>(v) : fallback;
+  };
+  // A count from the manifest, converted only when it fits (a damaged 1e300 is not a count).
+  auto count = [&](const json& obj, const char* key, int64_t fallback) {
+    const double v = number(obj, key, static_cast<double>(fallback));
+    return v >= -9.0e18 && v <= 9.0e18 ? static_cast<int64_t>(v) : fallback;
+  };
   // The learning-rate schedule: what the rate at the resumed step was and is now.
   if (m.contains("lr_schedule") && m["lr_schedule"].is_object()) {
     const json& l = m["lr_schedule"];
     LrSchedule was;
-    was.peak = static_cast<float>(number(l, "peak", run.lr.peak));
-    was.warmup_steps = static_cast<int64_t>(number(l, "warmup_steps", run.lr.warmup_steps));
-    was.total_steps = static_cast<int64_t>(number(l, "total_steps", run.lr.total_steps));
-    was.min_ratio = static_cast<float>(number(l, "min_ratio", run.lr.min_ratio));
+    was.peak = real(l, "peak", run.lr.peak);
+    was.warmup_steps = count(l, "warmup_steps", run.lr.warmup_steps);
+    was.total_steps = count(l, "total_steps", run.lr.total_steps);
+    was.min_ratio = real(l, "min_ratio", run.lr.min_ratio);
     std::vector<std::string> changed;
     auto cmp = [&](const char* name, double a, double b) {
       if (a != b) changed.push_back(absl::StrCat(name, " ", Num(a), " -> ", Num(b)));
@@ -128,8 +139,8 @@ void CompareSettings(const json& m, const ResumePoint& at, const RunSettings& ru
     const json& o = m["optimizer"];
     std::vector<std::string> changed;
     auto cmp = [&](const char* key, float now) {
-      const double was = number(o, key, now);
-      if (static_cast<float>(was) != now) {
+      const float was = real(o, key, now);
+      if (was != now) {
         changed.push_back(absl::StrCat(key, " ", Num(was), " -> ", Num(now)));
       }
     };
@@ -163,10 +174,9 @@ void CompareSettings(const json& m, const ResumePoint& at, const RunSettings& ru
   // rounding.
   if (m.contains("plan") && m["plan"].is_object()) {
     const json& p = m["plan"];
-    const int64_t dp = static_cast<int64_t>(number(p, "data_parallel", run.layout.replicas));
-    const int64_t mb = static_cast<int64_t>(number(p, "micro_batches", run.layout.micro_batches));
-    const int64_t b =
-        static_cast<int64_t>(number(p, "micro_batch_size", run.layout.micro_batch_size));
+    const int64_t dp = count(p, "data_parallel", run.layout.replicas);
+    const int64_t mb = count(p, "micro_batches", run.layout.micro_batches);
+    const int64_t b = count(p, "micro_batch_size", run.layout.micro_batch_size);
     if (dp != run.layout.replicas || mb != run.layout.micro_batches ||
         b != run.layout.micro_batch_size) {
       warnings->push_back(absl::StrCat(

@@ -459,14 +459,20 @@ TEST_F(Torture, EvalNamesTheManifestItRead) {
   absl::StatusOr<pipewright::Checkpoint> ck = pipewright::ReadCheckpoint(step);
   ASSERT_TRUE(ck.ok()) << ck.status();
   nlohmann::json m = nlohmann::json::parse(ck->manifest_json);
-  m["model"]["gpt"]["layers"] = "eight";  // digest-valid, but not a GPT this runtime rebuilds
   pipewright::NamedTensors model(ck->model.begin(), ck->model.end()),
       opt(ck->optimizer.begin(), ck->optimizer.end());
-  ASSERT_TRUE(pipewright::WriteCheckpoint(step, m.dump(), model, opt).ok());
-  Result e = RunBounded("eval --batches 1 --checkpoint " + dir);
-  EXPECT_EQ(e.exit_code, 2) << e.err;
-  EXPECT_NE(e.err.find(step + "/manifest.json: malformed"), std::string::npos) << e.err;
-  EXPECT_EQ(e.err.find(dir + "/manifest.json"), std::string::npos) << e.err;
+  // Digest-valid, but not a GPT this runtime rebuilds: a string, and a float no integer holds.
+  for (const nlohmann::json& layers : {nlohmann::json("eight"), nlohmann::json(1e300)}) {
+    m["model"]["gpt"]["layers"] = layers;
+    ASSERT_TRUE(pipewright::WriteCheckpoint(step, m.dump(), model, opt).ok());
+    Result e = RunBounded("eval --batches 1 --checkpoint " + dir);
+    EXPECT_EQ(e.exit_code, 2) << e.err;
+    EXPECT_NE(e.err.find(step + "/manifest.json: model.gpt.layers is " + layers.dump() +
+                         ": expected an integer"),
+              std::string::npos)
+        << e.err;
+    EXPECT_EQ(e.err.find(dir + "/manifest.json"), std::string::npos) << e.err;
+  }
 }
 
 // ---- resume checks ----
