@@ -205,12 +205,16 @@ class RankExecutor {
     int64_t tag = -1;
     Tensor buf;
     std::unique_ptr<Work> work;
-    Clock::time_point start;
   };
   absl::StatusOr<std::pair<StageRt*, int>> P2PEnds(const Action& a);
   absl::Status IssueSend(const Action& a);
   absl::Status PostRecv(const Action& a, PendingRecv* r);
   absl::Status FinishRecv(PendingRecv& r);
+  // Note [Receives posted ahead]: waits for the posted receive that fills `st`'s input
+  // (forward) or output gradient (backward) of micro-batch `mb`, if one is pending.
+  absl::Status AwaitRecv(StageRt& st, int mb, bool forward);
+  // Waits for every receive still pending (the end of the step's program).
+  absl::Status AwaitAllRecvs();
   // Runs the consecutive sends and receives [begin, end) of the program as one group.
   absl::Status RunP2PGroup(size_t begin, size_t end);
   absl::Status WaitSends();
@@ -223,6 +227,7 @@ class RankExecutor {
   std::vector<Tensor> dev_inputs_, dev_targets_;  // CUDA copies of batch_, per micro-batch
   std::vector<double> losses_;                    // [micro-batch], last-stage ranks only
   std::vector<std::unique_ptr<Work>> sends_;
+  std::vector<PendingRecv> recvs_;  // posted, not yet waited for (Note [Receives posted ahead])
   int64_t step_ = 0;
   // Asynchronous DP: owners per parameter, elements each replica owns, this rank's shard, and
   // the replica steps done in the current run.

@@ -57,15 +57,18 @@ absl::Status RankExecutor::PostRecv(const Action& a, PendingRecv* r) {
   r->tag = MessageTag(ctx->run->num_stages(), a.micro_batch, a.virtual_stage, fwd);
   r->buf = fwd ? Tensor::Empty(st->in_shape, st->in_dtype, alloc.get())
                : Tensor::Empty(st->out_shape, DType::kF32, alloc.get());
-  r->start = Clock::now();
   flight.Peer(r->peer, r->tag, static_cast<int64_t>(r->buf.nbytes()));
   r->work = world->Recv(r->buf, r->peer, r->tag);
   return absl::OkStatus();
 }
 
 absl::Status RankExecutor::FinishRecv(PendingRecv& r) {
+  // The flight recorder's current entry is the action that needs the buffer: a hang there
+  // names the peer it waits for.
+  flight.Peer(r.peer, r.tag, static_cast<int64_t>(r.buf.nbytes()));
+  const Clock::time_point t = Clock::now();
   absl::Status s = WaitOrAbort(*r.work, absl::StrCat(r.action.ToString(), " from rank ", r.peer));
-  Record(EventKind::kRecvWait, r.action, r.start, r.peer, r.tag);
+  Record(EventKind::kRecvWait, r.action, t, r.peer, r.tag);
   PW_RETURN_IF_ERROR(s);
   const bool fwd = r.action.kind == ActionKind::kRecvF;
   (fwd ? r.stage->input[r.action.micro_batch] : r.stage->grad_out[r.action.micro_batch]) =
@@ -96,7 +99,34 @@ absl::Status RankExecutor::RunP2PGroup(size_t begin, size_t end) {
     return absl::Status(grouped.code(),
                         absl::StrCat(Who(), " grouped send/receive: ", grouped.message()));
   }
-  for (PendingRecv& r : recvs) PW_RETURN_IF_ERROR(FinishRecv(r));
+  for (PendingRecv& r : recvs) recvs_.push_back(std::move(r));
+  return absl::OkStatus();
+}
+
+// Note [Receives posted ahead]. A RECV action only posts its receive; the wait happens at the
+// first action that reads the buffer (the F of the same stage and micro-batch for RECV_F, its B
+// or I for RECV_B), as torch.distributed.pipelining does. The transfer then overlaps whatever
+// the program runs in between, and a backend that progresses messages only inside its calls
+// (MPI) sees the receive early. The recorded receive wait is the time the consumer waited, and
+// a hang in it is reported by the consuming action's flight-recorder entry, naming the peer.
+absl::Status RankExecutor::AwaitRecv(StageRt& st, int mb, bool forward) {
+  const ActionKind kind = forward ? ActionKind::kRecvF : ActionKind::kRecvB;
+  for (size_t i = 0; i < recvs_.size(); ++i) {
+    PendingRecv& r = recvs_[i];
+    if (r.stage != &st || r.action.micro_batch != mb || r.action.kind != kind) continue;
+    PendingRecv mine = std::move(r);
+    recvs_.erase(recvs_.begin() + static_cast<std::ptrdiff_t>(i));
+    return FinishRecv(mine);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RankExecutor::AwaitAllRecvs() {
+  while (!recvs_.empty()) {
+    PendingRecv r = std::move(recvs_.front());
+    recvs_.erase(recvs_.begin());
+    PW_RETURN_IF_ERROR(FinishRecv(r));
+  }
   return absl::OkStatus();
 }
 

@@ -37,6 +37,7 @@ void RankExecutor::BeginStep(int64_t step) {
     st.grad_in.assign(M, Tensor());
   }
   grad_sync->BeginStep();
+  recvs_.clear();
   losses_.assign(M, 0.0);
   dev_inputs_.assign(M, Tensor());
   dev_targets_.assign(M, Tensor());
@@ -101,6 +102,10 @@ absl::Status RankExecutor::RunStep(int64_t step, float lr, StepOutcome* out) {
       return world->abort_status();
     }
   }
+  if (absl::Status s = AwaitAllRecvs(); !s.ok()) {
+    world->Abort(s);
+    return world->abort_status();
+  }
   EndStep(t0, start_bytes);
   return absl::OkStatus();
 }
@@ -114,7 +119,8 @@ absl::Status RankExecutor::RunAction(const Action& a, int index, int64_t step, f
     if (a.kind == ActionKind::kSendF || a.kind == ActionKind::kSendB) return IssueSend(a);
     PendingRecv r;
     PW_RETURN_IF_ERROR(PostRecv(a, &r));
-    return FinishRecv(r);
+    recvs_.push_back(std::move(r));
+    return absl::OkStatus();
   }
   StageRt* st = Local(a.virtual_stage);
   if (st == nullptr) {
@@ -128,6 +134,7 @@ absl::Status RankExecutor::RunAction(const Action& a, int index, int64_t step, f
   }
   switch (a.kind) {
     case ActionKind::kF: {
+      PW_RETURN_IF_ERROR(AwaitRecv(*st, a.micro_batch, /*forward=*/true));
       Clock::time_point t = Clock::now();
       absl::Status s = Forward(*st, a.micro_batch);
       Record(EventKind::kCompute, a, t);
@@ -137,6 +144,7 @@ absl::Status RankExecutor::RunAction(const Action& a, int index, int64_t step, f
     }
     case ActionKind::kB:
     case ActionKind::kI:
+      PW_RETURN_IF_ERROR(AwaitRecv(*st, a.micro_batch, /*forward=*/false));
       return Named(Backward(*st, a, index), Who(), a);
     case ActionKind::kW:
       return Named(WeightBackward(*st, a, index), Who(), a);

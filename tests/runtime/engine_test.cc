@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <sched.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -545,6 +546,43 @@ TEST(EngineReport, SummaryAndTraceDescribeEveryRank) {
   EXPECT_EQ(tl.timeline.size(), 2u * 4u * 2u);  // 2 ranks x 4 micro-batches x (F, B)
   EXPECT_GT(tl.makespan, 0);
   EXPECT_NE(ToSvg((*e)->schedule(), tl).find("<svg"), std::string::npos);
+}
+
+// Note [Receives posted ahead] (rank_p2p.cc): a RECV only posts; its wait happens at the action
+// that reads the buffer. Rank 1's program is changed to post micro-batch 1's activation receive
+// before the forward of micro-batch 0, so the wait for it must come after that forward.
+TEST(EngineReceives, PostedAheadAndWaitedForAtTheirConsumer) {
+  auto schedule = GenerateSchedule({ScheduleKind::kGpipe, 2, 2, 1});
+  ASSERT_TRUE(schedule.ok()) << schedule.status();
+  ASSERT_TRUE(LowerComm(*schedule).ok());
+  std::vector<Action>& prog = schedule->programs[1].actions;
+  const Action recv1{ActionKind::kRecvF, 1, 1}, f0{ActionKind::kF, 1, 0};
+  auto at = [&](const Action& a) { return std::find(prog.begin(), prog.end(), a); };
+  ASSERT_NE(at(recv1), prog.end());
+  ASSERT_LT(at(f0), at(recv1));  // the generator receives right before the forward
+  prog.erase(at(recv1));
+  prog.insert(at(f0), recv1);
+  const LayerGraph graph = Tiny();
+  auto run = RunSpecFromSchedule(graph, *std::move(schedule), 1);
+  ASSERT_TRUE(run.ok()) << run.status();
+  auto world = World::InProcess(WorldOptions{});
+  ASSERT_TRUE(world.ok()) << world.status();
+  auto data = OpenDataset("synthetic", graph.shape().seq_len, 1);
+  ASSERT_TRUE(data.ok()) << data.status();
+  auto e = Engine::Create(graph, *std::move(run), TrainOptions{}, *std::move(data),
+                          *std::move(world));
+  ASSERT_TRUE(e.ok()) << e.status();
+  ASSERT_TRUE((*e)->Step().ok());
+  const std::vector<RankEvent>& events = (*e)->Events()[1];
+  const RankEvent* wait = nullptr;
+  const RankEvent* forward = nullptr;
+  for (const RankEvent& ev : events) {
+    if (ev.kind == EventKind::kRecvWait && ev.action == recv1) wait = &ev;
+    if (ev.kind == EventKind::kCompute && ev.action == f0) forward = &ev;
+  }
+  ASSERT_NE(wait, nullptr);
+  ASSERT_NE(forward, nullptr);
+  EXPECT_GE(wait->start, forward->end);
 }
 
 class EngineCheckpointTest : public testing_util::ScratchDirTest {};
