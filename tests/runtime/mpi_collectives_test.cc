@@ -1,6 +1,6 @@
-// Tests of the MPI backend's collectives (runtime/comm/mpi_collectives.cc): AllReduce, AllGather
-// and Broadcast across processes, bit for bit against the rank-order sum and the local backend,
-// and their argument checks on every rank. Part of mpi_comm_test (see
+// Tests of the MPI backend's collectives (runtime/comm/mpi_collectives.cc): AllReduce,
+// ReduceScatter, AllGather and Broadcast across processes, bit for bit against the rank-order sum
+// and the local backend, and their argument checks on every rank. Part of mpi_comm_test (see
 // mpi_comm_test.cc for how it runs).
 #include <gtest/gtest.h>
 
@@ -141,6 +141,93 @@ TEST_F(MpiCommTest, AllReduceMismatchFailsEveryParticipant) {
   Tensor x = Scalar1(2);
   ASSERT_TRUE(world_->AllReduce(x)->Wait(kWait).ok());
   EXPECT_EQ(x.ToVector()[0], 2.0f * size_);
+}
+
+TEST_F(MpiCommTest, ReduceScatterIsAllReduceChunkBitForBit) {
+  // 1e8 + 1 rounds back to 1e8 in f32, so with 3 or more ranks the order of these terms decides
+  // the result (with 4: ((1e8 + 1) + -1e8) + 1 = 1 in rank order, 2 in others).
+  const float terms[4] = {1e8f, 1.0f, -1e8f, 1.0f};
+  float rank_order = terms[0];
+  for (int r = 1; r < size_; ++r) rank_order = rank_order + terms[r % 4];
+  if (size_ == 4) {
+    ASSERT_EQ(rank_order, 1.0f);
+  }
+  Tensor t = Tensor::FromVector({size_}, std::vector<float>(size_, terms[rank_ % 4]));
+  Tensor one = Tensor::Zeros({1});
+  absl::Status s = world_->ReduceScatter(t, one)->Wait(kWait);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(one.ToVector()[0], rank_order);
+  // Mixed magnitudes against the rank-order sum, this backend's AllReduce and the local
+  // backend's, ranks arriving staggered; the last size through derived datatypes of 1000-byte
+  // blocks.
+  SleepMs(10 * ((rank_ * 3) % size_));
+  for (int64_t n : {int64_t{1025}, int64_t{1}, int64_t{1} << 16, int64_t{100003}}) {
+    if (n == 100003) {
+      MpiWorldOptions o;
+      o.max_block_bytes = 1000;
+      Create(o);
+    }
+    std::vector<Tensor> inputs;
+    for (int r = 0; r < size_; ++r) inputs.push_back(MixedMagnitudeInput(r, size_ * n, 4321));
+    const Tensor expected = SequentialSum(inputs);
+    EXPECT_TRUE(BitEqual(LocalAllReduce(inputs, kWait), expected));
+    Tensor reduced = inputs[rank_].Clone(), out = Tensor::Zeros({n});
+    auto wr = world_->AllReduce(reduced);
+    auto ws = world_->ReduceScatter(inputs[rank_], out);
+    ASSERT_TRUE(ws->Wait(kWait).ok());  // out of call order
+    ASSERT_TRUE(wr->Wait(kWait).ok());
+    EXPECT_TRUE(BitEqual(reduced, expected)) << "n " << n;
+    EXPECT_TRUE(BitEqual(out, ChunkOf(expected, rank_ * n, n))) << "n " << n;
+    // The input was only read.
+    EXPECT_TRUE(BitEqual(inputs[rank_], MixedMagnitudeInput(rank_, size_ * n, 4321)));
+  }
+}
+
+TEST_F(MpiCommTest, ReduceScatterF64AndI32MatchAllReduce) {
+  CheckF64AndI32ReduceScatter(*world_, kWait);
+}
+
+TEST_F(MpiCommTest, ReduceScatterInAGroupOfOne) {
+  // Every rank alone in its own group: `out` may be `in` itself.
+  absl::StatusOr<std::unique_ptr<Communicator>> alone = world_->Split(rank_, 0, kWait);
+  ASSERT_TRUE(alone.ok()) << alone.status();
+  ASSERT_EQ((*alone)->size(), 1);
+  Tensor t = Tensor::FromVector({2}, {1.0f * rank_, 2}), copy = Tensor::Zeros({2});
+  ASSERT_TRUE((*alone)->ReduceScatter(t, t)->Wait(kWait).ok());
+  ASSERT_TRUE((*alone)->ReduceScatter(t, copy)->Wait(kWait).ok());
+  EXPECT_EQ(t.ToVector(), (std::vector<float>{1.0f * rank_, 2}));
+  EXPECT_EQ(copy.ToVector(), (std::vector<float>{1.0f * rank_, 2}));
+}
+
+TEST_F(MpiCommTest, ReduceScatterBadOrDisagreeingArgumentsFailEveryRank) {
+  // Only the last rank's input is one element short: it fails at once, every other rank learns it.
+  Tensor out = Tensor::Zeros({3});
+  Tensor in = Tensor::Zeros({rank_ == size_ - 1 ? 3 * size_ - 1 : 3 * size_});
+  ExpectInvalidArgument(
+      world_->ReduceScatter(in, out)->Wait(kWait),
+      {"ReduceScatter (collective #0)", absl::StrCat("must have ", 3 * size_, " elements")});
+  // bf16 on rank 0 only.
+  const DType dtype = rank_ == 0 ? DType::kBF16 : DType::kF32;
+  Tensor h = Tensor::Zeros({3 * size_}, dtype), h_out = Tensor::Zeros({3}, dtype);
+  ExpectInvalidArgument(world_->ReduceScatter(h, h_out)->Wait(kWait),
+                        {"ReduceScatter supports f32, f64 and i32, got bf16"});
+  // Inputs that disagree between ranks (each one consistent with its own output).
+  const int64_t n = rank_ == 1 ? 5 : 4;
+  Tensor mine = Tensor::Zeros({n * size_}), chunk = Tensor::Zeros({n});
+  ExpectInvalidArgument(world_->ReduceScatter(mine, chunk)->Wait(kWait),
+                        {absl::StrCat("ReduceScatter (collective #2): rank 1 passed [", 5 * size_,
+                                      "] f32 but rank 0 passed [", 4 * size_, "] f32")});
+  // ReduceScatter against an AllReduce.
+  Tensor full = Tensor::Zeros({3 * size_});
+  ExpectInvalidArgument(
+      (rank_ == 0 ? world_->ReduceScatter(full, out) : world_->AllReduce(full))->Wait(kWait),
+      {"called AllReduce but rank 0 called ReduceScatter"});
+  // The communicator is still in step, and nothing was aborted.
+  EXPECT_TRUE(world_->abort_status().ok());
+  Tensor ones = Tensor::FromVector({2 * size_}, std::vector<float>(2 * size_, 1.0f));
+  Tensor two = Tensor::Zeros({2});
+  ASSERT_TRUE(world_->ReduceScatter(ones, two)->Wait(kWait).ok());
+  EXPECT_EQ(two.ToVector(), std::vector<float>(2, static_cast<float>(size_)));
 }
 
 // Element i of rank r's AllGather input, exact in every dtype used (bf16 is set by its bits).

@@ -27,6 +27,9 @@
 namespace pipewright::mpi_test {
 
 using comm_test::BitEqual;
+using comm_test::CheckF64AndI32ReduceScatter;
+using comm_test::ChunkOf;
+using comm_test::ExpectInvalidArgument;
 using comm_test::LocalAllReduce;
 using comm_test::Scalar1;
 using comm_test::SecondsSince;
