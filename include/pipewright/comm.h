@@ -10,9 +10,11 @@
 //    they arrive in. Two messages with the same (peer, tag) are received in send order. `t` is
 //    preallocated by the receiver: a message of another size or dtype is an error.
 //  - AllReduce sums element-wise over the group in group-rank order (((x0 + x1) + x2) + ...),
-//    so every rank gets bit-identical results and reruns are bit-stable.
-//  - Collectives (AllReduce, AllGather, Broadcast, Barrier, Split) are matched by call order:
-//    every rank's k-th collective on a communicator meets the others' k-th.
+//    so every rank gets bit-identical results and reruns are bit-stable. ReduceScatter sums the
+//    same way and gives rank r the r-th chunk of that sum, bit-identical to the same elements of
+//    AllReduce's result for the same inputs.
+//  - Collectives (AllReduce, ReduceScatter, AllGather, Broadcast, Barrier, Split) are matched by
+//    call order: every rank's k-th collective on a communicator meets the others' k-th.
 //  - Abort(status) ends every pending and future operation, on every rank, of this
 //    communicator and of every communicator split from the same world, with the first abort's
 //    status. A timed-out Wait is DeadlineExceeded and does not abort by itself.
@@ -21,9 +23,10 @@
 //
 // Device tensors (docs/cuda.md). The local backend accepts CUDA tensors too (a pipeline of
 // several stages on one GPU): messages are copied device to device, ordered by events on the
-// tensors' allocator streams, and AllReduce/AllGather/Broadcast stage through host memory with the
-// same rank-order sum as on the host. A completed operation's result is ready for work queued on
-// the destination tensor's allocator stream after Wait; a host reader synchronises that stream.
+// tensors' allocator streams, and AllReduce/ReduceScatter/AllGather/Broadcast stage through host
+// memory with the same rank-order sum as on the host. A completed operation's result is ready for
+// work queued on the destination tensor's allocator stream after Wait; a host reader synchronises
+// that stream.
 //
 // The NCCL backend (CreateNcclWorld, CreateNcclCommunicator) differs from the rules above:
 //  - Tensors are CUDA tensors on the communicator's GPU. Each operation first waits (on the GPU)
@@ -34,10 +37,11 @@
 //  - No tags: between two ranks, receives match sends in posting order (one FIFO per peer
 //    pair), which the engine's per-peer program order makes agree with the tags. A receive
 //    whose size differs from the matching send cannot be detected; it is undefined.
-//  - AllReduce is NCCL's sum: identical on every rank and run to run for a fixed
-//    NCCL_ALGO/NCCL_PROTO and topology, but not the local backend's rank-order sum.
-//  - Collectives' arguments are not compared across ranks: an AllReduce or AllGather whose size
-//    differs between ranks, or a Broadcast with another root, is undefined.
+//  - AllReduce and ReduceScatter are NCCL's sum: identical on every rank and run to run for a
+//    fixed NCCL_ALGO/NCCL_PROTO and topology, but not the local backend's rank-order sum (and a
+//    ReduceScatter's chunk need not match the same elements of an AllReduce bit for bit).
+//  - Collectives' arguments are not compared across ranks: an AllReduce, ReduceScatter or
+//    AllGather whose size differs between ranks, or a Broadcast with another root, is undefined.
 //  - Abort calls ncclCommAbort on every communicator of the world (and its splits); pending
 //    and future operations fail with the abort status.
 // Code that must work on every backend asks capabilities() rather than the backend's name.
@@ -132,8 +136,10 @@ struct CommCapabilities {
   // Sends and receives that pair up between two ranks must be posted inside one
   // GroupStart/GroupEnd (or in an order that never waits on the peer), else both sides block.
   bool grouped_p2p = false;
-  // AllReduce sums in group-rank order, ((x0 + x1) + x2) + ..., bit-identical to the local
-  // backend for the same inputs; false = the library's own (deterministic per topology) order.
+  // AllReduce and ReduceScatter sum in group-rank order, ((x0 + x1) + x2) + ..., bit-identical to
+  // the local backend for the same inputs (and a ReduceScatter's output on rank r to elements
+  // [r * out.numel(), (r + 1) * out.numel()) of AllReduce's result); false = the library's own
+  // (deterministic per topology) order.
   bool rank_order_sum = true;
   // Two threads may post point-to-point operations (Send, Recv, and Wait/Done on them) on one
   // communicator at the same time; collectives stay one thread at a time. Asynchronous data
@@ -172,6 +178,19 @@ class Communicator {
   // disagree are undefined. `in` must not change and `out` must not be read until the Work
   // completes; `in` may be `out` itself only when size() == 1.
   virtual std::unique_ptr<Work> AllGather(const Tensor& in, Tensor& out) = 0;
+  // Sums every rank's `in` element-wise over the group and leaves the r-th chunk of the sum in
+  // rank r's `out`: with n = out.numel(), rank r receives elements [r * n, (r + 1) * n) of what
+  // AllReduce of the same inputs gives, bit for bit where capabilities().rank_order_sum
+  // (((x0 + x1) + x2) + ... in group-rank order). f32, f64 or i32, like AllReduce. `in` is
+  // preallocated by the caller with out's dtype and size() * out.numel() elements (shapes are
+  // free, only element counts matter); otherwise, or for another dtype, the operation fails with
+  // InvalidArgument naming ReduceScatter. Every rank passes the same dtype and element count for
+  // `in`; invalid or disagreeing arguments fail the collective as for AllGather: on every rank
+  // (it still counts, so later collectives stay matched), except on NCCL, where only the rank
+  // with invalid arguments fails and ranks that disagree are undefined. `in` must not change and
+  // `out` must not be read until the Work completes; `in` may be `out` itself only when
+  // size() == 1.
+  virtual std::unique_ptr<Work> ReduceScatter(const Tensor& in, Tensor& out) = 0;
   // Copies `root`'s tensor into every rank's `t` (same shape and dtype everywhere).
   virtual std::unique_ptr<Work> Broadcast(Tensor& t, int root) = 0;
   virtual std::unique_ptr<Work> Barrier() = 0;

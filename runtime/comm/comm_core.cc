@@ -28,6 +28,8 @@ const char* KindName(CollectiveKind kind) {
       return "Split";
     case CollectiveKind::kAllGather:
       return "AllGather";
+    case CollectiveKind::kReduceScatter:
+      return "ReduceScatter";
   }
   return "collective";
 }
@@ -68,21 +70,36 @@ absl::Status CheckRoot(int root, int size) {
   return absl::OkStatus();
 }
 
-absl::Status CheckReduceDType(DType dtype) {
+absl::Status CheckReduceDType(DType dtype, CollectiveKind kind) {
   if (dtype != DType::kF32 && dtype != DType::kF64 && dtype != DType::kI32) {
     return absl::InvalidArgumentError(
-        absl::StrCat("AllReduce supports f32, f64 and i32, got ", DTypeName(dtype)));
+        absl::StrCat(KindName(kind), " supports f32, f64 and i32, got ", DTypeName(dtype)));
   }
   return absl::OkStatus();
 }
 
-absl::Status CheckGatherLayout(const Tensor& in, const Tensor& out, int size) {
-  if (out.dtype() != in.dtype() || out.numel() != size * in.numel()) {
+namespace {
+
+// `whole` ("the output" of AllGather, "the input" of ReduceScatter) has part's dtype and
+// size * part.numel() elements.
+absl::Status CheckSizeTimesLayout(const Tensor& whole, absl::string_view whole_name,
+                                  const Tensor& part, absl::string_view part_name, int size) {
+  if (whole.dtype() != part.dtype() || whole.numel() != size * part.numel()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "the output ", out.ShapeString(), " must have ", size * in.numel(), " elements of ",
-        DTypeName(in.dtype()), " (", size, " ranks x the input ", in.ShapeString(), ")"));
+        whole_name, " ", whole.ShapeString(), " must have ", size * part.numel(), " elements of ",
+        DTypeName(part.dtype()), " (", size, " ranks x ", part_name, " ", part.ShapeString(), ")"));
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckGatherLayout(const Tensor& in, const Tensor& out, int size) {
+  return CheckSizeTimesLayout(out, "the output", in, "the input", size);
+}
+
+absl::Status CheckScatterLayout(const Tensor& in, const Tensor& out, int size) {
+  return CheckSizeTimesLayout(in, "the input", out, "the output", size);
 }
 
 absl::Status CheckTensor(const Tensor& t, absl::string_view what, CommBackend backend,
@@ -109,7 +126,7 @@ absl::Status CheckCollective(CollectiveKind kind, const CollectiveArgs& args, in
   switch (kind) {
     case CollectiveKind::kAllReduce:
       PW_RETURN_IF_ERROR(CheckTensor(args.tensor, what, backend, caps));
-      return Annotate(CheckReduceDType(args.tensor.dtype()), what);
+      return Annotate(CheckReduceDType(args.tensor.dtype(), CollectiveKind::kAllReduce), what);
     case CollectiveKind::kBroadcast:
       PW_RETURN_IF_ERROR(CheckTensor(args.tensor, what, backend, caps));
       return Annotate(CheckRoot(args.root, size), what);
@@ -117,6 +134,12 @@ absl::Status CheckCollective(CollectiveKind kind, const CollectiveArgs& args, in
       PW_RETURN_IF_ERROR(CheckTensor(args.tensor, absl::StrCat(what, " (input)"), backend, caps));
       PW_RETURN_IF_ERROR(CheckTensor(args.out, absl::StrCat(what, " (output)"), backend, caps));
       return Annotate(CheckGatherLayout(args.tensor, args.out, size), what);
+    case CollectiveKind::kReduceScatter:
+      PW_RETURN_IF_ERROR(CheckTensor(args.tensor, absl::StrCat(what, " (input)"), backend, caps));
+      PW_RETURN_IF_ERROR(CheckTensor(args.out, absl::StrCat(what, " (output)"), backend, caps));
+      PW_RETURN_IF_ERROR(
+          Annotate(CheckReduceDType(args.tensor.dtype(), CollectiveKind::kReduceScatter), what));
+      return Annotate(CheckScatterLayout(args.tensor, args.out, size), what);
     case CollectiveKind::kBarrier:
     case CollectiveKind::kSplit:
       return absl::OkStatus();
@@ -145,9 +168,9 @@ absl::Status CheckAgreement(int64_t seq, const CollectiveCall& call, absl::strin
                                                    KindName(call.kind), " but ", first_who,
                                                    " called ", KindName(first.kind)));
   }
-  const bool has_tensor = call.kind == CollectiveKind::kAllReduce ||
-                          call.kind == CollectiveKind::kBroadcast ||
-                          call.kind == CollectiveKind::kAllGather;
+  const bool has_tensor =
+      call.kind == CollectiveKind::kAllReduce || call.kind == CollectiveKind::kBroadcast ||
+      call.kind == CollectiveKind::kAllGather || call.kind == CollectiveKind::kReduceScatter;
   if (has_tensor && (call.dtype != first.dtype || call.numel != first.numel)) {
     return absl::InvalidArgumentError(absl::StrCat(CollectiveDescription(call.kind, seq), ": ", who,
                                                    " passed ", call.shape, " but ", first_who,

@@ -2,12 +2,14 @@
 // their names, argument checks and their error texts, the rank-order sum, and timeout messages.
 // Runtime-internal: nothing outside runtime/comm/ includes it.
 //
-// Note [rank-order sum]. AllReduce on the local and MPI backends is bit-identical because both
-// compute every element as ((x0 + x1) + x2) + ... in group-rank order, with the same float
-// operations, through RankOrderSum below (the MPI backend over one chunk of the tensor per rank,
-// the local backend over the whole tensor). Changing the order, fusing, vectorising with
-// reassociation or widening the accumulator changes the bits and breaks the tests that compare
-// the backends (comm_test, mpi_comm_test).
+// Note [rank-order sum]. AllReduce and ReduceScatter on the local and MPI backends are
+// bit-identical because both compute every element as ((x0 + x1) + x2) + ... in group-rank
+// order, with the same float operations, through RankOrderSum below (the MPI backend over one
+// chunk of the tensor per rank, the local backend over the whole tensor or, for ReduceScatter,
+// over each rank's chunk). An element's sum does not depend on which chunk it is summed in, so
+// ReduceScatter's chunk r is AllReduce's elements [r * n, (r + 1) * n) bit for bit. Changing the
+// order, fusing, vectorising with reassociation or widening the accumulator changes the bits and
+// breaks the tests that compare the backends (comm_test, mpi_comm_test).
 #ifndef PIPEWRIGHT_RUNTIME_COMM_COMM_CORE_H_
 #define PIPEWRIGHT_RUNTIME_COMM_COMM_CORE_H_
 
@@ -30,6 +32,7 @@ enum class CollectiveKind : int32_t {
   kBarrier = 3,
   kSplit = 4,
   kAllGather = 5,
+  kReduceScatter = 6,
 };
 
 // "AllReduce", "AllGather", ...
@@ -52,11 +55,14 @@ absl::Status Annotate(const absl::Status& s, absl::string_view what);
 absl::Status CheckPeerAndTag(int peer, int64_t tag, int size);
 // "root 3 is out of range [0, 3)".
 absl::Status CheckRoot(int root, int size);
-// "AllReduce supports f32, f64 and i32, got bf16".
-absl::Status CheckReduceDType(DType dtype);
+// "AllReduce supports f32, f64 and i32, got bf16" (`kind`, the reducing collective, is named).
+absl::Status CheckReduceDType(DType dtype, CollectiveKind kind);
 // AllGather's `out` has in's dtype and size * in.numel() elements; else "the output [5] f32 must
 // have 6 elements of f32 (2 ranks x the input [3] f32)".
 absl::Status CheckGatherLayout(const Tensor& in, const Tensor& out, int size);
+// ReduceScatter's `in` has out's dtype and size * out.numel() elements; else "the input [5] f32
+// must have 6 elements of f32 (2 ranks x the output [3] f32)".
+absl::Status CheckScatterLayout(const Tensor& in, const Tensor& out, int size);
 
 // `t` is defined and on a memory the backend accepts (capabilities host_memory/device_memory):
 // "what: undefined tensor", "what: the mpi backend needs host tensors, got a tensor on cuda:0".
@@ -68,8 +74,8 @@ absl::Status CheckP2P(const Tensor& t, int peer, int64_t tag, int size, absl::st
 
 // One rank's arguments to a collective (the tensors unused by `kind` may be undefined).
 struct CollectiveArgs {
-  Tensor tensor;  // AllReduce, Broadcast: the buffer; AllGather: `in`
-  Tensor out;     // AllGather
+  Tensor tensor;  // AllReduce, Broadcast: the buffer; AllGather, ReduceScatter: `in`
+  Tensor out;     // AllGather, ReduceScatter
   int root = 0;   // Broadcast
 };
 // A rank's own arguments to a collective, checked on their own and prefixed with `what`.
@@ -80,15 +86,15 @@ absl::Status CheckCollective(CollectiveKind kind, const CollectiveArgs& args, in
 // What the other ranks must agree on: a rank's collective call as its peers see it.
 struct CollectiveCall {
   CollectiveKind kind = CollectiveKind::kBarrier;
-  int32_t dtype = -1;  // DType of the tensor (AllGather: of `in`), -1 without one
+  int32_t dtype = -1;  // DType of the tensor (AllGather, ReduceScatter: of `in`), -1 without one
   int64_t numel = 0;
   std::string shape;  // "[4] f32", for messages
   int root = 0;
 };
 CollectiveCall CallOf(CollectiveKind kind, const Tensor& t, int root);
 // OK when `call` (made by `who`, e.g. "rank 1") agrees with `first` (made by `first_who`) for
-// collective #seq: same kind; same dtype and element count for AllReduce, Broadcast and
-// AllGather; same root for Broadcast. Else InvalidArgument naming both, e.g.
+// collective #seq: same kind; same dtype and element count (of `in`) for AllReduce, Broadcast,
+// AllGather and ReduceScatter; same root for Broadcast. Else InvalidArgument naming both, e.g.
 // "AllReduce (collective #3): rank 1 passed [5] f32 but rank 0 passed [4] f32".
 absl::Status CheckAgreement(int64_t seq, const CollectiveCall& call, absl::string_view who,
                             const CollectiveCall& first, absl::string_view first_who);

@@ -8,12 +8,12 @@
 // Device tensors: the same protocol with CUDA tensors (several pipeline stages on one GPU). A
 // message is a device copy made on the sender's allocator stream; delivering it copies device to
 // device on the receiver's stream, ordered by events (Tensor::CopyFrom), so a completed receive
-// is ready for the receiver's later work on that stream. AllReduce and Broadcast stage through
-// host memory: each participant's tensor is copied to the host (waiting for its stream), summed
-// there in the same group-rank order as host tensors, and copied back (waited for), so the
-// result is bit-identical to the host backend's for the same inputs. AllGather concatenates the
-// host copies and copies the result into every output. Host tensors take exactly the code path
-// they always did.
+// is ready for the receiver's later work on that stream. AllReduce, ReduceScatter and Broadcast
+// stage through host memory: each participant's tensor is copied to the host (waiting for its
+// stream), summed there in the same group-rank order as host tensors, and copied back (waited
+// for), so the result is bit-identical to the host backend's for the same inputs. AllGather
+// concatenates the host copies and copies the result into every output. Host tensors take exactly
+// the code path they always did.
 //
 // P2P: Send copies the payload (eagerly) into the receiver's mailbox, or straight into the
 // tensor of a receive that is already pending for the same (source, tag). A receive takes the
@@ -22,11 +22,11 @@
 //
 // Collectives: the k-th collective call on a rank's communicator joins slot k of its group.
 // The last rank to arrive computes the result outside the mutex (every participant's tensor is
-// held by a Tensor copy) and completes every participant's op. AllReduce is the rank-order sum
-// of comm_core.h (Note [rank-order sum]), which the MPI backend shares bit for bit. A rank whose
-// arguments are invalid or disagree with an earlier arrival's poisons the slot: every participant,
-// past and future, fails with that error, and the slot still counts as collective k so later
-// collectives stay matched.
+// held by a Tensor copy) and completes every participant's op. AllReduce and ReduceScatter are
+// the rank-order sum of comm_core.h (Note [rank-order sum]), which the MPI backend shares bit for
+// bit. A rank whose arguments are invalid or disagree with an earlier arrival's poisons the slot:
+// every participant, past and future, fails with that error, and the slot still counts as
+// collective k so later collectives stay matched.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -87,7 +87,7 @@ struct OpState {
 // One rank's contribution to a collective.
 struct Arrival {
   std::shared_ptr<OpState> op;
-  CollectiveArgs args;  // AllReduce, Broadcast, AllGather
+  CollectiveArgs args;  // AllReduce, Broadcast, AllGather, ReduceScatter
   int color = 0;        // Split
   int key = 0;          // Split
 };
@@ -291,10 +291,11 @@ class LocalCommunicator final : public Communicator {
   }
 
   std::unique_ptr<Work> AllGather(const Tensor& in, Tensor& out) override {
-    Arrival a;
-    a.args.tensor = in;
-    a.args.out = out;
-    return Join(CollectiveKind::kAllGather, std::move(a));
+    return JoinInOut(CollectiveKind::kAllGather, in, out);
+  }
+
+  std::unique_ptr<Work> ReduceScatter(const Tensor& in, Tensor& out) override {
+    return JoinInOut(CollectiveKind::kReduceScatter, in, out);
   }
 
   std::unique_ptr<Work> Broadcast(Tensor& t, int root) override {
@@ -392,6 +393,14 @@ class LocalCommunicator final : public Communicator {
     }
   }
 
+  // Joins a collective of an input and an output tensor (AllGather, ReduceScatter).
+  std::unique_ptr<Work> JoinInOut(CollectiveKind kind, const Tensor& in, Tensor& out) {
+    Arrival a;
+    a.args.tensor = in;
+    a.args.out = out;
+    return Join(kind, std::move(a));
+  }
+
   std::unique_ptr<Work> Join(CollectiveKind kind, Arrival a,
                              std::shared_ptr<OpState>* op_out = nullptr) {
     const int64_t seq = next_seq_++;
@@ -481,6 +490,36 @@ class LocalCommunicator final : public Communicator {
         PW_ASSIGN_OR_RETURN(Tensor acc, Tensor::TryEmpty(first.shape(), first.dtype()));
         comm_internal::RankOrderSum(acc.dtype(), acc.raw(), terms, acc.numel());
         for (Arrival& a : in) PW_RETURN_IF_ERROR(CopyInto(a.args.tensor, acc));
+        return absl::OkStatus();
+      }
+      case CollectiveKind::kReduceScatter: {
+        // Rank d's `out` = chunk d of the rank-order sum (Note [rank-order sum]): the same float
+        // operations on the same elements as AllReduce's, so the same bits. A host `out` is summed
+        // into directly: it cannot share storage with an input (tensors have no views, and the
+        // element counts differ) unless size() == 1 and it is that rank's `in`, which
+        // RankOrderSum allows.
+        std::vector<Tensor> host(in.size());
+        for (size_t r = 0; r < in.size(); ++r) {
+          PW_ASSIGN_OR_RETURN(host[r], HostView(in[r].args.tensor));
+        }
+        const DType dtype = host[0].dtype();
+        const int64_t n = in[0].args.out.numel();
+        if (n == 0) return absl::OkStatus();
+        const size_t bytes = static_cast<size_t>(n) * DTypeSize(dtype);
+        std::vector<const void*> terms(in.size());
+        for (size_t d = 0; d < in.size(); ++d) {
+          for (size_t r = 0; r < in.size(); ++r) {
+            terms[r] = static_cast<const char*>(host[r].raw()) + d * bytes;
+          }
+          Tensor& out = in[d].args.out;
+          if (OnHost(out)) {
+            comm_internal::RankOrderSum(dtype, out.raw(), terms, n);
+            continue;
+          }
+          PW_ASSIGN_OR_RETURN(Tensor chunk, Tensor::TryEmpty({n}, dtype));
+          comm_internal::RankOrderSum(dtype, chunk.raw(), terms, n);
+          PW_RETURN_IF_ERROR(CopyInto(out, chunk));
+        }
         return absl::OkStatus();
       }
       case CollectiveKind::kAllGather: {

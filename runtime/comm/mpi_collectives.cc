@@ -3,8 +3,9 @@
 // other rank a header (its kind, layout, root, color/key or its own argument error) and the data
 // that rank needs; every rank reaches the same verdict from the same N headers (Verdict). Barrier
 // and Split end there; Broadcast copies the root's payload; AllGather places every rank's input
-// at its offset of the output; AllReduce sums this rank's chunk over all ranks in rank order
-// (Note [rank-order sum] in comm_core.h) and phase 2 sends the summed chunks to everyone.
+// at its offset of the output; ReduceScatter sums this rank's chunk over all ranks in rank order
+// (Note [rank-order sum] in comm_core.h) into the output; AllReduce sums this rank's chunk the
+// same way and phase 2 sends the summed chunks to everyone.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -25,11 +26,30 @@
 namespace pipewright::mpi_internal {
 namespace {
 
-// Elements [lo, hi) of rank r's AllReduce chunk.
-std::pair<int64_t, int64_t> Chunk(int64_t numel, int ranks, int r) {
+// Elements [lo, hi) of the input that rank r sums: ReduceScatter's chunks are the caller's
+// (out.numel() elements each); AllReduce splits its tensor as evenly as it can.
+std::pair<int64_t, int64_t> Chunk(const Coll& c, int ranks, int r) {
+  if (c.kind == CollectiveKind::kReduceScatter) {
+    const int64_t n = c.out.numel();
+    return {r * n, (r + 1) * n};
+  }
+  const int64_t numel = c.tensor.numel();
   const int64_t base = numel / ranks, rem = numel % ranks;
   const int64_t lo = r * base + std::min<int64_t>(r, rem);
   return {lo, lo + base + (r < rem ? 1 : 0)};
+}
+
+// OK when every peer's phase-1 payload has `bytes` bytes (`what_for`: "an input", "a chunk").
+absl::Status CheckPayloadBytes(const Group& g, const std::vector<int64_t>& payload_bytes,
+                               size_t bytes, const std::string& what, const char* what_for) {
+  for (int r = 0; r < g.size; ++r) {
+    if (r != g.rank && payload_bytes[r] != static_cast<int64_t>(bytes)) {
+      return absl::InternalError(absl::StrCat(what, ": protocol error: rank ", r, " sent ",
+                                              payload_bytes[r], " bytes for ", what_for, " of ",
+                                              bytes));
+    }
+  }
+  return absl::OkStatus();
 }
 
 // A rank's call as its header tells it.
@@ -128,13 +148,7 @@ absl::Status FinishPhase(Group& g, Coll& c) {
         // Rank r's input at [r * bytes, (r + 1) * bytes) of the output, this rank's own first.
         const size_t bytes = c.tensor.nbytes();
         char* out = static_cast<char*>(c.out.raw());
-        for (int r = 0; r < g.size; ++r) {
-          if (r != g.rank && payload_bytes[r] != static_cast<int64_t>(bytes)) {
-            return absl::InternalError(absl::StrCat(what, ": protocol error: rank ", r, " sent ",
-                                                    payload_bytes[r], " bytes for an input of ",
-                                                    bytes));
-          }
-        }
+        PW_RETURN_IF_ERROR(CheckPayloadBytes(g, payload_bytes, bytes, what, "an input"));
         if (bytes > 0 && out + g.rank * bytes != c.tensor.raw()) {
           std::memmove(out + g.rank * bytes, c.tensor.raw(), bytes);
         }
@@ -143,18 +157,24 @@ absl::Status FinishPhase(Group& g, Coll& c) {
         }
         break;
       }
+      case CollectiveKind::kReduceScatter: {
+        // Note [rank-order sum] over this rank's chunk, straight into `out` (which is `in` only
+        // in a group of one: then terms[0] is `out` itself, as RankOrderSum allows).
+        const auto [lo, hi] = Chunk(c, g.size, g.rank);
+        PW_RETURN_IF_ERROR(CheckPayloadBytes(g, payload_bytes, static_cast<size_t>(hi - lo) * es,
+                                             what, "a chunk"));
+        const char* mine = static_cast<const char*>(c.tensor.raw()) + lo * es;
+        std::vector<const void*> terms(g.size);
+        for (int r = 0; r < g.size; ++r) terms[r] = r == g.rank ? mine : payload[r];
+        comm_internal::RankOrderSum(c.tensor.dtype(), c.out.raw(), terms, hi - lo);
+        break;
+      }
       case CollectiveKind::kAllReduce: {
         // Note [rank-order sum] over this rank's chunk: acc = x0; acc += x1; acc += x2; ...
-        const auto [lo, hi] = Chunk(c.tensor.numel(), g.size, g.rank);
+        const auto [lo, hi] = Chunk(c, g.size, g.rank);
         const size_t bytes = static_cast<size_t>(hi - lo) * es;
         char* mine = static_cast<char*>(c.tensor.raw()) + lo * es;
-        for (int r = 0; r < g.size; ++r) {
-          if (r != g.rank && payload_bytes[r] != static_cast<int64_t>(bytes)) {
-            return absl::InternalError(absl::StrCat(what, ": protocol error: rank ", r, " sent ",
-                                                    payload_bytes[r], " bytes for a chunk of ",
-                                                    bytes));
-          }
-        }
+        PW_RETURN_IF_ERROR(CheckPayloadBytes(g, payload_bytes, bytes, what, "a chunk"));
         PacketHeader out = c.mine;
         out.code = 0;
         PW_ASSIGN_OR_RETURN(std::shared_ptr<Buffer> packet,
@@ -182,7 +202,7 @@ absl::Status FinishPhase(Group& g, Coll& c) {
   for (int r = 0; r < g.size; ++r) {
     if (r == g.rank) continue;
     PW_ASSIGN_OR_RETURN(ParsedPacket p, ParsePacket(*c.bufs[r], what));
-    const auto [lo, hi] = Chunk(c.tensor.numel(), g.size, r);
+    const auto [lo, hi] = Chunk(c, g.size, r);
     const size_t bytes = static_cast<size_t>(hi - lo) * es;
     if (p.header.tag != c.seq || p.header.payload_bytes != static_cast<int64_t>(bytes)) {
       return absl::InternalError(
@@ -269,11 +289,12 @@ absl::Status ProgressColls(Group& g, bool live, bool* progressed) {
 absl::StatusOr<std::vector<std::shared_ptr<Buffer>>> Phase1Packets(const Group& g, const Coll& c,
                                                                    const Tensor& t, bool valid) {
   std::vector<std::shared_ptr<Buffer>> packets(g.size);
-  if (valid && c.kind == CollectiveKind::kAllReduce) {
+  if (valid && (c.kind == CollectiveKind::kAllReduce || c.kind == CollectiveKind::kReduceScatter)) {
+    // Peer p's chunk of the input, which p sums.
     const size_t es = DTypeSize(t.dtype());
     for (int p = 0; p < g.size; ++p) {
       if (p == g.rank) continue;
-      const auto [lo, hi] = Chunk(t.numel(), g.size, p);
+      const auto [lo, hi] = Chunk(c, g.size, p);
       PW_ASSIGN_OR_RETURN(packets[p],
                           MakePacket(c.mine, static_cast<const char*>(t.raw()) + lo * es,
                                      static_cast<size_t>(hi - lo) * es, ""));

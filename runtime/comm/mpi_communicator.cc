@@ -221,10 +221,11 @@ class MpiCommunicator final : public Communicator {
   }
 
   std::unique_ptr<Work> AllGather(const Tensor& in, Tensor& out) override {
-    CollectiveArgs args;
-    args.tensor = in;
-    args.out = out;
-    return Join(CollectiveKind::kAllGather, std::move(args), 0, 0, nullptr);
+    return JoinInOut(CollectiveKind::kAllGather, in, out);
+  }
+
+  std::unique_ptr<Work> ReduceScatter(const Tensor& in, Tensor& out) override {
+    return JoinInOut(CollectiveKind::kReduceScatter, in, out);
   }
 
   std::unique_ptr<Work> Broadcast(Tensor& t, int root) override {
@@ -376,6 +377,14 @@ class MpiCommunicator final : public Communicator {
     return comm_internal::CheckP2P(t, peer, tag, g_->size,
                                    absl::StrCat(op.label, ": ", op.description), kind(),
                                    kMpiCapabilities);
+  }
+
+  // A collective of an input and an output tensor (AllGather, ReduceScatter).
+  std::unique_ptr<Work> JoinInOut(CollectiveKind kind, const Tensor& in, Tensor& out) {
+    CollectiveArgs args;
+    args.tensor = in;
+    args.out = out;
+    return Join(kind, std::move(args), 0, 0, nullptr);
   }
 
   // Starts collective #seq: builds and sends the phase-1 packets and registers the state.

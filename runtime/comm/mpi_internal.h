@@ -3,7 +3,8 @@
 //   mpi_process.cc       MPI initialisation and finalisation, launcher detection, ToStatus, the
 //                        progress engine and thread, closing groups and worlds;
 //   mpi_transport.cc     packets and message buffers, point-to-point messages, abort notices;
-//   mpi_collectives.cc   the collective protocol (AllReduce, AllGather, Broadcast, Barrier, Split);
+//   mpi_collectives.cc   the collective protocol (AllReduce, ReduceScatter, AllGather, Broadcast,
+//                        Barrier, Split);
 //   mpi_communicator.cc  MpiCommunicator, its Work and CreateMpiWorld.
 // This header includes <mpi.h>: only those files include it.
 //
@@ -49,7 +50,8 @@
 // offset of its output; AllReduce sends rank r the r-th chunk of its tensor, rank r sums its
 // chunk over all ranks in group-rank order (comm_core.h, Note [rank-order sum]: the same float
 // operations as the local backend, so the bits are the same) and phase 2 sends every rank the
-// summed chunks.
+// summed chunks. ReduceScatter is AllReduce's phase 1 with the caller's chunks (rank r's is
+// [r * n, (r + 1) * n) of `in`, n = out.numel()), summed straight into `out`: no phase 2.
 //
 // Abort: the first Abort (or MPI error) seen by a process marks its world aborted and sends an
 #ifndef PIPEWRIGHT_RUNTIME_COMM_MPI_INTERNAL_H_
@@ -198,8 +200,8 @@ struct Coll {
   int64_t seq = 0;
   CollectiveKind kind = CollectiveKind::kBarrier;
   std::shared_ptr<Op> op;
-  Tensor tensor;  // AllReduce, Broadcast: the buffer; AllGather: the input
-  Tensor out;     // AllGather: the output
+  Tensor tensor;  // AllReduce, Broadcast: the buffer; AllGather, ReduceScatter: the input
+  Tensor out;     // AllGather, ReduceScatter: the output
   int root = 0;
   PacketHeader mine;
   std::string my_error;
@@ -307,7 +309,7 @@ absl::Status ProgressOverflow(Group& g, bool live, bool* progressed);
 // The MPI tag of collective #seq's `phase` on the group's collective communicator.
 int CollTag(const Group& g, int64_t seq, int phase);
 // The phase-1 packets of `c` (whose `mine` and `my_error` are set), by destination group rank:
-// AllReduce a chunk per peer, the others one packet shared by all.
+// AllReduce and ReduceScatter a chunk per peer, the others one packet shared by all.
 absl::StatusOr<std::vector<std::shared_ptr<Buffer>>> Phase1Packets(const Group& g, const Coll& c,
                                                                    const Tensor& t, bool valid);
 void StartPhase(Group& g, Coll& c, int phase);

@@ -19,9 +19,10 @@
 // world with DeadlineExceeded, which makes the blocked call return (NcclWorld, nccl_world.h).
 // Wait itself never blocks in NCCL.
 //
-// Collectives are NCCL's: AllReduce is ncclAllReduce (ncclSum), AllGather ncclAllGather of the
-// bytes, Broadcast ncclBroadcast of the bytes, Barrier an all-reduce of one int. Only each rank's
-// own arguments are checked; NCCL cannot tell ranks whose sizes disagree.
+// Collectives are NCCL's: AllReduce is ncclAllReduce (ncclSum), ReduceScatter ncclReduceScatter
+// (ncclSum: NCCL's summation order, not the rank order of the local and MPI backends), AllGather
+// ncclAllGather of the bytes, Broadcast ncclBroadcast of the bytes, Barrier an all-reduce of one
+// int. Only each rank's own arguments are checked; NCCL cannot tell ranks whose sizes disagree.
 //
 // Abort. The world state (shared by the communicators of a world and every communicator split
 // from them) records the first abort status and calls ncclCommAbort on every communicator, also
@@ -184,7 +185,8 @@ class NcclWork final : public Work {
   std::shared_ptr<NcclOp> op_;
 };
 
-absl::StatusOr<ncclDataType_t> ReduceType(DType d) {
+// The NCCL type of a reduction's dtype; InvalidArgument naming `kind` for the others.
+absl::StatusOr<ncclDataType_t> ReduceType(DType d, CollectiveKind kind) {
   switch (d) {
     case DType::kF32:
       return ncclFloat32;
@@ -193,7 +195,7 @@ absl::StatusOr<ncclDataType_t> ReduceType(DType d) {
     case DType::kI32:
       return ncclInt32;
     default:
-      return comm_internal::CheckReduceDType(d);
+      return comm_internal::CheckReduceDType(d, kind);
   }
 }
 
@@ -273,7 +275,7 @@ class NcclCommunicator final : public Communicator {
 
   std::unique_ptr<Work> AllReduce(Tensor& t) override {
     const std::string what = CollectiveDescription(CollectiveKind::kAllReduce, next_seq_++);
-    absl::StatusOr<ncclDataType_t> type = ReduceType(t.dtype());
+    absl::StatusOr<ncclDataType_t> type = ReduceType(t.dtype(), CollectiveKind::kAllReduce);
     if (!type.ok()) return Failed(what, type.status());
     void* buf = t.raw();
     const size_t count = static_cast<size_t>(t.numel());
@@ -297,6 +299,26 @@ class NcclCommunicator final : public Communicator {
     const size_t bytes = in.nbytes();
     return Enqueue(what, {in, out}, [=](ncclComm_t comm, cudaStream_t s) {
       return ncclAllGather(send, recv, bytes, ncclUint8, comm, s);
+    });
+  }
+
+  // NCCL's sum of every rank's `in`; rank r's `out` gets chunk r (out.numel() elements). Only
+  // this rank's dtype and layout can be checked; ranks that disagree are undefined (comm.h).
+  std::unique_ptr<Work> ReduceScatter(const Tensor& in, Tensor& out) override {
+    const std::string what = CollectiveDescription(CollectiveKind::kReduceScatter, next_seq_++);
+    absl::StatusOr<ncclDataType_t> type = ReduceType(in.dtype(), CollectiveKind::kReduceScatter);
+    if (!type.ok()) return Failed(what, type.status());
+    if (in.defined() && out.defined()) {
+      if (absl::Status s = comm_internal::CheckScatterLayout(in, out, size_); !s.ok()) {
+        return Failed(what, s);
+      }
+    }
+    const void* send = in.raw();
+    void* recv = out.raw();
+    const size_t count = static_cast<size_t>(out.numel());
+    const ncclDataType_t nccl_type = *type;
+    return Enqueue(what, {in, out}, [=](ncclComm_t comm, cudaStream_t s) {
+      return ncclReduceScatter(send, recv, count, nccl_type, ncclSum, comm, s);
     });
   }
 

@@ -5,12 +5,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <functional>
 #include <memory>
-#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -18,32 +14,19 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "pipewright/tensor.h"
+#include "tests/runtime/comm_test_util.h"
 
 namespace pipewright {
 namespace {
 
-using Comms = std::vector<std::unique_ptr<Communicator>>;
-
-constexpr absl::Duration kWait = absl::Seconds(5);
-
-// Runs fn(rank, comm) on one thread per communicator and joins them.
-void RunRanks(Comms& comms, const std::function<void(int, Communicator&)>& fn) {
-  std::vector<std::thread> threads;
-  for (int r = 0; r < static_cast<int>(comms.size()); ++r) {
-    threads.emplace_back([&, r] { fn(r, *comms[r]); });
-  }
-  for (std::thread& t : threads) t.join();
-}
-
-Tensor Scalar1(float v) { return Tensor::FromVector({1}, {v}); }
-
-bool BitEqual(const Tensor& a, const Tensor& b) {
-  return a.nbytes() == b.nbytes() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
-}
-
-double SecondsSince(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
+using comm_test::BitEqual;
+using comm_test::Comms;
+using comm_test::kWait;
+using comm_test::MixedMagnitudeInputs;
+using comm_test::RunRanks;
+using comm_test::Scalar1;
+using comm_test::SecondsSince;
+using comm_test::SequentialSum;
 
 // What the local backend promises (comm.h): the reference semantics, on host and device tensors.
 void ExpectLocalCapabilities(const Communicator& c) {
@@ -231,31 +214,6 @@ TEST(LocalCommTest, InvalidPeerOrTag) {
             absl::StatusCode::kInvalidArgument);
   // Errors do not abort the world.
   EXPECT_TRUE(comms[0]->abort_status().ok());
-}
-
-// Values over many orders of magnitude, both signs: float sums depend on their order.
-std::vector<Tensor> MixedMagnitudeInputs(int ranks, int n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> mantissa(-1.0f, 1.0f);
-  std::uniform_int_distribution<int> exponent(-10, 10);
-  std::vector<Tensor> inputs;
-  for (int r = 0; r < ranks; ++r) {
-    std::vector<float> v(n);
-    for (float& x : v) x = std::ldexp(mantissa(rng), exponent(rng) * 2);
-    inputs.push_back(Tensor::FromVector({n}, v));
-  }
-  return inputs;
-}
-
-Tensor SequentialSum(const std::vector<Tensor>& inputs) {
-  const int64_t n = inputs[0].numel();
-  Tensor out = Tensor::Empty({n});
-  for (int64_t i = 0; i < n; ++i) {
-    float acc = inputs[0].data<float>()[i];
-    for (size_t r = 1; r < inputs.size(); ++r) acc = acc + inputs[r].data<float>()[i];
-    out.data<float>()[i] = acc;
-  }
-  return out;
 }
 
 TEST(LocalCommTest, AllReduceIsDeterministicRankOrderSum) {

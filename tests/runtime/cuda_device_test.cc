@@ -281,8 +281,9 @@ TEST(CudaDeviceTest, CloneAndSetZeroOnTheDevice) {
 }
 
 // Two rank threads on one GPU, each with its own stream and allocator, through the local
-// backend: point-to-point device copies (and one to a host buffer), then an all-reduce and a
-// broadcast staged through the host, bit-identical to the host backend's rank-order sum.
+// backend: point-to-point device copies (and one to a host buffer), then an all-reduce, a
+// reduce-scatter (into a device output on rank 0, a host one on rank 1) and a broadcast staged
+// through the host, bit-identical to the host backend's rank-order sum.
 TEST(CudaDeviceTest, LocalBackendMovesCudaTensorsOnOneGpu) {
   PW_NEED_GPU();
   auto comms = CreateLocalWorld(2);
@@ -290,7 +291,7 @@ TEST(CudaDeviceTest, LocalBackendMovesCudaTensorsOnOneGpu) {
   const std::vector<float> x0 = RandomFloats(kN, 100), x1 = RandomFloats(kN, 101);
   std::vector<float> expected_sum(kN);
   for (int64_t i = 0; i < kN; ++i) expected_sum[i] = x0[i] + x1[i];
-  std::vector<std::vector<float>> received(2), reduced(2), broadcast(2);
+  std::vector<std::vector<float>> received(2), reduced(2), scattered(2), broadcast(2);
   std::vector<float> host_received;
   std::vector<int64_t> leftover(2, -1);
 
@@ -321,6 +322,11 @@ TEST(CudaDeviceTest, LocalBackendMovesCudaTensorsOnOneGpu) {
       Tensor acc = Tensor::FromVector({kN}, mine, g.alloc.get());
       ASSERT_TRUE(c.AllReduce(acc)->Wait(kWait).ok());
       reduced[r] = ToHost(acc);
+      const Tensor rs_in = Tensor::FromVector({kN}, mine, g.alloc.get());
+      Tensor rs_out =
+          r == 0 ? Tensor::Zeros({kN / 2}, DType::kF32, g.alloc.get()) : Tensor::Zeros({kN / 2});
+      ASSERT_TRUE(c.ReduceScatter(rs_in, rs_out)->Wait(kWait).ok());
+      scattered[r] = ToHost(rs_out);
       Tensor b = r == 1 ? Tensor::FromVector({kN}, x1, g.alloc.get())
                         : Tensor::Zeros({kN}, DType::kF32, g.alloc.get());
       ASSERT_TRUE(c.Broadcast(b, 1)->Wait(kWait).ok());
@@ -338,6 +344,10 @@ TEST(CudaDeviceTest, LocalBackendMovesCudaTensorsOnOneGpu) {
   EXPECT_TRUE(BitEqual(host_received, x1));  // rank 0 forwarded what it got from rank 1
   EXPECT_TRUE(BitEqual(reduced[0], expected_sum));
   EXPECT_TRUE(BitEqual(reduced[1], expected_sum));
+  for (int r = 0; r < 2; ++r) {
+    const auto chunk = expected_sum.begin() + r * (kN / 2);
+    EXPECT_TRUE(BitEqual(scattered[r], std::vector<float>(chunk, chunk + kN / 2))) << r;
+  }
   EXPECT_TRUE(BitEqual(broadcast[0], x1));
   EXPECT_TRUE(BitEqual(broadcast[1], x1));
   EXPECT_EQ(leftover, (std::vector<int64_t>{0, 0}));

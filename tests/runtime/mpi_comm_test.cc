@@ -1,4 +1,6 @@
-// Tests of the MPI backend (runtime/comm/mpi.h). Run under a launcher:
+// Tests of the MPI backend (runtime/comm/mpi.h): point-to-point messages, timeouts, splits,
+// aborts, and the harness (the collectives' data paths are in mpi_collectives_test.cc, linked
+// into the same executable). Run under a launcher:
 //   mpirun --allow-run-as-root --oversubscribe -np 4 build/tests/mpi_comm_test
 // Every process runs every test on its own rank of a fresh world (a failure in one test cannot
 // shift another's messages); only rank 0 prints gtest's report, other ranks print their failures
@@ -11,17 +13,12 @@
 #include <mpi.h>
 
 #include <chrono>
-#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
-#include <functional>
 #include <memory>
-#include <random>
 #include <string>
 #include <thread>
-#include <type_traits>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -31,62 +28,10 @@
 #include "pipewright/comm.h"
 #include "pipewright/tensor.h"
 #include "runtime/comm/mpi.h"
+#include "tests/runtime/mpi_test_util.h"
 
-namespace pipewright {
+namespace pipewright::mpi_test {
 namespace {
-
-bool g_mpi = false;
-MpiProcess g_process;
-
-constexpr absl::Duration kWait = absl::Seconds(10);
-
-Tensor Scalar1(float v) { return Tensor::FromVector({1}, {v}); }
-
-bool BitEqual(const Tensor& a, const Tensor& b) {
-  return a.nbytes() == b.nbytes() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
-}
-
-double SecondsSince(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
-
-void SleepMs(int ms) { std::this_thread::sleep_for(std::chrono::milliseconds(ms)); }
-
-bool Contains(const absl::Status& s, const std::string& text) {
-  return std::string(s.message()).find(text) != std::string::npos;
-}
-
-bool EndsWith(const absl::Status& s, const std::string& text) {
-  const std::string m(s.message());
-  return m.size() >= text.size() && m.compare(m.size() - text.size(), text.size(), text) == 0;
-}
-
-class MpiCommTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (!g_mpi) GTEST_SKIP() << "not started by an MPI launcher (run it under mpirun)";
-    Create({});
-  }
-  void TearDown() override { world_.reset(); }
-
-  void Create(const MpiWorldOptions& options) {
-    world_.reset();
-    absl::StatusOr<std::unique_ptr<Communicator>> w = CreateMpiWorld(options);
-    ASSERT_TRUE(w.ok()) << w.status();
-    world_ = *std::move(w);
-    rank_ = world_->rank();
-    size_ = world_->size();
-  }
-
-  void Sync() {
-    absl::Status s = world_->Barrier()->Wait(kWait);
-    ASSERT_TRUE(s.ok()) << s;
-  }
-
-  std::unique_ptr<Communicator> world_;
-  int rank_ = 0;
-  int size_ = 1;
-};
 
 TEST_F(MpiCommTest, WorldShape) {
   EXPECT_EQ(world_->rank(), g_process.rank);
@@ -384,281 +329,6 @@ TEST_F(MpiCommTest, SenderProgressesWhileItComputes) {
     EXPECT_EQ(dst.ToVector(), Ramp(kN, 1));
   }
   Sync();
-}
-
-// Values over many orders of magnitude, both signs: float sums depend on their order. Rank r's
-// input depends only on (seed, r), so every process can compute every rank's.
-Tensor MixedMagnitudeInput(int rank, int64_t n, uint32_t seed) {
-  std::mt19937 rng(seed * 7919u + static_cast<uint32_t>(rank));
-  std::uniform_real_distribution<float> mantissa(-1.0f, 1.0f);
-  std::uniform_int_distribution<int> exponent(-10, 10);
-  std::vector<float> v(n);
-  for (float& x : v) x = std::ldexp(mantissa(rng), exponent(rng) * 2);
-  return Tensor::FromVector({n}, v);
-}
-
-Tensor SequentialSum(const std::vector<Tensor>& inputs) {
-  const int64_t n = inputs[0].numel();
-  Tensor out = Tensor::Empty({n});
-  for (int64_t i = 0; i < n; ++i) {
-    float acc = inputs[0].data<float>()[i];
-    for (size_t r = 1; r < inputs.size(); ++r) acc = acc + inputs[r].data<float>()[i];
-    out.data<float>()[i] = acc;
-  }
-  return out;
-}
-
-// The local backend's result for the same inputs (threads of this process).
-Tensor LocalAllReduce(const std::vector<Tensor>& inputs) {
-  std::vector<std::unique_ptr<Communicator>> comms = CreateLocalWorld(inputs.size());
-  std::vector<Tensor> bufs;
-  for (const Tensor& t : inputs) bufs.push_back(t.Clone());
-  std::vector<std::unique_ptr<Work>> works;
-  for (size_t r = 0; r < inputs.size(); ++r) works.push_back(comms[r]->AllReduce(bufs[r]));
-  for (auto& w : works) EXPECT_TRUE(w->Wait(kWait).ok());
-  return bufs[0];
-}
-
-TEST_F(MpiCommTest, AllReduceIsBitIdenticalToRankOrderSumAndLocalBackend) {
-  for (int64_t n : {int64_t{4099}, int64_t{1}, int64_t{3}, int64_t{1} << 18}) {
-    std::vector<Tensor> inputs;
-    for (int r = 0; r < size_; ++r) inputs.push_back(MixedMagnitudeInput(r, n, 1234));
-    const Tensor expected = SequentialSum(inputs);
-    if (n == 4099 && size_ > 2) {
-      // The check can fail: another order gives other bits somewhere.
-      std::vector<Tensor> reversed(inputs.rbegin(), inputs.rend());
-      ASSERT_FALSE(BitEqual(SequentialSum(reversed), expected));
-    }
-    EXPECT_TRUE(BitEqual(LocalAllReduce(inputs), expected));
-    for (int run = 0; run < 3; ++run) {
-      Tensor mine = inputs[rank_].Clone();
-      absl::Status s = world_->AllReduce(mine)->Wait(kWait);
-      ASSERT_TRUE(s.ok()) << s;
-      EXPECT_TRUE(BitEqual(mine, expected)) << "n " << n << " run " << run;
-    }
-  }
-}
-
-TEST_F(MpiCommTest, AllReduceF64AndI32) {
-  Tensor d = Tensor::Empty({2}, DType::kF64);
-  d.data<double>()[0] = 0.1 * (rank_ + 1);
-  d.data<double>()[1] = 1e300 * (rank_ == 1 ? -1 : 1);
-  Tensor i = Tensor::FromVectorI32({3}, {rank_, -10 * rank_, 2147483647});
-  auto wd = world_->AllReduce(d);
-  auto wi = world_->AllReduce(i);
-  ASSERT_TRUE(wi->Wait(kWait).ok());  // out of call order
-  ASSERT_TRUE(wd->Wait(kWait).ok());
-  double e0 = 0.1, e1 = 1e300;
-  int32_t s0 = 0, s1 = 0;
-  uint32_t s2 = 2147483647u;
-  for (int r = 1; r < size_; ++r) {
-    e0 = e0 + 0.1 * (r + 1);
-    e1 = e1 + 1e300 * (r == 1 ? -1 : 1);
-    s0 += r;
-    s1 += -10 * r;
-    s2 += 2147483647u;  // wraps around
-  }
-  EXPECT_EQ(d.data<double>()[0], e0);
-  EXPECT_EQ(d.data<double>()[1], e1);
-  EXPECT_EQ(i.data<int32_t>()[0], s0);
-  EXPECT_EQ(i.data<int32_t>()[1], s1);
-  EXPECT_EQ(i.data<int32_t>()[2], static_cast<int32_t>(s2));
-}
-
-TEST_F(MpiCommTest, ManyCollectivesInFlight) {
-  // Bucketed gradients: several AllReduces started before any is waited for, mixed with a
-  // Broadcast and a Barrier, waited for in reverse order.
-  std::vector<Tensor> bufs;
-  std::vector<std::unique_ptr<Work>> works;
-  for (int b = 0; b < 6; ++b) {
-    bufs.push_back(Tensor::FromVector({b + 1}, std::vector<float>(b + 1, float(rank_ + b))));
-    works.push_back(world_->AllReduce(bufs.back()));
-  }
-  Tensor bc = Scalar1(static_cast<float>(rank_));
-  works.push_back(world_->Broadcast(bc, size_ - 1));
-  works.push_back(world_->Barrier());
-  for (auto it = works.rbegin(); it != works.rend(); ++it) {
-    absl::Status s = (*it)->Wait(kWait);
-    ASSERT_TRUE(s.ok()) << s;
-  }
-  for (int b = 0; b < 6; ++b) {
-    float e = 0;
-    for (int r = 0; r < size_; ++r) e += static_cast<float>(r + b);
-    EXPECT_EQ(bufs[b].ToVector(), std::vector<float>(b + 1, e)) << "bucket " << b;
-  }
-  EXPECT_EQ(bc.ToVector()[0], static_cast<float>(size_ - 1));
-}
-
-TEST_F(MpiCommTest, AllReduceRejectsOtherDtypesForEveryRank) {
-  Tensor a = Tensor::Zeros({4}, DType::kBF16);
-  absl::Status s = world_->AllReduce(a)->Wait(kWait);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_TRUE(Contains(s, "bf16")) << s;
-  // The failed collective still counted: the next ones match.
-  Tensor x = Scalar1(static_cast<float>(rank_ + 1));
-  s = world_->AllReduce(x)->Wait(kWait);
-  ASSERT_TRUE(s.ok()) << s;
-  EXPECT_EQ(x.ToVector()[0], static_cast<float>(size_ * (size_ + 1) / 2));
-}
-
-TEST_F(MpiCommTest, OneRanksBadArgumentsFailEveryRank) {
-  // Only the last rank passes bf16: it fails at once, every other rank learns it.
-  Tensor a = Tensor::Zeros({4}, rank_ == size_ - 1 ? DType::kBF16 : DType::kF32);
-  absl::Status s = world_->AllReduce(a)->Wait(kWait);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_TRUE(Contains(s, "bf16")) << s;
-  Tensor x = Scalar1(1);
-  ASSERT_TRUE(world_->AllReduce(x)->Wait(kWait).ok());
-  EXPECT_EQ(x.ToVector()[0], static_cast<float>(size_));
-}
-
-TEST_F(MpiCommTest, AllReduceMismatchFailsEveryParticipant) {
-  Tensor t = Tensor::Zeros({rank_ == 1 ? 5 : 4});
-  absl::Status s = world_->AllReduce(t)->Wait(kWait);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_TRUE(Contains(s, "[5] f32")) << s;
-  EXPECT_TRUE(Contains(s, "[4] f32")) << s;
-  // Mismatched kinds too.
-  std::unique_ptr<Work> w;
-  Tensor d = Scalar1(0);
-  if (rank_ == 0) {
-    w = world_->AllReduce(d);
-  } else {
-    w = world_->Barrier();
-  }
-  s = w->Wait(kWait);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_TRUE(Contains(s, "Barrier")) << s;
-  EXPECT_TRUE(Contains(s, "AllReduce")) << s;
-  // Disagreeing Broadcast roots.
-  s = world_->Broadcast(d, rank_ == 0 ? 0 : size_ - 1)->Wait(kWait);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_TRUE(Contains(s, "root")) << s;
-  // And the communicator is still in step.
-  Tensor x = Scalar1(2);
-  ASSERT_TRUE(world_->AllReduce(x)->Wait(kWait).ok());
-  EXPECT_EQ(x.ToVector()[0], 2.0f * size_);
-}
-
-// Element i of rank r's AllGather input, exact in every dtype used (bf16 is set by its bits).
-template <typename T>
-T GatherValue(int rank, int64_t i) {
-  if constexpr (std::is_same_v<T, uint16_t>) return static_cast<T>(0x3f80 + rank * 64 + i % 64);
-  return static_cast<T>(1000.0 * (rank + 1) + static_cast<double>(i % 1000));
-}
-
-// Gathers a rank-tagged input of n elements (element type T, stored as `dtype`) over the world
-// and checks every block, bit for bit.
-template <typename T>
-void CheckAllGather(Communicator& world, DType dtype, int64_t n) {
-  const int rank = world.rank(), size = world.size();
-  Tensor in = Tensor::Empty({n}, dtype);
-  for (int64_t i = 0; i < n; ++i) in.data<T>()[i] = GatherValue<T>(rank, i);
-  Tensor out = Tensor::Zeros({size, n}, dtype);
-  absl::Status s = world.AllGather(in, out)->Wait(kWait);
-  ASSERT_TRUE(s.ok()) << s;
-  for (int r = 0; r < size; ++r) {
-    for (int64_t i = 0; i < n; ++i) {
-      ASSERT_EQ(out.data<T>()[r * n + i], GatherValue<T>(r, i))
-          << DTypeName(dtype) << " n " << n << " block " << r << " element " << i;
-    }
-  }
-}
-
-TEST_F(MpiCommTest, AllGatherConcatenatesInRankOrder) {
-  // Ranks arrive staggered, so every rank's messages come in another order.
-  SleepMs(10 * ((rank_ * 3) % size_));
-  CheckAllGather<float>(*world_, DType::kF32, 1001);
-  CheckAllGather<int32_t>(*world_, DType::kI32, 7);
-  CheckAllGather<double>(*world_, DType::kF64, 1);
-  CheckAllGather<uint16_t>(*world_, DType::kBF16, 129);
-  CheckAllGather<float>(*world_, DType::kF32, 0);
-  // Large inputs (rendezvous protocol), and through derived datatypes of 1000-byte blocks.
-  CheckAllGather<float>(*world_, DType::kF32, int64_t{1} << 20);
-  MpiWorldOptions o;
-  o.max_block_bytes = 1000;
-  Create(o);
-  CheckAllGather<float>(*world_, DType::kF32, 300007);
-  // Several in flight, mixed with an AllReduce, waited for in reverse order.
-  Tensor a = Scalar1(static_cast<float>(rank_)), b = Scalar1(1), c = Scalar1(-2.0f * rank_);
-  Tensor ga = Tensor::Zeros({size_}), gc = Tensor::Zeros({size_});
-  auto wa = world_->AllGather(a, ga);
-  auto wb = world_->AllReduce(b);
-  auto wc = world_->AllGather(c, gc);
-  for (Work* w : {wc.get(), wb.get(), wa.get()}) ASSERT_TRUE(w->Wait(kWait).ok());
-  EXPECT_EQ(b.ToVector()[0], static_cast<float>(size_));
-  for (int r = 0; r < size_; ++r) {
-    EXPECT_EQ(ga.ToVector()[r], static_cast<float>(r));
-    EXPECT_EQ(gc.ToVector()[r], -2.0f * r);
-  }
-}
-
-TEST_F(MpiCommTest, AllGatherMismatchFailsEveryRank) {
-  // Only the last rank's output is too small: it fails at once, every other rank learns it.
-  Tensor in = Tensor::Zeros({3});
-  Tensor out = Tensor::Zeros({rank_ == size_ - 1 ? 3 * size_ - 1 : 3 * size_});
-  absl::Status s = world_->AllGather(in, out)->Wait(kWait);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_TRUE(Contains(s, "AllGather (collective #0)")) << s;
-  EXPECT_TRUE(Contains(s, absl::StrCat("must have ", 3 * size_, " elements"))) << s;
-  // An output of another dtype, on rank 0 only.
-  Tensor typed = Tensor::Zeros({3 * size_}, rank_ == 0 ? DType::kI32 : DType::kF32);
-  s = world_->AllGather(in, typed)->Wait(kWait);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_TRUE(Contains(s, "i32")) << s;
-  // Inputs that disagree between ranks (each one consistent with its own output).
-  const int64_t n = rank_ == 1 ? 5 : 4;
-  Tensor mine = Tensor::Zeros({n}), all = Tensor::Zeros({n * size_});
-  s = world_->AllGather(mine, all)->Wait(kWait);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_TRUE(Contains(s,
-                       "AllGather (collective #2): rank 1 passed [5] f32 but rank 0 passed "
-                       "[4] f32"))
-      << s;
-  // AllGather against a Barrier.
-  std::unique_ptr<Work> w;
-  if (rank_ == 0) {
-    w = world_->AllGather(in, out);
-  } else {
-    w = world_->Barrier();
-  }
-  s = w->Wait(kWait);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_TRUE(Contains(s, "called Barrier but rank 0 called AllGather")) << s;
-  // The communicator is still in step, and nothing was aborted.
-  EXPECT_TRUE(world_->abort_status().ok());
-  CheckAllGather<float>(*world_, DType::kF32, 3);
-}
-
-TEST_F(MpiCommTest, AbortUnblocksWaitingAllGather) {
-  const absl::Status cause = absl::UnavailableError("rank 0 lost its device");
-  Tensor in = Scalar1(1), out = Tensor::Zeros({size_});
-  if (rank_ == 0) {  // never joins the AllGather: it aborts instead
-    SleepMs(200);
-    world_->Abort(cause);
-  } else {
-    auto w = world_->AllGather(in, out);
-    const auto start = std::chrono::steady_clock::now();
-    absl::Status s = w->Wait(absl::Seconds(30));
-    EXPECT_LT(SecondsSince(start), 5.0);
-    EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
-    EXPECT_TRUE(Contains(s, "rank 0 aborted: rank 0 lost its device")) << s;
-  }
-  const absl::Status got = world_->abort_status();
-  EXPECT_EQ(got.code(), absl::StatusCode::kUnavailable);
-  EXPECT_EQ(world_->AllGather(in, out)->Wait(kWait), got);
-}
-
-TEST_F(MpiCommTest, Broadcast) {
-  for (int root : {size_ - 1, 0}) {
-    Tensor t = Tensor::FromVector({3}, {float(rank_), float(-rank_), 7});
-    absl::Status s = world_->Broadcast(t, root)->Wait(kWait);
-    ASSERT_TRUE(s.ok()) << s;
-    EXPECT_EQ(t.ToVector(), (std::vector<float>{float(root), float(-root), 7}));
-  }
-  Tensor t = Scalar1(0);
-  absl::Status s = world_->Broadcast(t, size_)->Wait(kWait);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
 }
 
 TEST_F(MpiCommTest, BarrierWaitsForTheLastRankAndTimesOut) {
@@ -1003,10 +673,12 @@ class FailurePrinter : public ::testing::EmptyTestEventListener {
 };
 
 }  // namespace
-}  // namespace pipewright
+}  // namespace pipewright::mpi_test
 
 int main(int argc, char** argv) {
   using namespace pipewright;
+  using mpi_test::g_mpi;
+  using mpi_test::g_process;
   ::testing::InitGoogleTest(&argc, argv);
   g_mpi = LaunchedByMpi();
   if (g_mpi) {
@@ -1019,7 +691,7 @@ int main(int argc, char** argv) {
     if (p->rank != 0) {
       ::testing::TestEventListeners& listeners = ::testing::UnitTest::GetInstance()->listeners();
       delete listeners.Release(listeners.default_result_printer());
-      listeners.Append(new FailurePrinter(p->rank));
+      listeners.Append(new mpi_test::FailurePrinter(p->rank));
     }
   }
   int rc = RUN_ALL_TESTS();

@@ -1,7 +1,8 @@
 // The NCCL communicator over every visible GPU (one rank thread per GPU): send/recv, all-reduce
-// of random data against a host sum, all-gather, broadcast, barrier, split, a Wait timeout on a
-// receive with no sender, and abort unblocking it. Skips without a GPU or without NCCL; the
-// multi-rank cases skip with fewer than 2 GPUs (a 1-GPU machine still runs the size-1 world).
+// and reduce-scatter of random data against a host sum, all-gather, broadcast, barrier, split, a
+// Wait timeout on a receive with no sender, and abort unblocking it. Skips without a GPU or without
+// NCCL; the multi-rank cases skip with fewer than 2 GPUs (a 1-GPU machine still runs the size-1
+// world).
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -130,6 +131,12 @@ TEST(NcclCommTest, SizeOneWorld) {
     Tensor gathered = Tensor::Zeros({1000}, DType::kF32, res.alloc.get());
     ASSERT_TRUE(c.AllGather(t, gathered)->Wait(kWait).ok());
     EXPECT_EQ(ToHost(gathered), v);  // the one block
+    Tensor scattered = Tensor::Zeros({1000}, DType::kF32, res.alloc.get());
+    ASSERT_TRUE(c.ReduceScatter(t, scattered)->Wait(kWait).ok());
+    EXPECT_EQ(ToHost(scattered), v);  // the one chunk of the sum over one rank
+    // In place.
+    ASSERT_TRUE(c.ReduceScatter(t, t)->Wait(kWait).ok());
+    EXPECT_EQ(ToHost(t), v);
     // Send to and receive from itself in one group.
     Tensor in = Tensor::Zeros({1000}, DType::kF32, res.alloc.get());
     c.GroupStart();
@@ -152,6 +159,16 @@ TEST(NcclCommTest, SizeOneWorld) {
     EXPECT_EQ(gather.code(), absl::StatusCode::kInvalidArgument) << gather;
     EXPECT_TRUE(absl::StrContains(gather.message(), "AllGather")) << gather;
     EXPECT_EQ(c.AllGather(t, host)->Wait(kWait).code(), absl::StatusCode::kInvalidArgument);
+    for (Tensor* out : {&too_big, &host}) {
+      absl::Status scatter = c.ReduceScatter(t, *out)->Wait(kWait);
+      EXPECT_EQ(scatter.code(), absl::StatusCode::kInvalidArgument) << scatter;
+      EXPECT_TRUE(absl::StrContains(scatter.message(), "ReduceScatter")) << scatter;
+    }
+    Tensor half_out = Tensor::Zeros({4}, DType::kBF16, res.alloc.get());
+    absl::Status scatter_bf16 = c.ReduceScatter(half, half_out)->Wait(kWait);
+    EXPECT_EQ(scatter_bf16.code(), absl::StatusCode::kInvalidArgument) << scatter_bf16;
+    EXPECT_TRUE(absl::StrContains(scatter_bf16.message(), "ReduceScatter supports"))
+        << scatter_bf16;
     // Abort ends every later operation with its status.
     c.Abort(absl::UnavailableError("test abort"));
     EXPECT_EQ(c.abort_status().code(), absl::StatusCode::kUnavailable);
@@ -220,6 +237,56 @@ TEST(NcclCommTest, AllReduceMatchesAHostSum) {
     EXPECT_LT(worst, 1e-5 * n) << r;
     const int32_t rank_sum = n * (n - 1) / 2;
     EXPECT_EQ(ints[r], (std::vector<int32_t>{rank_sum, n, -2 * rank_sum})) << r;
+  }
+}
+
+// NCCL's sum, not the rank-order one (comm.h): each rank's chunk is checked against a host sum
+// with a tolerance, and against the same chunk of an all-reduce of the same inputs (identical
+// on every rank, but not necessarily bit for bit to the reduce-scatter).
+TEST(NcclCommTest, ReduceScatterMatchesAHostSumChunk) {
+  PW_NEED_GPUS(2);
+  const int n = CudaDeviceCount();
+  PW_MAKE_WORLD(w, n, kWait);
+  constexpr int64_t kN = (1 << 18) + 3;  // per rank
+  std::vector<double> host_sum(n * kN, 0.0);
+  for (int r = 0; r < n; ++r) {
+    const std::vector<float> v = RandomFloats(n * kN, 90 + r);
+    for (int64_t i = 0; i < n * kN; ++i) host_sum[i] += v[i];
+  }
+  std::vector<std::vector<float>> chunks(n), reduced(n);
+  std::vector<std::vector<int32_t>> ints(n);
+  RunRanks(w, [&](int r, Communicator& c, Rank& res) {
+    const std::vector<float> v = RandomFloats(n * kN, 90 + r);
+    const Tensor in = Tensor::FromVector({n * kN}, v, res.alloc.get());
+    Tensor out = Tensor::Empty({kN}, DType::kF32, res.alloc.get());
+    Tensor all = Tensor::FromVector({n * kN}, v, res.alloc.get());
+    auto scatter = c.ReduceScatter(in, out);
+    auto reduce = c.AllReduce(all);
+    ASSERT_TRUE(reduce->Wait(kWait).ok());
+    ASSERT_TRUE(scatter->Wait(kWait).ok());
+    chunks[r] = ToHost(out);
+    reduced[r] = ToHost(all);
+    std::vector<int32_t> iv;
+    for (int k = 0; k < n; ++k) iv.insert(iv.end(), {r, k, -2 * r});
+    const Tensor ii = Tensor::FromVectorI32({3 * n}, iv, res.alloc.get());
+    Tensor io = Tensor::Empty({3}, DType::kI32, res.alloc.get());
+    ASSERT_TRUE(c.ReduceScatter(ii, io)->Wait(kWait).ok());
+    auto hi = io.CopyTo(nullptr);
+    ASSERT_TRUE(hi.ok()) << hi.status();
+    ints[r].assign(hi->data<int32_t>(), hi->data<int32_t>() + 3);
+  });
+  const int32_t rank_sum = n * (n - 1) / 2;
+  for (int r = 0; r < n; ++r) {
+    ASSERT_EQ(chunks[r].size(), static_cast<size_t>(kN));
+    double worst = 0, worst_vs_all_reduce = 0;
+    for (int64_t i = 0; i < kN; ++i) {
+      worst = std::max(worst, std::fabs(chunks[r][i] - host_sum[r * kN + i]));
+      worst_vs_all_reduce =
+          std::max(worst_vs_all_reduce, double{std::fabs(chunks[r][i] - reduced[r][r * kN + i])});
+    }
+    EXPECT_LT(worst, 1e-5 * n) << r;
+    EXPECT_LT(worst_vs_all_reduce, 1e-5 * n) << r;
+    EXPECT_EQ(ints[r], (std::vector<int32_t>{rank_sum, n * r, -2 * rank_sum})) << r;
   }
 }
 
