@@ -73,13 +73,6 @@ struct Topology {
   }
   constexpr int PipelineRank(int global_rank) const { return global_rank % pp; }
   constexpr int Replica(int global_rank) const { return global_rank / pp; }
-  // Global rank of the next / previous pipeline rank of the same replica, or -1 at the ends.
-  constexpr int Next(int global_rank) const {
-    return PipelineRank(global_rank) + 1 < pp ? global_rank + 1 : -1;
-  }
-  constexpr int Prev(int global_rank) const {
-    return PipelineRank(global_rank) > 0 ? global_rank - 1 : -1;
-  }
   // Global ranks holding pipeline rank `pipeline_rank` in every replica, in replica order: the
   // data-parallel group that all-reduces that rank's stages' gradients.
   std::vector<int> DataParallelGroup(int pipeline_rank) const {
