@@ -75,7 +75,9 @@ int64_t RangeSum(const std::vector<int64_t>& prefix, int i, int j) {
   return SatSub(prefix[j], prefix[i]);
 }
 
-std::string Bytes(int64_t b) {
+}  // namespace
+
+std::string internal::Bytes(int64_t b) {
   if (b == kMemoryOverflow) return "more than 8 EiB (the count overflows 64 bits)";
   const double x = static_cast<double>(b);
   if (std::abs(x) >= kGiB) return absl::StrFormat("%.2f GiB", x / kGiB);
@@ -83,6 +85,10 @@ std::string Bytes(int64_t b) {
   if (std::abs(x) >= 1024) return absl::StrFormat("%.1f KiB", x / 1024);
   return absl::StrCat(b, " B");
 }
+
+namespace {
+
+using internal::Bytes;
 
 // Whether the schedule runs weight gradients apart from input gradients (W actions).
 bool SplitsBackward(const Schedule& s) {
@@ -375,43 +381,6 @@ Split LeastOverflow(const StageCosts& c, int S, bool allow_recompute) {
   return s;
 }
 
-absl::Status CheckInputs(const ModelCosts& model, const DeviceSpec& dev,
-                         const PartitionOptions& o) {
-  if (model.num_layers() < 1) return absl::InvalidArgumentError("the model has no layers");
-  if (dev.count < 1) return absl::InvalidArgumentError("--devices must be >= 1");
-  if (dev.memory_bytes < 1) return absl::InvalidArgumentError("--device-memory must be > 0");
-  if (dev.reserve_bytes < 0 || dev.reserve_bytes >= dev.memory_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("the reserve (", Bytes(dev.reserve_bytes),
-                                                   ") must be >= 0 and below the device memory (",
-                                                   Bytes(dev.memory_bytes), ")"));
-  }
-  if (!(dev.layer_overhead_s >= 0) || !std::isfinite(dev.layer_overhead_s)) {
-    return absl::InvalidArgumentError("the per-layer overhead must be finite and >= 0");
-  }
-  for (double x : {dev.tflops, dev.link_bandwidth, dev.memory_bandwidth}) {
-    if (!(x > 0) || !std::isfinite(x)) {
-      return absl::InvalidArgumentError("device throughput and bandwidths must be finite and > 0");
-    }
-  }
-  if (!(dev.link_latency_s >= 0) || !std::isfinite(dev.link_latency_s)) {
-    return absl::InvalidArgumentError("link latency must be finite and >= 0");
-  }
-  if (o.pp < 1 || o.dp < 1) return absl::InvalidArgumentError("--pp and --dp must be >= 1");
-  if (o.zero != 0 && o.zero != 1) return absl::InvalidArgumentError("--zero must be 0 or 1");
-  if (o.zero == 1 && o.dp < 2) {
-    return absl::InvalidArgumentError("--zero 1 splits the optimizer state over dp >= 2 replicas");
-  }
-  if (int64_t{o.pp} * o.dp != dev.count) {
-    return absl::InvalidArgumentError(absl::StrCat("--pp ", o.pp, " x --dp ", o.dp, " = ",
-                                                   int64_t{o.pp} * o.dp, " ranks, but there are ",
-                                                   dev.count, " devices"));
-  }
-  if (o.micro_batch_size < 0) {
-    return absl::InvalidArgumentError("--micro-batch-size must be >= 1");
-  }
-  return absl::OkStatus();
-}
-
 // A virtual stage's layers [begin, end) and recomputation.
 struct StageSplit {
   int begin = 0, end = 0;
@@ -591,7 +560,9 @@ std::vector<std::string> Suggestions(const ModelCosts& model, const DeviceSpec& 
   if (o.schedule == ScheduleKind::kGpipe) {
     PartitionOptions alt = o;
     alt.schedule = ScheduleKind::k1F1B;
-    if (fits(alt)) out.push_back("--schedule 1f1b (holds at most p micro-batches, not m)");
+    if (fits(alt)) {
+      out.push_back("PartitionOptions.schedule = 1f1b (holds at most p micro-batches, not m)");
+    }
   }
   for (int64_t smaller = b / 2; smaller >= 1; smaller /= 2) {
     PartitionOptions alt = o;
@@ -599,8 +570,9 @@ std::vector<std::string> Suggestions(const ModelCosts& model, const DeviceSpec& 
     alt.micro_batches = static_cast<int>(
         std::min<int64_t>(int64_t{o.micro_batches} * b / smaller, std::numeric_limits<int>::max()));
     if (fits(alt)) {
-      out.push_back(absl::StrCat("--micro-batch-size ", smaller, " --micro-batches ",
-                                 alt.micro_batches, " (same global batch)"));
+      out.push_back(absl::StrCat("PartitionOptions.micro_batch_size = ", smaller,
+                                 ", PartitionOptions.micro_batches = ", alt.micro_batches,
+                                 " (same global batch)"));
       break;
     }
   }
@@ -611,7 +583,7 @@ std::vector<std::string> Suggestions(const ModelCosts& model, const DeviceSpec& 
     alt.dp = dev.count / pp;
     if (alt.schedule == ScheduleKind::kInterleaved && alt.micro_batches % pp != 0) break;
     if (fits(alt)) {
-      out.push_back(absl::StrCat("--pp ", pp, " --dp ", alt.dp));
+      out.push_back(absl::StrCat("PartitionOptions.pp = ", pp, ", PartitionOptions.dp = ", alt.dp));
       break;
     }
   }
@@ -639,7 +611,7 @@ absl::StatusOr<Plan> Partition(const ModelCosts& model, const DeviceSpec& dev,
 absl::StatusOr<Plan> internal::Partition(const ModelCosts& model, const DeviceSpec& dev,
                                          const PartitionOptions& o, int64_t* shortfall) {
   *shortfall = 0;
-  PW_RETURN_IF_ERROR(CheckInputs(model, dev, o));
+  PW_RETURN_IF_ERROR(ValidatePartitionOptions(model, dev, o));
   const int64_t b = o.micro_batch_size ? o.micro_batch_size : model.micro_batch_size;
   const ModelCosts scaled = model.WithMicroBatchSize(b);
   ScheduleSpec spec{o.schedule, o.pp, o.micro_batches, o.chunks};

@@ -3,10 +3,14 @@
 #define PIPEWRIGHT_PARTITIONER_PARTITION_INTERNAL_H_
 
 #include <cstdint>
+#include <string>
 
 #include "pipewright/partitioner.h"
 
 namespace pipewright::internal {
+
+// "1.50 GiB", "12.0 KiB", "300 B"; kMemoryOverflow as "more than 8 EiB (...)".
+std::string Bytes(int64_t b);
 
 // Partition() that also reports, when nothing fits, by how many bytes the best split's worst
 // stage overflows (0 otherwise): the plan search names the closest miss.

@@ -12,7 +12,7 @@ absl::StatusOr<Recompute> ParseRecompute(absl::string_view name) {
   if (name == "selective") return Recompute::kSelective;
   if (name == "full") return Recompute::kFull;
   return absl::InvalidArgumentError(
-      absl::StrCat("--recompute must be none, selective or full, not '", name, "'"));
+      absl::StrCat("RunSpec.recompute must be none, selective or full, not '", name, "'"));
 }
 
 const char* RecomputeName(Recompute r) {

@@ -37,7 +37,10 @@ std::vector<Choice> Schedules(const SearchOptions& o, int pp) {
 
 absl::StatusOr<SearchResult> SearchPlans(const ModelCosts& model, const DeviceSpec& dev,
                                          const SearchOptions& o) {
-  if (dev.count < 1) return absl::InvalidArgumentError("--devices must be >= 1");
+  if (dev.count < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DeviceSpec.count = ", dev.count, ": must be >= 1"));
+  }
   if (model.num_layers() < 1) return absl::InvalidArgumentError("the model has no layers");
   const int64_t G =
       o.global_batch > 0 ? o.global_batch : int64_t{dev.count} * model.micro_batch_size;
@@ -63,7 +66,9 @@ absl::StatusOr<SearchResult> SearchPlans(const ModelCosts& model, const DeviceSp
         for (int zero : {0, 1}) {
           if (o.zero && *o.zero != zero) continue;
           if (zero == 1 && dp < 2) {
-            if (o.zero) last_invalid = "--zero 1 needs dp >= 2: it splits the optimizer state";
+            if (o.zero) {
+              last_invalid = "SearchOptions.zero = 1 needs dp >= 2: it splits the optimizer state";
+            }
             continue;
           }
           PartitionOptions po;

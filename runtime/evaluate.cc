@@ -193,7 +193,10 @@ absl::StatusOr<LayerGraph> CheckpointPresetModel(const std::string& dir) {
 
 absl::StatusOr<EvalResult> EvaluateCheckpoint(const LayerGraph& graph, const std::string& dir,
                                               const Dataset& data, int64_t batches) {
-  if (batches < 1) return absl::InvalidArgumentError("--batches must be >= 1");
+  if (batches < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("EvaluateCheckpoint: batches = ", batches, ": must be >= 1"));
+  }
   std::unique_ptr<Stage> stage;
   auto accept = [&](const Checkpoint& ck) -> absl::Status {
     json m = json::parse(ck.manifest_json, nullptr, false);
@@ -217,7 +220,10 @@ absl::StatusOr<EvalResult> EvaluateCheckpoint(const LayerGraph& graph, const std
 
 absl::StatusOr<EvalResult> EvaluateCheckpoint(const std::string& dir, const std::string& data,
                                               int64_t batches) {
-  if (batches < 1) return absl::InvalidArgumentError("--batches must be >= 1");
+  if (batches < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("EvaluateCheckpoint: batches = ", batches, ": must be >= 1"));
+  }
   // The model each checkpoint describes, instantiated with its weights: one that fails (a
   // model this runtime cannot rebuild, a misshapen tensor) is skipped for an older one.
   std::optional<LayerGraph> graph;

@@ -97,8 +97,9 @@ absl::Status ExportHuggingFace(const std::string& checkpoint, const std::string&
   auto& [ck, graph] = read;
   absl::StatusOr<GptConfig> gpt = GptConfigOf(graph);
   if (!gpt.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        checkpoint, ": model '", graph.name(), "' is not a GPT; --format hf exports GPTs only"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(checkpoint, ": model '", graph.name(),
+                     "' is not a GPT; the Hugging Face format holds GPTs only"));
   }
   const GptConfig& c = *gpt;
   const json manifest = json::parse(ck.manifest_json, nullptr, false);
@@ -241,7 +242,7 @@ absl::Status ImportHuggingFace(const std::string& in, const std::string& preset,
       std::copy_n(v.data<float>(), count, p->value.data<float>());
     }
     PW_RETURN_IF_ERROR(FreshDirectory(out, /*create=*/false));
-    return trainer->Save(out);  // a step-0 checkpoint: `train --resume` starts from it
+    return trainer->Save(out);  // a step-0 checkpoint: Engine::Resume starts from it
   } catch (const json::exception& e) {
     return absl::InvalidArgumentError(
         absl::StrCat(in, "/config.json: a field is missing or of the wrong type (", e.what(), ")"));

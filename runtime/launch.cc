@@ -46,8 +46,8 @@ absl::StatusOr<std::vector<int>> UsableGpus(const WorldOptions& o) {
   const int visible = CudaDeviceCount();
   if (visible == 0) {
     return absl::FailedPreconditionError(
-        "--device cuda: no CUDA GPU is visible (no driver, no device, or CUDA_VISIBLE_DEVICES "
-        "hides them); run on the CPU with --device cpu");
+        "WorldOptions.device = cuda: no CUDA GPU is visible (no driver, no device, or "
+        "CUDA_VISIBLE_DEVICES hides them); run on the CPU with WorldOptions.device = cpu");
   }
   std::vector<int> gpus = o.cuda_devices;
   if (gpus.empty()) {
@@ -78,7 +78,7 @@ absl::StatusOr<std::vector<RankEndpoint>> ConnectThreads(const WorldOptions& o,
                     (!o.comm.has_value() && o.device.is_cuda() && distinct_gpus && n > 1);
   if (nccl && (!o.device.is_cuda() || !distinct_gpus)) {
     return absl::InvalidArgumentError(
-        "the NCCL backend needs --device cuda and one GPU per rank (pp x dp GPUs)");
+        "the NCCL backend needs WorldOptions.device = cuda and one GPU per rank (pp x dp GPUs)");
   }
   std::vector<std::unique_ptr<Communicator>> comms;
   if (nccl) {
@@ -191,8 +191,9 @@ absl::StatusOr<World> Launch(const WorldOptions& options) {
   // NCCL bootstrapped through MPI; each process drives the GPU of its rank on the node.
   const int gpus = CudaDeviceCount();
   if (gpus == 0) {
-    absl::Status s = absl::FailedPreconditionError(absl::StrCat(
-        "rank ", proc.rank, " (", proc.hostname, "): --device cuda but no CUDA GPU is visible"));
+    absl::Status s = absl::FailedPreconditionError(
+        absl::StrCat("rank ", proc.rank, " (", proc.hostname,
+                     "): WorldOptions.device = cuda but no CUDA GPU is visible"));
     mpi->Abort(s);
     return s;
   }

@@ -470,7 +470,7 @@ absl::StatusOr<GptConfig> ParseGptSpec(absl::string_view spec) {
   int64_t tied = 1;
   Key keys[] = {{"layers", &c.layers}, {"hidden", &c.hidden}, {"heads", &c.heads},
                 {"seq", &c.seq},       {"vocab", &c.vocab},   {"tied", &tied}};
-  const std::string context = absl::StrCat("--gpt '", spec, "'");
+  const std::string context = absl::StrCat("GPT spec '", spec, "'");
   if (absl::StripAsciiWhitespace(spec).empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat(context, ": empty; expected layers=L,hidden=H,heads=A,seq=S,vocab=V"));

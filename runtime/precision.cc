@@ -11,22 +11,25 @@ LossScaler::LossScaler(const LossScaleOptions& options)
 absl::Status LossScaler::Validate(const LossScaleOptions& o) {
   auto positive = [](float v) { return std::isfinite(v) && v > 0; };
   if (!positive(o.min_scale) || !positive(o.max_scale) || o.min_scale > o.max_scale) {
-    return absl::InvalidArgumentError(absl::StrCat("loss scale bounds [", o.min_scale, ", ",
-                                                   o.max_scale, "] are not a positive range"));
+    return absl::InvalidArgumentError(absl::StrCat("LossScaleOptions.min_scale and max_scale [",
+                                                   o.min_scale, ", ", o.max_scale,
+                                                   "] are not a positive range"));
   }
   if (!positive(o.initial_scale) || o.initial_scale < o.min_scale ||
       o.initial_scale > o.max_scale) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--loss-scale ", o.initial_scale, " must lie in [", o.min_scale, ", ", o.max_scale, "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("LossScaleOptions.initial_scale = ", o.initial_scale, ": must lie in [",
+                     o.min_scale, ", ", o.max_scale, "]"));
   }
   if (!(o.growth_factor >= 1) || !std::isfinite(o.growth_factor)) {
-    return absl::InvalidArgumentError("the loss scale growth factor must be >= 1");
+    return absl::InvalidArgumentError("LossScaleOptions.growth_factor must be >= 1");
   }
   if (!(o.backoff_factor > 0 && o.backoff_factor < 1)) {
-    return absl::InvalidArgumentError("the loss scale backoff factor must be in (0, 1)");
+    return absl::InvalidArgumentError("LossScaleOptions.backoff_factor must be in (0, 1)");
   }
   if (o.growth_interval < 1) {
-    return absl::InvalidArgumentError("--loss-scale-window must be >= 1");
+    return absl::InvalidArgumentError(
+        absl::StrCat("LossScaleOptions.growth_interval = ", o.growth_interval, ": must be >= 1"));
   }
   return absl::OkStatus();
 }

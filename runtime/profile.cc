@@ -66,7 +66,7 @@ absl::StatusOr<ModelCosts> ProfileModel(const LayerGraph& graph, int reps, uint6
   if (weight_grad_bytes > static_cast<double>(kProfileMemoryLimitBytes)) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "cannot profile '%s': its fp32 weights and gradients need %.0f bytes (%.2f GiB), over "
-        "the %d GiB profiling limit; use its analytic costs (no --profile) instead",
+        "the %d GiB profiling limit; use its analytic costs (no profiling) instead",
         graph.name(), weight_grad_bytes, weight_grad_bytes / (1 << 30),
         kProfileMemoryLimitBytes >> 30));
   }

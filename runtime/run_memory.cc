@@ -200,22 +200,22 @@ std::string Alternatives(const ModelCosts& costs, const RunSpec& run, const Trai
   if (run.recompute != full) {
     absl::StatusOr<RunMemoryNeed> n = Predict(costs, run, full, options, sample, places);
     if (n.ok() && Fits(*n, budget, gpu_total)) {
-      ideas.push_back(absl::StrCat("--recompute full (", FormatBytes(Peak(*n)), ")"));
+      ideas.push_back(absl::StrCat("RunSpec.recompute = full (", FormatBytes(Peak(*n)), ")"));
     }
   }
   for (int64_t b = costs.micro_batch_size / 2; b >= 1; b /= 2) {
     absl::StatusOr<RunMemoryNeed> n =
         Predict(costs.WithMicroBatchSize(b), run, run.recompute, options, sample, places);
     if (n.ok() && Fits(*n, budget, gpu_total)) {
-      ideas.push_back(absl::StrCat("--micro-batch-size ", b, " (", FormatBytes(Peak(*n)),
-                                   "; more --micro-batches keep the global batch)"));
+      ideas.push_back(absl::StrCat("MicroBatchShape.batch = ", b, " (", FormatBytes(Peak(*n)),
+                                   "; more ScheduleSpec.micro_batches keep the global batch)"));
       break;
     }
   }
   if (!ideas.empty()) return absl::StrCat("would fit: ", absl::StrJoin(ideas, "; or "));
-  return "neither --recompute full nor a smaller --micro-batch-size (down to 1) would fit; try "
-         "--precision bf16, a smaller model, or more pipeline stages over several processes or "
-         "machines (mpirun; docs/cluster.md)";
+  return "neither RunSpec.recompute = full nor a smaller MicroBatchShape.batch (down to 1) would "
+         "fit; try TrainOptions.precision = bf16, a smaller model, or more pipeline stages over "
+         "several processes or machines (mpirun; docs/cluster.md)";
 }
 
 // "weights 0.9 MiB, gradients …, optimizer …, activations 1.2 GiB for 4 micro-batches of 8
@@ -420,7 +420,7 @@ absl::Status CheckEvaluationMemory(const LayerGraph& graph, const SampleSpec& sa
                    " for one micro-batch of ", costs.micro_batch_size,
                    " sequences, checkpoint tensors ", FormatBytes(checkpoint_bytes), ", ", batches,
                    " held-out batches ", FormatBytes(data), "); this machine has ", host.Describe(),
-                   model_fits ? "; evaluate fewer --batches"
+                   model_fits ? "; evaluate fewer batches"
                               : "; the model alone does not fit: evaluate it on a machine "
                                 "with more memory"));
 }

@@ -26,7 +26,10 @@ absl::Status CheckRunSpec(const RunSpec& run, int num_layers) {
   if (absl::Status s = Validate(sched); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("invalid schedule: ", s.message()));
   }
-  if (run.data_parallel < 1) return absl::InvalidArgumentError("--dp must be >= 1");
+  if (run.data_parallel < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("RunSpec.data_parallel = ", run.data_parallel, ": must be >= 1"));
+  }
   const int S = sched.num_stages;
   if (S > num_layers) {
     return absl::InvalidArgumentError(

@@ -24,7 +24,8 @@ const char* DpModeName(DpMode m) { return m == DpMode::kAsync ? "async" : "sync"
 absl::StatusOr<DpMode> ParseDpMode(absl::string_view name) {
   if (name == "sync") return DpMode::kSync;
   if (name == "async") return DpMode::kAsync;
-  return absl::InvalidArgumentError(absl::StrCat("unknown --dp-mode '", name, "' (sync, async)"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown TrainOptions.dp_mode '", name, "' (sync, async)"));
 }
 
 std::string GradCompressionName(const GradCompression& c) {
@@ -47,7 +48,7 @@ absl::StatusOr<GradCompression> ParseGradCompression(absl::string_view name) {
     const absl::string_view digits = name.substr(kPowerSgd.size());
     int rank = 0;
     if (!absl::SimpleAtoi(digits, &rank) || rank < 1 || rank > kMaxPowerSgdRank) {
-      return absl::InvalidArgumentError(absl::StrCat("--grad-compression ", name,
+      return absl::InvalidArgumentError(absl::StrCat("TrainOptions.grad_compression = ", name,
                                                      ": the PowerSGD rank must be an integer in "
                                                      "[1, ",
                                                      kMaxPowerSgdRank, "] (e.g. powersgd:4)"));
@@ -55,14 +56,17 @@ absl::StatusOr<GradCompression> ParseGradCompression(absl::string_view name) {
     return GradCompression::PowerSgd(rank);
   }
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown gradient compression '", name, "' (none, bf16, powersgd:R)"));
+      absl::StrCat("unknown TrainOptions.grad_compression '", name, "' (none, bf16, powersgd:R)"));
 }
 
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const LayerGraph& graph,
                                                          int64_t micro_batches,
                                                          const TrainOptions& options,
                                                          std::shared_ptr<const Dataset> data) {
-  if (micro_batches < 1) return absl::InvalidArgumentError("--micro-batches must be >= 1");
+  if (micro_batches < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Trainer::Create: micro_batches = ", micro_batches, ": must be >= 1"));
+  }
   if (data == nullptr) data = SyntheticDataset(graph.shape().seq_len, options.seed);
   PW_ASSIGN_OR_RETURN(Schedule schedule, GenerateSchedule({ScheduleKind::k1F1B, 1,
                                                            static_cast<int>(micro_batches), 1}));

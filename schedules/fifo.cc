@@ -47,7 +47,8 @@ absl::Status CheckFifoOrder(const Schedule& sched) {
               "a transport without message tags (NCCL) matches messages in posting order, but "
               "this schedule's message ",
               i, " from pipeline rank ", from, " to ", to,
-              " is posted in a different order by the receiver; run it with --comm local"));
+              " is posted in a different order by the receiver; run it on the local backend "
+              "(WorldOptions.comm = local)"));
         }
       }
     }

@@ -26,7 +26,8 @@ void RegisterCommands(CLI::App& app, int* exit_code) {
 }
 
 int ReportError(const absl::Status& status) {
-  std::fprintf(stderr, "pipewright: %s\n", std::string(status.message()).c_str());
+  // The library names fields; the user typed flags (Note [Field names to flags], flags.h).
+  std::fprintf(stderr, "pipewright: %s\n", InFlagTerms(status.message()).c_str());
   switch (status.code()) {
     case absl::StatusCode::kInvalidArgument:
     case absl::StatusCode::kNotFound:

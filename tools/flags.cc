@@ -174,4 +174,112 @@ void RequireValues(CLI::App& app) {
   for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) RequireValues(*sub);
 }
 
+const std::vector<FieldFlag>& FieldFlags() {
+  static const std::vector<FieldFlag> kTable = {
+      // TrainOptions (pipewright/train.h): train.
+      {"TrainOptions.steps", "--steps"},
+      {"TrainOptions.seed", "--seed"},
+      {"TrainOptions.lr", "--lr"},
+      {"TrainOptions.lr_scaling", "--lr-scaling"},
+      {"TrainOptions.base_batch", "--base-batch"},
+      {"TrainOptions.warmup_steps", "--warmup"},
+      {"TrainOptions.min_lr_ratio", "--min-lr-ratio"},
+      {"TrainOptions.clip_norm", "--clip"},
+      {"TrainOptions.optimizer.kind", "--optimizer"},
+      {"TrainOptions.optimizer.weight_decay", "--weight-decay"},
+      {"TrainOptions.precision", "--precision"},
+      {"TrainOptions.bucket_bytes", "--bucket-mb"},
+      {"TrainOptions.grad_compression", "--grad-compression"},
+      {"TrainOptions.dp_mode", "--dp-mode"},
+      {"TrainOptions.zero", "--zero"},
+      {"TrainOptions.staleness", "--staleness"},
+      {"TrainOptions.threads_per_rank", "--threads-per-rank"},
+      {"TrainOptions.data_workers", "--data-workers"},
+      {"LossScaleOptions.initial_scale", "--loss-scale"},
+      {"LossScaleOptions.growth_interval", "--loss-scale-window"},
+      {"OptimizerConfig.kind", "--optimizer"},
+      // TrainTestingHooks (pipewright/train_testing.h): train's hidden testing flags.
+      {"TrainTestingHooks.slow_replica", "--slow-replica"},
+      {"TrainTestingHooks.slow_factor", "the --slow-replica factor"},
+      {"TrainTestingHooks.inject_failure_rank", "the --inject-failure rank"},
+      {"TrainTestingHooks.inject_failure_step", "the --inject-failure step"},
+      // RunSpec (pipewright/run_spec.h) and the model's micro-batch: train.
+      {"RunSpec.data_parallel", "--dp"},
+      {"RunSpec.recompute", "--recompute"},
+      {"MicroBatchShape.batch", "--micro-batch-size"},
+      {"ScheduleSpec.micro_batches", "--micro-batches"},
+      // WorldOptions (pipewright/launch.h): train.
+      {"WorldOptions.device", "--device"},
+      {"WorldOptions.comm", "--comm"},
+      // DeviceSpec, PartitionOptions, SearchOptions (pipewright/partitioner.h): plan.
+      {"DeviceSpec.count", "--devices"},
+      {"DeviceSpec.memory_bytes", "--device-memory"},
+      {"DeviceSpec.reserve_bytes", "--reserve"},
+      {"DeviceSpec.tflops", "--device-tflops"},
+      {"DeviceSpec.link_bandwidth", "--link-gbps"},
+      {"DeviceSpec.link_latency_s", "--link-latency-us"},
+      {"DeviceSpec.memory_bandwidth", "--hbm-gbps"},
+      {"PartitionOptions.pp", "--pp"},
+      {"PartitionOptions.dp", "--dp"},
+      {"PartitionOptions.schedule", "--schedule"},
+      {"PartitionOptions.chunks", "--chunks"},
+      {"PartitionOptions.micro_batches", "--micro-batches"},
+      {"PartitionOptions.micro_batch_size", "--micro-batch-size"},
+      {"PartitionOptions.precision", "--precision"},
+      {"PartitionOptions.zero", "--zero"},
+      {"SearchOptions.global_batch", "--global-batch"},
+      {"SearchOptions.pp", "--pp"},
+      {"SearchOptions.dp", "--dp"},
+      {"SearchOptions.chunks", "--chunks"},
+      {"SearchOptions.zero", "--zero"},
+      {"SearchOptions.schedule", "--schedule"},
+      {"SearchOptions.micro_batch_size", "--micro-batch-size"},
+      // ParseGptSpec (pipewright/model.h): model.
+      {"GPT spec", "--gpt"},
+  };
+  return kTable;
+}
+
+namespace {
+
+bool IsNameChar(char c) { return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '_'; }
+
+}  // namespace
+
+std::string InFlagTerms(absl::string_view message) {
+  std::string out;
+  size_t i = 0;
+  while (i < message.size()) {
+    // A name starts here unless it would continue a name ("XTrainOptions", "a.TrainOptions").
+    const bool starts = i == 0 || !(IsNameChar(message[i - 1]) || message[i - 1] == '.');
+    const FieldFlag* best = nullptr;
+    size_t best_len = 0;
+    for (const FieldFlag& ff : FieldFlags()) {
+      const absl::string_view field = ff.field;
+      if (!starts || field.size() <= best_len || message.substr(i, field.size()) != field) continue;
+      // ... and ends there: not followed by more of a name ("TrainOptions.lr_x",
+      // "TrainOptions.optimizer.kind" for "TrainOptions.optimizer").
+      const size_t end = i + field.size();
+      if (end < message.size() &&
+          (IsNameChar(message[end]) ||
+           (message[end] == '.' && end + 1 < message.size() && IsNameChar(message[end + 1])))) {
+        continue;
+      }
+      best = &ff;
+      best_len = field.size();
+    }
+    if (best == nullptr) {
+      out.push_back(message[i++]);
+      continue;
+    }
+    out += best->flag;
+    i += best_len;
+    if (message.substr(i, 3) == " = ") {  // "Field = value" -> "--flag value"
+      out.push_back(' ');
+      i += 3;
+    }
+  }
+  return out;
+}
+
 }  // namespace pipewright::tools

@@ -14,7 +14,9 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
+#include "absl/strings/string_view.h"
 #include "pipewright/status.h"
 
 namespace pipewright::tools {
@@ -120,6 +122,24 @@ CLI::Option* AddByteSize(CLI::App* cmd, const std::string& names, std::string* v
 // Every option of `app` and its subcommands, at any depth, that takes a value refuses an empty
 // one ("--save ''"), naming it. Called once, after every subcommand is registered.
 void RequireValues(CLI::App& app);
+
+// Note [Field names to flags]. The library checks its options once and names what was wrong by
+// the field a C++ caller set ("TrainOptions.staleness = -1: must be >= 0", Note [Field names in
+// errors] in pipewright/train.h). The CLI does not check them again: it hands the library what
+// the flags said and, where an error is printed (ReportError), rewrites each field name into the
+// flag that sets it through the one table below, "Field = value" into "--flag value"; so the
+// user reads "--staleness -1: must be >= 0". A field the library names that no flag sets (the
+// loss scale's bounds) stays as it is. tests/tools/field_flags_test.cc checks that every field
+// name the library's sources write is here or deliberately absent.
+struct FieldFlag {
+  const char* field;  // "TrainOptions.staleness"; "GPT spec" (ParseGptSpec's name for its text)
+  const char* flag;   // "--staleness"
+};
+const std::vector<FieldFlag>& FieldFlags();
+
+// `message` with every field name of FieldFlags that stands as a whole name (not part of a longer
+// dotted name) replaced by its flag, and "<field> = " by "<flag> ".
+std::string InFlagTerms(absl::string_view message);
 
 }  // namespace pipewright::tools
 

@@ -28,6 +28,7 @@
 #include "pipewright/run_spec.h"
 #include "pipewright/trace.h"
 #include "pipewright/train.h"
+#include "pipewright/train_testing.h"
 #include "tools/commands.h"
 #include "tools/flags.h"
 #include "tools/train_report.h"
@@ -92,30 +93,16 @@ absl::Status CheckFlags(const TrainFlags& f) {
           "--resume auto needs --save DIR (it resumes from DIR's newest checkpoint, if any)");
     }
   }
+  // (What TrainOptions allow is ValidateTrainOptions's to say, in RunTrain; these are about
+  // which flags were given.)
   PW_ASSIGN_OR_RETURN(const DpMode dp_mode, ParseDpMode(f.dp_mode));
   if (dp_mode == DpMode::kSync && f.given.count("--staleness") > 0) {
     return absl::InvalidArgumentError("--staleness needs --dp-mode async");
   }
-  if (dp_mode == DpMode::kAsync) {
-    if (f.plan.empty() && f.dp < 2) {
-      return absl::InvalidArgumentError(
-          "--dp-mode async needs data parallelism (--dp >= 2): with one replica there is "
-          "nothing to run asynchronously");
-    }
-    if (f.save_every > 0) {
-      return absl::InvalidArgumentError(
-          "--save-every does not combine with --dp-mode async (the replicas are at different "
-          "steps); an async run saves at its end and when stopped by a signal");
-    }
-  }
-  PW_ASSIGN_OR_RETURN(const GradCompression compression, ParseGradCompression(f.grad_compression));
-  if (compression.enabled()) {
-    // (dp = 1 from a --plan is refused by the engine, which knows the plan's dp.)
-    if (f.plan.empty() && f.dp < 2) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--grad-compression ", f.grad_compression,
-          " needs data parallelism (--dp >= 2): with dp = 1 no gradients are exchanged"));
-    }
+  if (dp_mode == DpMode::kAsync && f.save_every > 0) {
+    return absl::InvalidArgumentError(
+        "--save-every does not combine with --dp-mode async (the replicas are at different "
+        "steps); an async run saves at its end and when stopped by a signal");
   }
   // What a plan or a program fixes may not be given beside it.
   auto conflicts = [&](const std::string& source, std::initializer_list<const char*> flags,
@@ -163,11 +150,19 @@ absl::StatusOr<TrainOptions> OptionsFromFlags(const TrainFlags& f) {
   PW_ASSIGN_OR_RETURN(o.dp_mode, ParseDpMode(f.dp_mode));
   o.zero = std::max(0, f.zero);
   o.staleness = f.staleness;
+  return o;
+}
+
+// --slow-replica R:FACTOR and --inject-failure RANK:STEP. The text is checked here (the factor's
+// range included: it is part of the syntax the flag documents); what the run allows (R below dp)
+// by ValidateTrainTestingHooks.
+absl::StatusOr<TrainTestingHooks> HooksFromFlags(const TrainFlags& f) {
+  TrainTestingHooks h;
   if (!f.slow_replica.empty()) {
     std::vector<std::string> parts = absl::StrSplit(f.slow_replica, ':');
-    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &o.slow_replica) ||
-        !absl::SimpleAtod(parts[1], &o.slow_factor) || o.slow_replica < 0 ||
-        !(o.slow_factor >= 1) || !(o.slow_factor <= 1000)) {
+    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &h.slow_replica) ||
+        !absl::SimpleAtod(parts[1], &h.slow_factor) || h.slow_replica < 0 ||
+        !(h.slow_factor >= 1) || !(h.slow_factor <= 1000)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--slow-replica ", f.slow_replica,
           ": expects REPLICA:FACTOR, a replica index >= 0 and a factor in [1, 1000] (e.g. 1:2)"));
@@ -175,12 +170,12 @@ absl::StatusOr<TrainOptions> OptionsFromFlags(const TrainFlags& f) {
   }
   if (!f.inject_failure.empty()) {
     std::vector<std::string> parts = absl::StrSplit(f.inject_failure, ':');
-    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &o.inject_failure_rank) ||
-        !absl::SimpleAtoi(parts[1], &o.inject_failure_step)) {
+    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &h.inject_failure_rank) ||
+        !absl::SimpleAtoi(parts[1], &h.inject_failure_step)) {
       return absl::InvalidArgumentError("--inject-failure expects RANK:STEP");
     }
   }
-  return o;
+  return h;
 }
 
 absl::StatusOr<WorldOptions> WorldFromFlags(const TrainFlags& f) {
@@ -574,6 +569,11 @@ absl::Status RunTrain(const TrainFlags& given) {
   PW_ASSIGN_OR_RETURN(RunSpec run, RunFromFlags(f, model));
   PW_ASSIGN_OR_RETURN(TrainOptions options, OptionsFromFlags(f));
   if (model.plan && f.zero < 0) options.zero = model.plan->zero;  // the plan's choice
+  PW_ASSIGN_OR_RETURN(const TrainTestingHooks hooks, HooksFromFlags(f));
+  // The engine's own checks, before any process is launched or data opened; ReportError says
+  // them in flags (FieldFlags, tools/flags.h).
+  PW_RETURN_IF_ERROR(ValidateTrainOptions(options, run.data_parallel));
+  PW_RETURN_IF_ERROR(ValidateTrainTestingHooks(hooks, run.data_parallel));
   PW_ASSIGN_OR_RETURN(WorldOptions world_options, WorldFromFlags(f));
   PW_ASSIGN_OR_RETURN(std::shared_ptr<const Dataset> data, OpenTrainData(f, model.graph));
   // Under mpirun or srun this process is one rank of the pp x dp grid (docs/cluster.md).
@@ -584,6 +584,7 @@ absl::Status RunTrain(const TrainFlags& given) {
   PW_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
                       Engine::Create(model.graph, std::move(run), options, data, std::move(world)));
   Engine& t = *engine;
+  PW_RETURN_IF_ERROR(t.SetTestingHooks(hooks));
   PW_ASSIGN_OR_RETURN(std::optional<ResumeInfo> resumed, ResumeFromFlags(t, f, root));
   // A run already at --steps has nothing to do, and its checkpoint is not written again.
   if (resumed && resumed->step == f.steps) {

@@ -41,6 +41,8 @@
 
 namespace pipewright {
 
+struct TrainTestingHooks;  // train_testing.h
+
 // One recorded interval of a rank's step (times in seconds from the engine's creation).
 enum class EventKind {
   kCompute,    // F, B, I, W (action set)
@@ -162,6 +164,10 @@ class Engine {
   // owners' parameters and optimizer state, so Save, Weights and a further RunAsync see one
   // model. Failures as in Step.
   absl::StatusOr<AsyncReport> RunAsync(int64_t until_step);
+  // Tests and benchmarks (train_testing.h): a straggler replica, an injected failure. Checked by
+  // ValidateTrainTestingHooks against this run (nothing changes when it fails); takes effect at
+  // the next Step or RunAsync. Not while one runs.
+  absl::Status SetTestingHooks(const TrainTestingHooks& hooks);
   int64_t step() const;
   int64_t global_batch() const;
   // Threads each rank of this process runs its CPU kernels on (TrainOptions::threads_per_rank,

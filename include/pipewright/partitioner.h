@@ -79,6 +79,12 @@ std::vector<int> PeakInflightPerStage(const Schedule& schedule);
 // and suggests what would fit.
 absl::StatusOr<Plan> Partition(const ModelCosts& model, const DeviceSpec& devices,
                                const PartitionOptions& options);
+// What Partition checks first: a model with layers, devices with positive counts, memory,
+// throughputs and bandwidths, pp, dp >= 1 with pp x dp = devices.count, zero 0 or 1 (1 with
+// dp >= 2), micro_batch_size >= 0. InvalidArgument naming the field (`PartitionOptions.pp = 0`,
+// `DeviceSpec.memory_bytes`; Note [Field names in errors] in train.h) otherwise.
+absl::Status ValidatePartitionOptions(const ModelCosts& model, const DeviceSpec& devices,
+                                      const PartitionOptions& options);
 
 // Fills plan.predicted and every stage's predicted time and memory for the plan's split.
 absl::Status Predict(const ModelCosts& model, const DeviceSpec& devices, Precision precision,

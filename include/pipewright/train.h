@@ -73,10 +73,6 @@ struct TrainOptions {
   // bit-identical to 0. Needs dp >= 2 and synchronous DP.
   int zero = 0;
   int staleness = 1;  // kAsync: the most steps a replica may run ahead of the slowest (>= 0)
-  // Benchmarks and tests: replica `slow_replica` (-1: none) sleeps slow_factor - 1 times the
-  // length of each of its compute intervals after it, so it computes slow_factor times slower.
-  int slow_replica = -1;
-  double slow_factor = 1.0;
   // Threads each CPU rank runs its kernels on (its own thread included): matrix products and
   // the row-parallel kernels split their work over them. 0 = automatic: the CPU cores this
   // process may use, divided among the ranks it runs (and, under a launcher, among the
@@ -87,12 +83,28 @@ struct TrainOptions {
   // steps ahead into a bounded queue; 0 builds each step on the rank's own thread when it is
   // needed. Results do not depend on it.
   int data_workers = 1;
-  // Fault injection for tests of failure handling: global rank `inject_failure_rank` fails
-  // with Internal "injected failure" at its first backward action of step
-  // `inject_failure_step` (-1: never).
-  int inject_failure_rank = -1;
-  int64_t inject_failure_step = -1;
+  // (A straggler and fault injection, for tests and benchmarks, are TrainTestingHooks:
+  // train_testing.h.)
 };
+
+// Note [Field names in errors]. The one check of a TrainOptions (Engine::Create calls it; so can
+// a front end, before it builds anything) for a run of `data_parallel` replicas
+// (RunSpec.data_parallel). InvalidArgument naming the field as `TrainOptions.<field>` and a value
+// as `TrainOptions.<field> = <value>`: "TrainOptions.staleness = -1: must be >= 0 (0:
+// lock-step)", "TrainOptions.dp_mode = async needs data parallelism (RunSpec.data_parallel >=
+// 2): ...". Every library message names what a C++ caller set that way (`RunSpec.recompute`,
+// `PartitionOptions.pp`, `WorldOptions.device`, `LossScaleOptions.initial_scale`, ...) and never
+// a command-line flag; the `pipewright` CLI rewrites those names into its flags through one table
+// (tools/flags.h, FieldFlags), so it says "--staleness -1: must be >= 0 (0: lock-step)".
+// Checked: steps >= 0; lr finite and > 0; min_lr_ratio in [0, 1]; clip_norm finite and >= 0;
+// optimizer.weight_decay finite and >= 0; warmup_steps >= 0; base_batch >= 1; loss_scale
+// (LossScaler::Validate) under fp16; bucket_bytes >= 1; threads_per_rank in [0, 255];
+// data_workers in [0, 64]; staleness >= 0; zero 0 or 1; and what combines: gradient compression
+// not with fp16 and only with dp >= 2, ZeRO-1 only with dp >= 2 and synchronous DP,
+// asynchronous DP only with dp >= 2, fp32 or bf16 and no compression. (What needs the world or
+// the model as well — async DP on the CPU, with concurrent point-to-point and no tied weight
+// split across pipeline ranks — Engine::Create checks, in the same terms.)
+absl::Status ValidateTrainOptions(const TrainOptions& options, int data_parallel);
 
 struct StepResult {
   int64_t step = 0;  // 0-based index of the step just taken

@@ -33,84 +33,6 @@ internal::RankExecutor* Engine::Impl::Find(int global) const {
 
 namespace {
 
-// ThreadPool's limit (kernels/cpu/parallel.h).
-constexpr int kMaxThreadsPerRank = 255;
-
-absl::Status CheckTrainOptions(const TrainOptions& o) {
-  if (o.steps < 0) return absl::InvalidArgumentError("--steps must be >= 0");
-  if (!(o.lr > 0) || !std::isfinite(o.lr)) {
-    return absl::InvalidArgumentError("--lr must be a positive number");
-  }
-  // (NaN fails every comparison: each test below is written to be false for it.)
-  if (!(o.min_lr_ratio >= 0 && o.min_lr_ratio <= 1)) {
-    return absl::InvalidArgumentError(absl::StrCat("TrainOptions::min_lr_ratio is ", o.min_lr_ratio,
-                                                   ": must be a number in [0, 1]"));
-  }
-  if (!(o.clip_norm >= 0) || !std::isfinite(o.clip_norm)) {
-    return absl::InvalidArgumentError(absl::StrCat("TrainOptions::clip_norm is ", o.clip_norm,
-                                                   ": must be a finite number >= 0 (0: off)"));
-  }
-  if (!(o.optimizer.weight_decay >= 0) || !std::isfinite(o.optimizer.weight_decay)) {
-    return absl::InvalidArgumentError(absl::StrCat("TrainOptions::optimizer.weight_decay is ",
-                                                   o.optimizer.weight_decay,
-                                                   ": must be a finite number >= 0"));
-  }
-  if (o.warmup_steps < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("TrainOptions::warmup_steps is ", o.warmup_steps, ": must be >= 0"));
-  }
-  if (o.base_batch < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("TrainOptions::base_batch is ", o.base_batch, ": must be >= 1"));
-  }
-  if (o.precision == Precision::kFp16) PW_RETURN_IF_ERROR(LossScaler::Validate(o.loss_scale));
-  if (o.bucket_bytes < 1) return absl::InvalidArgumentError("the bucket size must be positive");
-  if (o.grad_compression.enabled() && o.precision == Precision::kFp16) {
-    // A skipped (overflowing) step would leave infinities in the error buffers, and a change of
-    // loss scale would leave them in the wrong units.
-    return absl::InvalidArgumentError(
-        absl::StrCat("--grad-compression ", GradCompressionName(o.grad_compression),
-                     " does not support --precision fp16 (loss-scaled gradients); use fp32 or "
-                     "bf16"));
-  }
-  if (o.threads_per_rank < 0 || o.threads_per_rank > kMaxThreadsPerRank) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--threads-per-rank must be in [0, ", kMaxThreadsPerRank, "] (0: automatic)"));
-  }
-  if (o.data_workers < 0 || o.data_workers > 64) {
-    return absl::InvalidArgumentError("--data-workers must be in [0, 64]");
-  }
-  if (o.staleness < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--staleness ", o.staleness, ": must be >= 0 (0: lock-step)"));
-  }
-  if (!(o.slow_factor >= 1) || !(o.slow_factor <= 1000)) {
-    return absl::InvalidArgumentError("--slow-replica's factor must be in [1, 1000]");
-  }
-  if (o.zero != 0 && o.zero != 1) {
-    return absl::InvalidArgumentError(absl::StrCat("--zero ", o.zero, ": must be 0 or 1"));
-  }
-  if (o.dp_mode == DpMode::kAsync) {
-    if (o.zero == 1) {
-      return absl::InvalidArgumentError(
-          "--zero 1 needs synchronous DP: under --dp-mode async the owners already hold the "
-          "optimizer state apart");
-    }
-    if (o.grad_compression.enabled()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--dp-mode async does not combine with --grad-compression ",
-                       GradCompressionName(o.grad_compression),
-                       ": the owners apply each replica's gradients as they come"));
-    }
-    if (o.precision == Precision::kFp16) {
-      return absl::InvalidArgumentError(
-          "--dp-mode async does not support --precision fp16 (the loss scale is agreed by all "
-          "replicas every step); use fp32 or bf16");
-    }
-  }
-  return absl::OkStatus();
-}
-
 // A tied weight whose owner and copy are on different pipeline ranks (Note [Tied parameters]).
 struct CrossRankTie {
   std::string owner;  // the owner parameter's global name
@@ -136,35 +58,28 @@ std::vector<CrossRankTie> CrossRankTies(const LayerGraph& graph, const RunSpec& 
   return ties;
 }
 
-// What asynchronous DP needs of the run (Note [Async DP] in async_dp.cc).
-absl::Status CheckAsync(const TrainOptions& o, const RunSpec& run, const World& world,
+// What asynchronous DP needs of the world and the model besides what ValidateTrainOptions checks
+// (Note [Async DP] in async_dp.cc).
+absl::Status CheckAsync(const TrainOptions& o, const World& world,
                         const std::vector<RankEndpoint>& endpoints,
                         const std::vector<CrossRankTie>& ties) {
-  if (o.slow_replica >= run.data_parallel) {
-    return absl::InvalidArgumentError(absl::StrCat("--slow-replica ", o.slow_replica,
-                                                   ": there are only ", run.data_parallel,
-                                                   " replicas (0 to ", run.data_parallel - 1, ")"));
-  }
   if (o.dp_mode != DpMode::kAsync) return absl::OkStatus();
-  if (run.data_parallel < 2) {
-    return absl::InvalidArgumentError(
-        "--dp-mode async needs data parallelism (dp >= 2): with one replica there is nothing to "
-        "run asynchronously");
-  }
   if (world.options().device.is_cuda()) {
-    return absl::InvalidArgumentError("--dp-mode async runs on the CPU only (--device cpu)");
+    return absl::InvalidArgumentError(
+        "TrainOptions.dp_mode = async runs on the CPU only (WorldOptions.device = cpu)");
   }
   if (!ties.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--dp-mode async does not support a tied weight split across pipeline ranks (",
+        "TrainOptions.dp_mode = async does not support a tied weight split across pipeline "
+        "ranks (",
         ties[0].owner, " on pipeline rank ", ties[0].owner_pipe, " and ", ties[0].copy_pipe,
         "): the owners would update its two copies apart; put them on one rank or untie them"));
   }
   if (!endpoints.empty() && !endpoints[0].comm->capabilities().concurrent_p2p) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--dp-mode async needs a backend that takes point-to-point operations from "
-                     "two threads (local, mpi); ",
-                     CommBackendName(endpoints[0].comm->kind()), " does not"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "TrainOptions.dp_mode = async needs a backend that takes point-to-point operations from "
+        "two threads (local, mpi); ",
+        CommBackendName(endpoints[0].comm->kind()), " does not"));
   }
   return absl::OkStatus();
 }
@@ -314,7 +229,9 @@ absl::StatusOr<std::unique_ptr<RankExecutor>> BuildRank(
   ex->tied_local.insert(ex->tied_local.end(), across.begin(), across.end());
   const TrainOptions& to = m.options;
   if (ex->on_cuda() && to.optimizer.kind != OptimizerKind::kAdamW) {
-    return absl::InvalidArgumentError("--device cuda supports --optimizer adamw only");
+    return absl::InvalidArgumentError(
+        "a CUDA rank (WorldOptions.device = cuda) supports TrainOptions.optimizer.kind = adamw "
+        "only");
   }
   if (to.zero == 1) {
     // ZeRO-1: the optimizer holds the state of the parameters this replica owns only.
@@ -421,17 +338,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const LayerGraph& graph, 
                                                        const TrainOptions& options,
                                                        std::shared_ptr<const Dataset> data,
                                                        World world) {
-  PW_RETURN_IF_ERROR(CheckTrainOptions(options));
   PW_RETURN_IF_ERROR(CheckRunSpec(run, graph.num_layers()));
-  if (options.grad_compression.enabled() && run.data_parallel < 2) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--grad-compression ", GradCompressionName(options.grad_compression),
-                     " needs data parallelism (dp >= 2): with dp = 1 no gradients are exchanged"));
-  }
-  if (options.zero == 1 && run.data_parallel < 2) {
-    return absl::InvalidArgumentError(
-        "--zero 1 shards the optimizer state over the data-parallel replicas: it needs dp >= 2");
-  }
+  PW_RETURN_IF_ERROR(ValidateTrainOptions(options, run.data_parallel));
   if (data == nullptr) return absl::InvalidArgumentError("Engine::Create: no dataset");
   PW_RETURN_IF_ERROR(CheckData(*data, graph));
   auto impl = std::make_unique<Impl>();
@@ -444,6 +352,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const LayerGraph& graph, 
   m.ctx.graph = &m.graph;
   m.ctx.run = &m.run;
   m.ctx.options = &m.options;
+  m.ctx.testing = &m.testing;
   m.ctx.topo = Topology{m.run.pipeline_parallel(), m.run.data_parallel};
   m.ctx.layout = {m.run.micro_batches(), graph.shape().batch, graph.shape().seq_len,
                   m.run.data_parallel};
@@ -455,8 +364,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const LayerGraph& graph, 
   m.lr.min_ratio = options.min_lr_ratio;
 
   PW_ASSIGN_OR_RETURN(std::vector<RankEndpoint> endpoints, m.world->Connect(m.ctx.topo));
-  PW_RETURN_IF_ERROR(
-      CheckAsync(m.options, m.run, *m.world, endpoints, CrossRankTies(m.graph, m.run)));
+  PW_RETURN_IF_ERROR(CheckAsync(m.options, *m.world, endpoints, CrossRankTies(m.graph, m.run)));
   if (!endpoints.empty() && !endpoints[0].comm->capabilities().tagged_p2p) {
     PW_RETURN_IF_ERROR(CheckFifoOrder(m.run.schedule));
   }
@@ -566,7 +474,7 @@ absl::StatusOr<AsyncReport> Engine::RunAsync(int64_t until_step) {
         absl::StrCat("the engine stopped after an earlier failure: ", m.failed.message()));
   }
   if (m.options.dp_mode != DpMode::kAsync) {
-    return absl::FailedPreconditionError("RunAsync needs TrainOptions::dp_mode kAsync");
+    return absl::FailedPreconditionError("RunAsync needs TrainOptions.dp_mode = async");
   }
   AsyncReport rep;
   rep.first_step = m.step;
@@ -605,6 +513,12 @@ absl::StatusOr<AsyncReport> Engine::RunAsync(int64_t until_step) {
   m.steps_run += rep.steps;
   m.wall += rep.wall_s;
   return rep;
+}
+
+absl::Status Engine::SetTestingHooks(const TrainTestingHooks& hooks) {
+  PW_RETURN_IF_ERROR(ValidateTrainTestingHooks(hooks, impl_->run.data_parallel));
+  impl_->testing = hooks;
+  return absl::OkStatus();
 }
 
 int64_t Engine::step() const { return impl_->step; }
@@ -660,10 +574,13 @@ absl::Status CheckGradSyncResume(const std::string& dir, const internal::ResumeP
   if (at.grad_compression.empty()) return absl::OkStatus();
   const std::string name = GradCompressionName(run);
   if (at.grad_compression != name || at.grad_sync_dp != dp) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        dir, "/manifest.json: the checkpoint holds the error-feedback state of --grad-compression ",
-        at.grad_compression, " at dp = ", at.grad_sync_dp, "; this run uses --grad-compression ",
-        name, " at dp = ", dp, ", which would drop it (resume with the same compression and dp)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(dir,
+                     "/manifest.json: the checkpoint holds the error-feedback state of "
+                     "TrainOptions.grad_compression = ",
+                     at.grad_compression, " at dp = ", at.grad_sync_dp,
+                     "; this run uses TrainOptions.grad_compression = ", name, " at dp = ", dp,
+                     ", which would drop it (resume with the same compression and dp)"));
   }
   return absl::OkStatus();
 }

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "pipewright/engine.h"
+#include "pipewright/train_testing.h"
 #include "runtime/engine/rank_executor.h"
 
 namespace pipewright {
@@ -18,6 +19,7 @@ struct Engine::Impl {
   LayerGraph graph;
   RunSpec run;
   TrainOptions options;
+  TrainTestingHooks testing;  // Engine::SetTestingHooks
   std::shared_ptr<const Dataset> data;
   internal::RunContext ctx;  // points into the members above
   LrSchedule lr;

@@ -121,11 +121,11 @@ void RankExecutor::Record(EventKind kind, const Action& a, Clock::time_point sta
   e.tag = tag;
   e.step = step_;
   e.start = Seconds(ctx->epoch, start);
-  const TrainOptions& o = *ctx->options;
-  if ((kind == EventKind::kCompute || kind == EventKind::kRecompute) && replica == o.slow_replica &&
-      o.slow_factor > 1) {
-    // --slow-replica: this replica computes slow_factor times slower.
-    std::this_thread::sleep_for((Clock::now() - start) * (o.slow_factor - 1));
+  const TrainTestingHooks& h = *ctx->testing;
+  if ((kind == EventKind::kCompute || kind == EventKind::kRecompute) && replica == h.slow_replica &&
+      h.slow_factor > 1) {
+    // A straggler (TrainTestingHooks): this replica computes slow_factor times slower.
+    std::this_thread::sleep_for((Clock::now() - start) * (h.slow_factor - 1));
   }
   e.end = Seconds(ctx->epoch, Clock::now());
   events.push_back(e);

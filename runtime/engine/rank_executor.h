@@ -21,6 +21,7 @@
 #include "pipewright/engine.h"
 #include "pipewright/ops.h"
 #include "pipewright/optimizer.h"
+#include "pipewright/train_testing.h"
 #include "runtime/engine/async_dp.h"
 #include "runtime/engine/flight_recorder.h"
 #include "runtime/grad_sync/grad_sync.h"
@@ -65,6 +66,7 @@ struct RunContext {
   const LayerGraph* graph = nullptr;
   const RunSpec* run = nullptr;
   const TrainOptions* options = nullptr;
+  const TrainTestingHooks* testing = nullptr;
   Topology topo;
   BatchLayout layout;  // per replica
   absl::Duration timeout;

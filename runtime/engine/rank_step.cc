@@ -67,12 +67,12 @@ absl::Status RankExecutor::RunStep(int64_t step, float lr, StepOutcome* out) {
     }
   }
   const Program& prog = program();
-  const TrainOptions& o = *ctx->options;
+  const TrainTestingHooks& hooks = *ctx->testing;
   const bool group_p2p = world->capabilities().grouped_p2p;
   for (size_t i = 0; i < prog.actions.size(); ++i) {
     const Action& a = prog.actions[i];
     absl::Status s;
-    if (global == o.inject_failure_rank && step == o.inject_failure_step &&
+    if (global == hooks.inject_failure_rank && step == hooks.inject_failure_step &&
         (a.kind == ActionKind::kB || a.kind == ActionKind::kI)) {
       world->Abort(
           absl::InternalError(absl::StrCat(Who(), " ", a.ToString(), ": injected failure")));
@@ -398,10 +398,10 @@ absl::Status RankExecutor::Agree(int64_t step, float lr, StepOutcome* out) {
 
 // Note [Distributed optimizer]. Under ZeRO-1 every replica still receives the summed gradient
 // of every parameter (the bucketed all-reduce, overlapped with the backward), so the norm,
-// clipping and loss-scale decisions are the ones of --zero 0. Each replica then updates only the
+// clipping and loss-scale decisions are the ones of zero = 0. Each replica then updates only the
 // parameters it owns — AdamW is elementwise, so an owned parameter gets exactly the update
-// --zero 0 gives it — and broadcasts them, which copies bits: losses and weights are
-// bit-identical to --zero 0 on every backend whose all-reduce is (tested). What it saves is the
+// zero = 0 gives it — and broadcasts them, which copies bits: losses and weights are
+// bit-identical to zero = 0 on every backend whose all-reduce is (tested). What it saves is the
 // optimizer state (two fp32 moments per parameter) on all but one replica; it sends the
 // parameters once more per step. A reduce-scatter in place of the all-reduce would halve the
 // gradient traffic; the communicator has none yet.

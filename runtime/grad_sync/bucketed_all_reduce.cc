@@ -7,10 +7,11 @@
 // (collectives match by call order). A bucket is launched by its last layer's LayerReady, or by
 // the stage's REDUCE_GRADS when a schedule finishes its weights some other way.
 //
-// Note [Bucket codecs]. Gradient compression (--grad-compression) changes what a bucket puts on
-// the wire, not when: the buckets, their order and their launch points stay the ones above, so a
-// compressed bucket overlaps the backward exactly as an fp32 one does. It is therefore a codec of
-// this one mechanism (EncodeAndLaunch / DecodeSum below) rather than a second GradSync.
+// Note [Bucket codecs]. Gradient compression (TrainOptions.grad_compression) changes what a
+// bucket puts on the wire, not when: the buckets, their order and their launch points stay the
+// ones above, so a compressed bucket overlaps the backward exactly as an fp32 one does. It is
+// therefore a codec of this one mechanism (EncodeAndLaunch / DecodeSum below) rather than a second
+// GradSync.
 //  - none: the fp32 bucket is summed in place by AllReduce.
 //  - bf16: the replica adds its error buffer (the rounding error it kept from its last step) to
 //    the bucket, rounds the result to bf16 (nearest even) and keeps the new rounding error,

@@ -1,4 +1,4 @@
-// PowerSGD gradient compression (grad_sync.h, --grad-compression powersgd:R).
+// PowerSGD gradient compression (grad_sync.h, TrainOptions.grad_compression = powersgd:R).
 //
 // Note [PowerSGD]. Vogels, Karimireddy and Jaggi, "PowerSGD: Practical Low-Rank Gradient
 // Compression for Distributed Optimization" (NeurIPS 2019), with error feedback, on the buckets

@@ -177,7 +177,7 @@ LayerSpecPtr TransformerBlock(int64_t dim, int64_t heads) {
         c += MlpCost(n, dim, 4 * dim);
         c.forward_flops += 2.0 * n * dim;  // the two residual adds
         c.backward_flops += 2.0 * n * dim;
-        // --recompute selective: the LayerNorm and GELU outputs (the qkv, fc and MLP projection
+        // Recompute::kSelective: the LayerNorm and GELU outputs (the qkv, fc and MLP projection
         // inputs) are remade in the backward from what their own backward keeps anyway.
         c.selective_saving_bytes = (2 * n * dim + n * 4 * dim) * kF32;
         c.selective_recompute_flops =

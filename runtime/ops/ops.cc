@@ -517,7 +517,7 @@ absl::Status SgdMomentum(const Exec& e, Tensor& param, const Tensor& grad, Tenso
   PW_RETURN_IF_ERROR(CheckDevice(e, "sgd", {&param, &grad, &buf}));
   if (e.device().is_cuda()) {
     return absl::UnimplementedError(
-        "sgd: the CUDA backend implements AdamW only (--optimizer adamw)");
+        "sgd: the CUDA backend implements AdamW only (OptimizerConfig.kind = adamw)");
   }
   OnThreads(param.numel(), kMinChunk, [&](int64_t i, int64_t n) {
     cpu::SgdMomentumUpdate(param.data<float>() + i, grad.data<float>() + i, buf.data<float>() + i,

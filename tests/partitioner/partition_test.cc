@@ -292,7 +292,7 @@ TEST(Partition, NothingFitsNamesStageShortfallAndAlternatives) {
   EXPECT_NE(msg.find("stage 0 (layers [0, 4)"), std::string::npos) << msg;
   EXPECT_NE(msg.find("short"), std::string::npos) << msg;
   EXPECT_NE(msg.find("would fit:"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("--schedule 1f1b"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("PartitionOptions.schedule = 1f1b"), std::string::npos) << msg;
   EXPECT_NE(msg.find("allowing activation recomputation"), std::string::npos) << msg;
 
   // 1f1b holds two micro-batches on stage 0: the best split ([0, 3), [3, 8)) needs 288 KB;
@@ -300,7 +300,8 @@ TEST(Partition, NothingFitsNamesStageShortfallAndAlternatives) {
   o.schedule = ScheduleKind::k1F1B;
   auto smaller = Partition(model, Devices(2, 280000), o);
   ASSERT_FALSE(smaller.ok());
-  EXPECT_NE(smaller.status().message().find("--micro-batch-size 2 --micro-batches 16"),
+  EXPECT_NE(smaller.status().message().find(
+                "PartitionOptions.micro_batch_size = 2, PartitionOptions.micro_batches = 16"),
             std::string::npos)
       << smaller.status();
   o.schedule = ScheduleKind::kGpipe;
@@ -453,7 +454,8 @@ TEST(Search, TriesEveryShapeAndRanksByStepTime) {
   o.dp.reset();
   auto no_replicas = SearchPlans(model, Devices(8, int64_t{1} << 40), o);
   ASSERT_FALSE(no_replicas.ok());
-  EXPECT_NE(no_replicas.status().message().find("--zero 1 needs dp >= 2"), std::string::npos)
+  EXPECT_NE(no_replicas.status().message().find("SearchOptions.zero = 1 needs dp >= 2"),
+            std::string::npos)
       << no_replicas.status();
   o.pp = 4;
   o.dp = 2;

@@ -217,8 +217,8 @@ TEST(AsyncDpTest, AStragglerRunsBehindWithinTheBoundAndTheLossFalls) {
     s.schedule = schedule;
     // 10x: the order of the replicas' step counts must survive a loaded machine (a CI run beside
     // builds once gave the fast replica 11 steps to the straggler's 13 at 3x).
-    s.train.slow_replica = 1;
-    s.train.slow_factor = 10;
+    s.hooks.slow_replica = 1;
+    s.hooks.slow_factor = 10;
     auto e = MakeEngine(Tiny(), s);
     ASSERT_TRUE(e.ok()) << e.status();
     const AsyncReport r = CheckedRun(**e, 12, 2);
@@ -233,8 +233,8 @@ TEST(AsyncDpTest, AStragglerRunsBehindWithinTheBoundAndTheLossFalls) {
 
 TEST(AsyncDpTest, StalenessZeroIsLockStep) {
   EngineSetup s = AsyncSetup(2, 2, /*staleness=*/0);
-  s.train.slow_replica = 0;
-  s.train.slow_factor = 2;
+  s.hooks.slow_replica = 0;
+  s.hooks.slow_factor = 2;
   auto e = MakeEngine(Tiny(), s);
   ASSERT_TRUE(e.ok()) << e.status();
   const AsyncReport r = CheckedRun(**e, 8, 0);
@@ -290,8 +290,8 @@ TEST(AsyncDpTest, AStopRequestEndsAtAWholeStep) {
 
 TEST(AsyncDpTest, AFailingRankEndsTheRunOnEveryRankWithItsError) {
   EngineSetup s = AsyncSetup(2, 2, 1);
-  s.train.inject_failure_rank = 3;  // pipeline rank 1 of replica 1
-  s.train.inject_failure_step = 2;
+  s.hooks.inject_failure_rank = 3;  // pipeline rank 1 of replica 1
+  s.hooks.inject_failure_step = 2;
   s.timeout = absl::Seconds(20);
   auto e = MakeEngine(Tiny(), s);
   ASSERT_TRUE(e.ok()) << e.status();
@@ -305,21 +305,22 @@ TEST(AsyncDpTest, RefusesWhatItCannotDo) {
   EngineSetup s = AsyncSetup(1, 1, 1);
   auto one = MakeEngine(Tiny(), s);
   ASSERT_FALSE(one.ok());
-  EXPECT_NE(one.status().message().find("dp >= 2"), std::string::npos) << one.status();
+  EXPECT_NE(one.status().message().find("RunSpec.data_parallel >= 2"), std::string::npos)
+      << one.status();
 
   s = AsyncSetup(1, 2, -1);
   auto negative = MakeEngine(Tiny(), s);
   ASSERT_FALSE(negative.ok());
-  EXPECT_NE(negative.status().message().find("--staleness -1"), std::string::npos);
+  EXPECT_NE(negative.status().message().find("TrainOptions.staleness = -1"), std::string::npos);
 
   s = AsyncSetup(1, 2, 1);
   s.train.grad_compression = GradCompression::Bf16();
   auto compressed = MakeEngine(Tiny(), s);
   ASSERT_FALSE(compressed.ok());
-  EXPECT_NE(compressed.status().message().find("--grad-compression"), std::string::npos);
+  EXPECT_NE(compressed.status().message().find("TrainOptions.grad_compression"), std::string::npos);
 
   s = AsyncSetup(1, 2, 1);
-  s.train.slow_replica = 2;
+  s.hooks.slow_replica = 2;
   auto slow = MakeEngine(Tiny(), s);
   ASSERT_FALSE(slow.ok());
   EXPECT_NE(slow.status().message().find("only 2 replicas"), std::string::npos);

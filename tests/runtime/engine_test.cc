@@ -241,7 +241,8 @@ TEST(EngineThreads, AutomaticSharesTheCoresAndIsReported) {
     auto e = MakeEngine(Tiny(), WithThreads(1, bad));
     ASSERT_FALSE(e.ok()) << bad;
     EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_NE(e.status().message().find("--threads-per-rank"), std::string::npos) << e.status();
+    EXPECT_NE(e.status().message().find("TrainOptions.threads_per_rank = "), std::string::npos)
+        << e.status();
   }
 }
 
@@ -437,15 +438,15 @@ TEST(EngineSetupTest, RejectsNonFiniteOrOutOfRangeTrainOptionsByField) {
   };
   std::vector<Case> cases;
   for (float v : {nan, inf, -inf, -1.0f}) {
-    cases.push_back({"TrainOptions::clip_norm", [v](TrainOptions& o) { o.clip_norm = v; }});
-    cases.push_back({"TrainOptions::optimizer.weight_decay",
+    cases.push_back({"TrainOptions.clip_norm", [v](TrainOptions& o) { o.clip_norm = v; }});
+    cases.push_back({"TrainOptions.optimizer.weight_decay",
                      [v](TrainOptions& o) { o.optimizer.weight_decay = v; }});
   }
   for (float v : {nan, inf, -0.5f, 1.5f}) {
-    cases.push_back({"TrainOptions::min_lr_ratio", [v](TrainOptions& o) { o.min_lr_ratio = v; }});
+    cases.push_back({"TrainOptions.min_lr_ratio", [v](TrainOptions& o) { o.min_lr_ratio = v; }});
   }
-  cases.push_back({"TrainOptions::warmup_steps", [](TrainOptions& o) { o.warmup_steps = -1; }});
-  cases.push_back({"TrainOptions::base_batch", [](TrainOptions& o) { o.base_batch = 0; }});
+  cases.push_back({"TrainOptions.warmup_steps", [](TrainOptions& o) { o.warmup_steps = -1; }});
+  cases.push_back({"TrainOptions.base_batch", [](TrainOptions& o) { o.base_batch = 0; }});
   for (const Case& c : cases) {
     EngineSetup o = Options(1, 1, ScheduleKind::k1F1B, 1, Recompute::kNone, 2);
     c.set(o.train);

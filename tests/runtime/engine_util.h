@@ -21,6 +21,7 @@
 #include "pipewright/model.h"
 #include "pipewright/run_spec.h"
 #include "pipewright/train.h"
+#include "pipewright/train_testing.h"
 
 namespace pipewright::testing_util {
 
@@ -34,6 +35,7 @@ inline LayerGraph Tiny() {
 // What a test varies about a run (the CLI's flags, as data).
 struct EngineSetup {
   TrainOptions train;
+  TrainTestingHooks hooks;    // installed by MakeEngine (Engine::SetTestingHooks)
   int64_t micro_batches = 4;  // per replica
   int pp = 1, dp = 1;
   ScheduleKind schedule = ScheduleKind::k1F1B;
@@ -66,7 +68,11 @@ inline absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const LayerGraph& grap
   PW_ASSIGN_OR_RETURN(World world, World::InProcess(w));
   PW_ASSIGN_OR_RETURN(std::shared_ptr<const Dataset> data,
                       OpenDataset(s.data, graph.shape().seq_len, s.train.seed));
-  return Engine::Create(graph, std::move(run), s.train, std::move(data), std::move(world));
+  PW_ASSIGN_OR_RETURN(
+      std::unique_ptr<Engine> engine,
+      Engine::Create(graph, std::move(run), s.train, std::move(data), std::move(world)));
+  PW_RETURN_IF_ERROR(engine->SetTestingHooks(s.hooks));
+  return engine;
 }
 
 using WeightMap = std::map<std::string, std::vector<float>>;

@@ -204,7 +204,8 @@ TEST(GradCompression, BadCombinationsAreRefused) {
   auto one = MakeEngine(Tiny(), CompressionSetup(2, 1, GradCompression::Bf16()));
   ASSERT_FALSE(one.ok());
   EXPECT_EQ(one.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(one.status().message().find("dp >= 2"), std::string::npos) << one.status();
+  EXPECT_NE(one.status().message().find("RunSpec.data_parallel >= 2"), std::string::npos)
+      << one.status();
 
   EngineSetup fp16 = CompressionSetup(1, 2, GradCompression::Bf16());
   fp16.train.precision = Precision::kFp16;

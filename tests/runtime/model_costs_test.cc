@@ -158,7 +158,7 @@ TEST(ModelCostsTest, ParseGptSpecBad) {
     absl::StatusOr<GptConfig> r = ParseGptSpec(c.spec);
     ASSERT_FALSE(r.ok()) << "'" << c.spec << "' parsed";
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << c.spec;
-    // Look past the "--gpt '<spec>': " prefix, which echoes every key given.
+    // Look past the "GPT spec '<spec>': " prefix, which echoes every key given.
     const std::string msg(r.status().message());
     const size_t prefix = msg.find("': ");
     const std::string why = prefix == std::string::npos ? msg : msg.substr(prefix + 3);

@@ -96,10 +96,12 @@ TEST(LossScaler, BacksOffOnOverflowAndGrowsAfterTheWindow) {
 TEST(LossScaler, ValidateNamesTheBadField) {
   LossScaleOptions o;
   o.initial_scale = 0;
-  EXPECT_NE(LossScaler::Validate(o).message().find("--loss-scale"), std::string::npos);
+  EXPECT_NE(LossScaler::Validate(o).message().find("LossScaleOptions.initial_scale = 0"),
+            std::string::npos);
   o = LossScaleOptions();
   o.growth_interval = 0;
-  EXPECT_NE(LossScaler::Validate(o).message().find("--loss-scale-window"), std::string::npos);
+  EXPECT_NE(LossScaler::Validate(o).message().find("LossScaleOptions.growth_interval = 0"),
+            std::string::npos);
   o = LossScaleOptions();
   o.backoff_factor = 1.5f;
   EXPECT_FALSE(LossScaler::Validate(o).ok());
@@ -372,7 +374,7 @@ TEST(LossScaling, BadOptionsAreRejectedAtCreate) {
   t.loss_scale.growth_interval = 0;
   auto e = MakeEngine(Tiny(), Layout(t, 2, 1, ScheduleKind::k1F1B));
   ASSERT_FALSE(e.ok());
-  EXPECT_NE(e.status().message().find("--loss-scale-window"), std::string::npos);
+  EXPECT_NE(e.status().message().find("LossScaleOptions.growth_interval"), std::string::npos);
   EXPECT_FALSE(Trainer::Create(Tiny(), kMicroBatches, t).ok());
 }
 

@@ -142,7 +142,8 @@ TEST(RunMemory, RefusesARunOverTheMachinesMemoryNamingItsParts) {
   // Nowhere near: nothing smaller fits either, and the error says what to try.
   const absl::Status tiny = CreateOn(kMiB, one);
   ASSERT_FALSE(tiny.ok());
-  EXPECT_TRUE(absl::StrContains(tiny.message(), "neither --recompute full nor a smaller")) << tiny;
+  EXPECT_TRUE(absl::StrContains(tiny.message(), "neither RunSpec.recompute = full nor a smaller"))
+      << tiny;
   // The real machine runs it.
   EXPECT_TRUE(MakeEngine(testing_util::Tiny(), one).ok());
 }
@@ -166,7 +167,7 @@ TEST(RunMemory, SumsTheRanksOfThisProcessAndSuggestsWhatFits) {
     sum += r.host_bytes();
   }
   EXPECT_EQ(need->host_bytes(), sum);
-  // Just under the four ranks: refused; --recompute full keeps one micro-batch's activations
+  // Just under the four ranks: refused; full recomputation keeps one micro-batch's activations
   // per stage, which fits.
   HostMemory m;
   m.total_bytes = sum - 1;
@@ -175,8 +176,8 @@ TEST(RunMemory, SumsTheRanksOfThisProcessAndSuggestsWhatFits) {
   ASSERT_FALSE(s.ok());
   EXPECT_TRUE(absl::StrContains(s.message(), "(4 ranks; the largest, rank ")) << s;
   EXPECT_TRUE(absl::StrContains(s.message(), "for 8 micro-batches of 2 sequences")) << s;
-  EXPECT_TRUE(absl::StrContains(s.message(), "would fit: --recompute full (")) << s;
-  EXPECT_TRUE(absl::StrContains(s.message(), "--micro-batch-size 1 (")) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "would fit: RunSpec.recompute = full (")) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "MicroBatchShape.batch = 1 (")) << s;
 }
 
 // The prediction against what the runs measure: the weights, gradients and optimizer state are

@@ -99,12 +99,14 @@ TEST(Zero, SplitsTheOptimizerStateOverTheReplicas) {
 TEST(Zero, RefusesWhatItCannotDo) {
   auto one = MakeEngine(testing_util::Tiny(), Layout(2, 1, 1));
   ASSERT_FALSE(one.ok());
-  EXPECT_NE(one.status().message().find("needs dp >= 2"), std::string::npos) << one.status();
+  EXPECT_NE(one.status().message().find("needs RunSpec.data_parallel >= 2"), std::string::npos)
+      << one.status();
   EngineSetup async = Layout(1, 2, 1);
   async.train.dp_mode = DpMode::kAsync;
   auto a = MakeEngine(testing_util::Tiny(), async);
   ASSERT_FALSE(a.ok());
-  EXPECT_NE(a.status().message().find("--zero 1 needs synchronous DP"), std::string::npos)
+  EXPECT_NE(a.status().message().find("TrainOptions.zero = 1 needs synchronous DP"),
+            std::string::npos)
       << a.status();
 }
 
