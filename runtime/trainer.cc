@@ -19,8 +19,6 @@ void RequestStop() { stop_requested.store(true, std::memory_order_relaxed); }
 bool StopRequested() { return stop_requested.load(std::memory_order_relaxed); }
 void ClearStopRequest() { stop_requested.store(false, std::memory_order_relaxed); }
 
-const char* DpModeName(DpMode m) { return m == DpMode::kAsync ? "async" : "sync"; }
-
 absl::StatusOr<DpMode> ParseDpMode(absl::string_view name) {
   if (name == "sync") return DpMode::kSync;
   if (name == "async") return DpMode::kAsync;

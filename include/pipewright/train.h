@@ -46,8 +46,7 @@ absl::StatusOr<GradCompression> ParseGradCompression(absl::string_view name);
 // each replica's gradient is applied by the owners as soon as it arrives, and a replica runs
 // ahead of the slowest one by at most `staleness` steps.
 enum class DpMode { kSync, kAsync };
-const char* DpModeName(DpMode m);                            // "sync", "async"
-absl::StatusOr<DpMode> ParseDpMode(absl::string_view name);  // the inverse
+absl::StatusOr<DpMode> ParseDpMode(absl::string_view name);  // "sync" or "async"
 
 struct TrainOptions {
   int64_t steps = 60;  // the run's length: the LR schedule's warm-up and cosine decay span it
