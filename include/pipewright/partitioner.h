@@ -19,7 +19,7 @@
 
 #include "absl/status/statusor.h"
 #include "pipewright/plan.h"
-#include "pipewright/precision.h"
+#include "pipewright/precision_kind.h"
 #include "pipewright/schedule.h"
 
 namespace pipewright {

@@ -17,33 +17,10 @@
 #include <cstdint>
 
 #include "absl/status/statusor.h"
-#include "absl/strings/str_cat.h"
-#include "absl/strings/string_view.h"
+#include "pipewright/precision_kind.h"
 #include "pipewright/tensor.h"
 
 namespace pipewright {
-
-enum class Precision { kFp32, kBf16, kFp16 };
-
-inline absl::StatusOr<Precision> ParsePrecision(absl::string_view name) {
-  if (name == "fp32") return Precision::kFp32;
-  if (name == "bf16") return Precision::kBf16;
-  if (name == "fp16") return Precision::kFp16;
-  return absl::InvalidArgumentError(
-      absl::StrCat("precision must be fp32, bf16 or fp16, not '", name, "'"));
-}
-
-inline const char* PrecisionName(Precision p) {
-  switch (p) {
-    case Precision::kFp32:
-      return "fp32";
-    case Precision::kBf16:
-      return "bf16";
-    case Precision::kFp16:
-      return "fp16";
-  }
-  return "?";
-}
 
 // The dtype matrix-product inputs are rounded to.
 constexpr DType ComputeDType(Precision p) {
