@@ -574,7 +574,7 @@ TEST(EngineReceives, PostedAheadAndWaitedForAtTheirConsumer) {
                           *std::move(world));
   ASSERT_TRUE(e.ok()) << e.status();
   ASSERT_TRUE((*e)->Step().ok());
-  const std::vector<RankEvent>& events = (*e)->Events()[1];
+  const std::vector<RankEvent> events = (*e)->Events()[1];  // a copy: Events() is a temporary
   const RankEvent* wait = nullptr;
   const RankEvent* forward = nullptr;
   for (const RankEvent& ev : events) {
