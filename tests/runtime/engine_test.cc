@@ -570,8 +570,8 @@ TEST(EngineReceives, PostedAheadAndWaitedForAtTheirConsumer) {
   ASSERT_TRUE(world.ok()) << world.status();
   auto data = OpenDataset("synthetic", graph.shape().seq_len, 1);
   ASSERT_TRUE(data.ok()) << data.status();
-  auto e = Engine::Create(graph, *std::move(run), TrainOptions{}, *std::move(data),
-                          *std::move(world));
+  auto e =
+      Engine::Create(graph, *std::move(run), TrainOptions{}, *std::move(data), *std::move(world));
   ASSERT_TRUE(e.ok()) << e.status();
   ASSERT_TRUE((*e)->Step().ok());
   const std::vector<RankEvent> events = (*e)->Events()[1];  // a copy: Events() is a temporary
