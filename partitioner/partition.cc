@@ -60,14 +60,8 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 // overflowing int64: a saturated count stays saturated through every sum and product, so it is
 // larger than any device and the run it describes is refused, never wrapped round to a small
 // number (docs/memory.md, "Checked at start").
-int64_t SatAdd(int64_t a, int64_t b) {
-  int64_t r = 0;
-  return __builtin_add_overflow(a, b, &r) ? kMemoryOverflow : r;
-}
-int64_t SatMul(int64_t a, int64_t b) {
-  int64_t r = 0;
-  return __builtin_mul_overflow(a, b, &r) ? kMemoryOverflow : r;
-}
+constexpr auto SatAdd = SaturatingAdd;
+constexpr auto SatMul = SaturatingMul;
 // a - b for b <= a, where a saturated stays saturated.
 int64_t SatSub(int64_t a, int64_t b) { return a == kMemoryOverflow ? kMemoryOverflow : a - b; }
 // The sum over [i, j) of a saturating prefix sum.

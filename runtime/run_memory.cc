@@ -24,14 +24,8 @@ namespace {
 namespace fs = std::filesystem;
 
 // Byte counts are non-negative and saturate at kMemoryOverflow, as the partitioner's do.
-int64_t SatAdd(int64_t a, int64_t b) {
-  int64_t r = 0;
-  return __builtin_add_overflow(a, b, &r) ? kMemoryOverflow : r;
-}
-int64_t SatMul(int64_t a, int64_t b) {
-  int64_t r = 0;
-  return __builtin_mul_overflow(a, b, &r) ? kMemoryOverflow : r;
-}
+constexpr auto SatAdd = SaturatingAdd;
+constexpr auto SatMul = SaturatingMul;
 
 // A cgroup limit this large is no limit (v1 writes "unlimited" as the largest page multiple
 // below 2^63).

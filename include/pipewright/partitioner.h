@@ -65,6 +65,16 @@ struct PartitionOptions {
 // The memory model's parameter and byte counts saturate at this value instead of overflowing
 // int64: a count that reaches it stands for "more than 8 EiB", which no device holds.
 inline constexpr int64_t kMemoryOverflow = std::numeric_limits<int64_t>::max();
+// a + b and a * b for such counts (non-negative), kMemoryOverflow where int64 would overflow, so
+// a saturated count stays saturated through every sum and product.
+inline int64_t SaturatingAdd(int64_t a, int64_t b) {
+  int64_t r = 0;
+  return __builtin_add_overflow(a, b, &r) ? kMemoryOverflow : r;
+}
+inline int64_t SaturatingMul(int64_t a, int64_t b) {
+  int64_t r = 0;
+  return __builtin_mul_overflow(a, b, &r) ? kMemoryOverflow : r;
+}
 
 // Per-micro-batch peak number of micro-batches whose activations a virtual stage holds under
 // `schedule` (from each rank's program order: F adds one, the last backward action frees it).
