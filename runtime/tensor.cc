@@ -306,6 +306,23 @@ absl::StatusOr<Tensor> Tensor::Reshape(std::vector<int64_t> shape) const {
   return t;
 }
 
+absl::StatusOr<Tensor> Tensor::View(int64_t offset, std::vector<int64_t> shape) const {
+  for (int64_t d : shape) {
+    if (d < 0) return absl::InvalidArgumentError("negative dimension in view");
+  }
+  const absl::StatusOr<int64_t> n = CheckedNumElements(shape, dtype_);
+  if (!n.ok() || offset < 0 || offset > numel_ || *n > numel_ - offset) {
+    return absl::InvalidArgumentError(absl::StrCat("a view of [", absl::StrJoin(shape, ", "),
+                                                   "] at element ", offset, " is outside ",
+                                                   ShapeString()));
+  }
+  Tensor t = *this;
+  t.shape_ = std::move(shape);
+  t.numel_ = *n;
+  t.offset_ = offset_ + static_cast<size_t>(offset) * DTypeSize(dtype_);
+  return t;
+}
+
 Tensor Tensor::Clone(Allocator* allocator) const {
   Tensor t =
       Empty(shape_, dtype_, allocator ? allocator : (storage_ ? storage_->allocator : nullptr));

@@ -58,8 +58,8 @@ absl::Status CheckFields(const TrainOptions& o) {
     return Invalid(
         absl::StrCat("TrainOptions.staleness = ", o.staleness, ": must be >= 0 (0: lock-step)"));
   }
-  if (o.zero != 0 && o.zero != 1) {
-    return Invalid(absl::StrCat("TrainOptions.zero = ", o.zero, ": must be 0 or 1"));
+  if (o.zero < 0 || o.zero > 2) {
+    return Invalid(absl::StrCat("TrainOptions.zero = ", o.zero, ": must be 0, 1 or 2"));
   }
   return absl::OkStatus();
 }
@@ -77,10 +77,11 @@ absl::Status ValidateTrainOptions(const TrainOptions& o, int data_parallel) {
                                 "gradients); use fp32 or bf16"));
   }
   if (o.dp_mode == DpMode::kAsync) {
-    if (o.zero == 1) {
-      return Invalid(
-          "TrainOptions.zero = 1 needs synchronous DP: under TrainOptions.dp_mode = async the "
-          "owners already hold the optimizer state apart");
+    if (o.zero > 0) {
+      return Invalid(absl::StrCat(
+          "TrainOptions.zero = ", o.zero,
+          " needs synchronous DP: under TrainOptions.dp_mode = async the owners already hold the "
+          "optimizer state apart"));
     }
     if (o.grad_compression.enabled()) {
       return Invalid(absl::StrCat(
@@ -104,10 +105,17 @@ absl::Status ValidateTrainOptions(const TrainOptions& o, int data_parallel) {
         " needs data parallelism (RunSpec.data_parallel >= 2): with one replica no gradients are "
         "exchanged"));
   }
-  if (o.zero == 1 && data_parallel < 2) {
-    return Invalid(
-        "TrainOptions.zero = 1 shards the optimizer state over the data-parallel replicas: it "
-        "needs RunSpec.data_parallel >= 2");
+  if (o.zero > 0 && data_parallel < 2) {
+    return Invalid(absl::StrCat("TrainOptions.zero = ", o.zero,
+                                " shards the optimizer state over the data-parallel replicas: it "
+                                "needs RunSpec.data_parallel >= 2"));
+  }
+  if (o.zero > 0 && o.grad_compression.enabled()) {
+    // A shard's sum comes from a reduce-scatter of fp32 buckets; the codecs replace the
+    // all-reduce of whole buckets.
+    return Invalid(absl::StrCat("TrainOptions.zero = ", o.zero,
+                                " does not combine with TrainOptions.grad_compression = ",
+                                compression, ": the shards are reduce-scattered in fp32"));
   }
   return absl::OkStatus();
 }

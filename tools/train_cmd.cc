@@ -70,7 +70,7 @@ struct TrainFlags {
   int64_t loss_scale_window = 1000;
   int data_workers = 1;
   int tied = -1;              // --tied 0|1: the LM head tied to the embedding (-1: the preset's)
-  int zero = -1;              // --zero 0|1 (-1: the plan's, else 0)
+  int zero = -1;              // --zero 0|1|2 (-1: the plan's, else 0)
   int64_t data_delay_us = 0;  // benchmark-only: an artificially slow data source
   bool json = false;
   std::set<std::string> given;  // flags the user gave explicitly
@@ -661,10 +661,11 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
   AddInt(cmd, "--tied", &f->tied, {0, 1},
          "1: tie the LM head to the token embedding (GPT-2's weight tying); 0: untie it "
          "(default: the preset's; gpt2-124m is tied, gpt-tiny and gpt-small are not)");
-  AddInt(cmd, "--zero", &f->zero, {0, 1},
-         "1: the distributed optimizer (ZeRO-1): each dp replica keeps and updates the "
-         "optimizer state of its share of the parameters (dp >= 2; default: the plan's, "
-         "else 0)");
+  AddInt(cmd, "--zero", &f->zero, {0, 2},
+         "The sharded optimizer: 1 (ZeRO-1): each dp replica keeps and updates the optimizer "
+         "state of its share of every gradient bucket (reduce-scatter, then all-gather); 2 "
+         "(ZeRO-2): its gradient buffers shrink to that share too, for a reduce-scatter per "
+         "micro-batch (dp >= 2; default: the plan's, else 0)");
   AddInt(cmd, "--pp", &f->pp, {1, kMaxParallel}, "Pipeline-parallel stages");
   AddInt(cmd, "--dp", &f->dp, {1, kMaxParallel}, "Data-parallel replicas");
   cmd->add_option("--schedule", f->schedule, "Pipeline schedule")

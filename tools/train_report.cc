@@ -35,6 +35,7 @@ json RankJson(const RankTimes& t) {
           {"peak_activation_bytes", t.peak_activation_bytes},
           {"static_memory_bytes", t.static_memory_bytes},
           {"optimizer_state_bytes", t.optimizer_state_bytes},
+          {"gradient_bytes", t.gradient_bytes},
           {"grad_bytes_sent", t.grad_bytes_sent},
           {"grad_bytes_uncompressed", t.grad_bytes_uncompressed}};
 }

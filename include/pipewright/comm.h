@@ -181,8 +181,9 @@ class Communicator {
   // `in`; invalid or disagreeing arguments fail the collective as for AllGather: on every rank
   // (it still counts, so later collectives stay matched), except on NCCL, where only the rank
   // with invalid arguments fails and ranks that disagree are undefined. `in` must not change and
-  // `out` must not be read until the Work completes; `in` may be `out` itself only when
-  // size() == 1.
+  // `out` must not be read until the Work completes. In place: `out` may be a view (Tensor::View)
+  // of this rank's own chunk of `in` (elements [rank * n, (rank + 1) * n)), as NCCL allows; it
+  // may overlap no other part of `in`.
   virtual std::unique_ptr<Work> ReduceScatter(const Tensor& in, Tensor& out) = 0;
   // Copies `root`'s tensor into every rank's `t` (same shape and dtype everywhere).
   virtual std::unique_ptr<Work> Broadcast(Tensor& t, int root) = 0;

@@ -73,12 +73,13 @@ struct RankTimes {
   int64_t peak_memory_bytes = 0;                  // allocator peak over any step
   int64_t peak_activation_bytes = 0;              // peak above the step's starting usage
   int64_t static_memory_bytes = 0;                // weights + gradients + optimizer state
-  int64_t optimizer_state_bytes = 0;              // of which optimizer state (÷ dp under ZeRO-1)
+  int64_t optimizer_state_bytes = 0;              // of which optimizer state (÷ dp under ZeRO)
+  int64_t gradient_bytes = 0;                     // of which gradient buffers (÷ dp under ZeRO-2)
   std::vector<int> stages;                        // virtual stages on this rank
   std::vector<double> stage_f, stage_b, stage_w;  // mean seconds per micro-batch, per stage
-  // Gradient bytes this rank handed to its data-parallel collectives (the payload it
-  // contributed, docs/runtime.md "Gradient compression"), and what fp32 would have needed; the
-  // ratio is the compression ratio. Zero with dp = 1.
+  // Gradient and parameter bytes this rank sent to its data-parallel group (wire terms, as ring
+  // algorithms move them: docs/runtime.md "Gradient compression"), and what an fp32 all-reduce
+  // of the same gradients would send; the ratio is the compression ratio. Zero with dp = 1.
   int64_t grad_bytes_sent = 0, grad_bytes_uncompressed = 0;
 };
 

@@ -203,6 +203,11 @@ absl::Status SgdMomentum(const Exec& e, Tensor& param, const Tensor& grad, Tenso
 // Sum of squares (in double) of all the f32 tensors, returned to the host (on CUDA this waits
 // for the stream); summed per tensor in order, the same grouping on every device.
 absl::StatusOr<double> SumSquares(const Exec& e, const std::vector<const Tensor*>& ts);
+// Appends to `out` the sum of squares (in double) of each `chunk` elements of the f32 tensor `t`
+// from its first (the last chunk may be shorter), returned to the host. A chunk's sum depends
+// only on its elements, not on what surrounds them.
+absl::Status SquareSumsByChunk(const Exec& e, const Tensor& t, int64_t chunk,
+                               std::vector<double>* out);
 
 // dst = src (same element count and dtype, InvalidArgument otherwise; the tensors may be on any
 // devices: this is how data moves between host and GPU). Ordered on the executing stream;

@@ -147,8 +147,10 @@ class Tensor {
   Stream stream() const;
   size_t nbytes() const { return static_cast<size_t>(numel_) * DTypeSize(dtype_); }
 
-  void* raw() { return storage_ ? storage_->ptr : nullptr; }
-  const void* raw() const { return storage_ ? storage_->ptr : nullptr; }
+  void* raw() { return storage_ ? static_cast<char*>(storage_->ptr) + offset_ : nullptr; }
+  const void* raw() const {
+    return storage_ ? static_cast<const char*>(storage_->ptr) + offset_ : nullptr;
+  }
   template <typename T>
   T* data() {
     return static_cast<T*>(raw());
@@ -160,6 +162,10 @@ class Tensor {
 
   // Same storage, new shape with the same element count.
   absl::StatusOr<Tensor> Reshape(std::vector<int64_t> shape) const;
+  // Elements [offset, offset + numel(shape)) of this tensor's storage as a tensor of `shape`
+  // sharing it (writes through either are seen by both; the storage lives while any view does).
+  // InvalidArgument when the range is outside this tensor.
+  absl::StatusOr<Tensor> View(int64_t offset, std::vector<int64_t> shape) const;
   // Deep copy (with this tensor's allocator, or another one, of any device: then as CopyTo).
   // A CUDA failure is fatal (it prints the error and aborts); CopyTo returns it instead.
   Tensor Clone(Allocator* allocator = nullptr) const;
@@ -196,6 +202,7 @@ class Tensor {
   int64_t numel_ = 0;
   DType dtype_ = DType::kF32;
   std::shared_ptr<Storage> storage_;
+  size_t offset_ = 0;  // bytes from storage_->ptr (a View)
 };
 
 int64_t NumElements(const std::vector<int64_t>& shape);

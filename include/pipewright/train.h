@@ -66,10 +66,13 @@ struct TrainOptions {
   // kAsync needs dp >= 2, the CPU, fp32 or bf16, no gradient compression and a backend whose
   // point-to-point operations may be posted from two threads (local, mpi).
   DpMode dp_mode = DpMode::kSync;
-  // 1: the distributed optimizer (ZeRO-1; docs/runtime.md, "Distributed optimizer"): each
-  // data-parallel replica keeps the optimizer state of the parameters it owns (an even split by
-  // size), updates only those and broadcasts them to the other replicas. Losses and weights are
-  // bit-identical to 0. Needs dp >= 2 and synchronous DP.
+  // The sharded optimizer (docs/runtime.md, "ZeRO"). 1 (ZeRO-1): each data-parallel replica owns
+  // an even share of every gradient bucket's elements, receives their sum by a reduce-scatter,
+  // keeps and applies their optimizer state, and all-gathers the new values: the all-reduce's
+  // traffic, 1/dp of the optimizer state; losses and weights bit-identical to 0. 2 (ZeRO-2): the
+  // same, and each micro-batch's gradient is reduce-scattered as its bucket completes, so the
+  // gradient buffers shrink to 1/dp too, for M times the reduce-scatter traffic; losses agree
+  // with 0 to fp32 rounding. Needs dp >= 2, synchronous DP and no gradient compression.
   int zero = 0;
   int staleness = 1;  // kAsync: the most steps a replica may run ahead of the slowest (>= 0)
   // Threads each CPU rank runs its kernels on (its own thread included): matrix products and
@@ -98,7 +101,7 @@ struct TrainOptions {
 // Checked: steps >= 0; lr finite and > 0; min_lr_ratio in [0, 1]; clip_norm finite and >= 0;
 // optimizer.weight_decay finite and >= 0; warmup_steps >= 0; base_batch >= 1; loss_scale
 // (LossScaler::Validate) under fp16; bucket_bytes >= 1; threads_per_rank in [0, 255];
-// data_workers in [0, 64]; staleness >= 0; zero 0 or 1; and what combines: gradient compression
+// data_workers in [0, 64]; staleness >= 0; zero 0, 1 or 2; and what combines: gradient compression
 // not with fp16 and only with dp >= 2, ZeRO-1 only with dp >= 2 and synchronous DP,
 // asynchronous DP only with dp >= 2, fp32 or bf16 and no compression. (What needs the world or
 // the model as well — async DP on the CPU, with concurrent point-to-point and no tied weight

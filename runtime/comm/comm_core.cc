@@ -214,6 +214,16 @@ void RankOrderSum(DType dtype, void* acc, const std::vector<const void*>& inputs
   for (size_t r = 1; r < inputs.size(); ++r) AccumulateAny(dtype, acc, inputs[r], n);
 }
 
+bool OverlapsAny(const void* p, size_t bytes, const std::vector<const void*>& others,
+                 size_t other_bytes) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  for (const void* o : others) {
+    const auto b = reinterpret_cast<uintptr_t>(o);
+    if (o != nullptr && a < b + other_bytes && b < a + bytes) return true;
+  }
+  return false;
+}
+
 absl::Status TimedOut(absl::string_view what, absl::Duration timeout, absl::string_view detail) {
   return absl::DeadlineExceededError(
       absl::StrCat(what, " timed out after ", FormatSeconds(timeout), detail));

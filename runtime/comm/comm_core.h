@@ -112,6 +112,10 @@ void AccumulateAny(DType dtype, void* acc, const void* x, int64_t n);
 // acc = ((inputs[0] + inputs[1]) + inputs[2]) + ..., element-wise over n elements. inputs[0] may
 // be acc itself (it then already holds the first term); no other input may overlap acc.
 void RankOrderSum(DType dtype, void* acc, const std::vector<const void*>& inputs, int64_t n);
+// Whether [p, p + bytes) overlaps [o, o + other_bytes) for any non-null o of `others` (an in-place
+// reduce-scatter's output is a view of its input).
+bool OverlapsAny(const void* p, size_t bytes, const std::vector<const void*>& others,
+                 size_t other_bytes);
 
 // ---- Deadlines ----
 

@@ -495,9 +495,8 @@ class LocalCommunicator final : public Communicator {
       case CollectiveKind::kReduceScatter: {
         // Rank d's `out` = chunk d of the rank-order sum (Note [rank-order sum]): the same float
         // operations on the same elements as AllReduce's, so the same bits. A host `out` is summed
-        // into directly: it cannot share storage with an input (tensors have no views, and the
-        // element counts differ) unless size() == 1 and it is that rank's `in`, which
-        // RankOrderSum allows.
+        // into directly unless it overlaps a term (in place: `out` a view of chunk d of that
+        // rank's `in`), which is summed into a temporary first.
         std::vector<Tensor> host(in.size());
         for (size_t r = 0; r < in.size(); ++r) {
           PW_ASSIGN_OR_RETURN(host[r], HostView(in[r].args.tensor));
@@ -512,7 +511,7 @@ class LocalCommunicator final : public Communicator {
             terms[r] = static_cast<const char*>(host[r].raw()) + d * bytes;
           }
           Tensor& out = in[d].args.out;
-          if (OnHost(out)) {
+          if (OnHost(out) && !comm_internal::OverlapsAny(out.raw(), bytes, terms, bytes)) {
             comm_internal::RankOrderSum(dtype, out.raw(), terms, n);
             continue;
           }

@@ -158,15 +158,21 @@ absl::Status FinishPhase(Group& g, Coll& c) {
         break;
       }
       case CollectiveKind::kReduceScatter: {
-        // Note [rank-order sum] over this rank's chunk, straight into `out` (which is `in` only
-        // in a group of one: then terms[0] is `out` itself, as RankOrderSum allows).
+        // Note [rank-order sum] over this rank's chunk, straight into `out`, or through a
+        // temporary when `out` overlaps this rank's chunk of `in` (in place).
         const auto [lo, hi] = Chunk(c, g.size, g.rank);
-        PW_RETURN_IF_ERROR(CheckPayloadBytes(g, payload_bytes, static_cast<size_t>(hi - lo) * es,
-                                             what, "a chunk"));
+        const size_t bytes = static_cast<size_t>(hi - lo) * es;
+        PW_RETURN_IF_ERROR(CheckPayloadBytes(g, payload_bytes, bytes, what, "a chunk"));
         const char* mine = static_cast<const char*>(c.tensor.raw()) + lo * es;
         std::vector<const void*> terms(g.size);
         for (int r = 0; r < g.size; ++r) terms[r] = r == g.rank ? mine : payload[r];
-        comm_internal::RankOrderSum(c.tensor.dtype(), c.out.raw(), terms, hi - lo);
+        if (g.size > 1 && comm_internal::OverlapsAny(c.out.raw(), bytes, terms, bytes)) {
+          std::vector<char> tmp(bytes);
+          comm_internal::RankOrderSum(c.tensor.dtype(), tmp.data(), terms, hi - lo);
+          if (bytes > 0) std::memcpy(c.out.raw(), tmp.data(), bytes);
+        } else {
+          comm_internal::RankOrderSum(c.tensor.dtype(), c.out.raw(), terms, hi - lo);
+        }
         break;
       }
       case CollectiveKind::kAllReduce: {

@@ -191,8 +191,8 @@ absl::StatusOr<StageRt> BuildStage(RankExecutor& ex, const Engine::Impl& m, int 
   return st;
 }
 
-// One rank of this process: its device, its stages, optimizer and loss scaler (the gradient
-// synchronization comes once the data-parallel groups exist: ConnectReplicas).
+// One rank of this process: its device, its stages and loss scaler (the data-parallel strategy,
+// with the optimizer, comes once the data-parallel groups exist: ConnectReplicas).
 absl::StatusOr<std::unique_ptr<RankExecutor>> BuildRank(
     Engine::Impl& m, RankEndpoint endpoint, const std::vector<std::vector<int64_t>>& shape_at) {
   auto ex = std::make_unique<RankExecutor>();
@@ -233,19 +233,7 @@ absl::StatusOr<std::unique_ptr<RankExecutor>> BuildRank(
         "a CUDA rank (WorldOptions.device = cuda) supports TrainOptions.optimizer.kind = adamw "
         "only");
   }
-  if (to.zero == 1) {
-    // ZeRO-1: the optimizer holds the state of the parameters this replica owns only.
-    ex->zero_owner = internal::AssignOwners(ex->params, m.run.data_parallel);
-    std::vector<Parameter*> owned;
-    for (size_t i = 0; i < ex->params.size(); ++i) {
-      if (ex->zero_owner[i] == ex->replica) owned.push_back(ex->params[i]);
-    }
-    ex->optimizer = Optimizer::Create(to.optimizer, std::move(owned), ex->alloc.get());
-  } else {
-    ex->optimizer = Optimizer::Create(to.optimizer, ex->params, ex->alloc.get());
-  }
   if (to.precision == Precision::kFp16) ex->scaler = LossScaler(to.loss_scale);
-  ex->static_bytes = ex->alloc->current_bytes();
   ex->total.global_rank = ex->global;
   ex->total.pipeline_rank = ex->pipe;
   ex->total.replica = ex->replica;
@@ -303,6 +291,7 @@ absl::Status ConnectReplicas(Engine::Impl& m) {
   const int64_t bucket_bytes = m.options.bucket_bytes;
   const GradCompression compression = m.options.grad_compression;
   const bool async = m.options.dp_mode == DpMode::kAsync;
+  const int zero = m.options.zero;
   const int pp = m.ctx.topo.pp;
   const std::vector<CrossRankTie> ties = CrossRankTies(m.graph, m.run);
   return m.OnEveryRank([=](RankExecutor& r) -> absl::Status {
@@ -313,21 +302,36 @@ absl::Status ConnectReplicas(Engine::Impl& m) {
     if (async && pp > 1) {
       PW_ASSIGN_OR_RETURN(r.replica_comm, r.world->Split(r.replica, r.pipe, timeout));
     }
-    std::vector<internal::GradSyncStage> stages;
+    internal::DataParallelParams params;
     for (StageRt& st : r.stages) {
       internal::GradSyncStage gs{st.index, {}};
       for (int i = 0; i < st.stage->size(); ++i) {
         gs.layers.push_back(st.stage->layer(i).Parameters());
+        for (const Parameter* p : gs.layers.back()) {
+          if (!p->tied_to.empty()) params.tied.insert(p);
+        }
       }
-      stages.push_back(std::move(gs));
+      params.stages.push_back(std::move(gs));
     }
-    if (compression.kind == GradCompression::Kind::kPowerSgd) {
-      r.grad_sync = internal::CreatePowerSgd(r.SyncContext(), std::move(stages), bucket_bytes,
-                                             compression.rank);
+    for (const TiedLink& t : r.tied_local) params.tied.insert({t.owner, t.copy});
+    for (const RankExecutor::RemoteTie& t : r.tied_remote) params.tied.insert(t.param);
+    params.trained = r.params;
+    if (zero > 0) {
+      PW_ASSIGN_OR_RETURN(r.dp, internal::CreateSharded(r.DpContext(), std::move(params), zero));
     } else {
-      r.grad_sync = internal::CreateBucketedAllReduce(r.SyncContext(), std::move(stages),
-                                                      bucket_bytes, compression);
+      std::unique_ptr<internal::GradSync> sync;
+      if (compression.kind == GradCompression::Kind::kPowerSgd) {
+        sync = internal::CreatePowerSgd(r.SyncContext(), params.stages, bucket_bytes,
+                                        compression.rank);
+      } else {
+        sync = internal::CreateBucketedAllReduce(r.SyncContext(), params.stages, bucket_bytes,
+                                                 compression);
+      }
+      r.dp = internal::CreateReplicated(r.DpContext(), std::move(params), std::move(sync));
     }
+    // What the rank holds before any step: weights, gradients, optimizer state.
+    PW_RETURN_IF_ERROR(r.Sync());
+    r.static_bytes = r.alloc->current_bytes();
     return absl::OkStatus();
   });
 }
@@ -410,9 +414,8 @@ Engine::~Engine() {
     // Device memory is freed on the rank's stream, from this thread: make its GPU current,
     // drop every device tensor, drain the stream, then release the stream's cuBLAS context.
     (void)r->BindDevice();
-    r->grad_sync.reset();
+    r->dp.reset();
     r->stages.clear();
-    r->optimizer.reset();
     r->params.clear();
     (void)r->Sync();
     ops::ReleaseStream(r->alloc->stream());
@@ -599,44 +602,38 @@ absl::Status Engine::Save(const std::string& dir) const {
   info.chunks = m.run.schedule.spec.chunks;
   info.schedule = m.run.ScheduleName();
   info.step = m.step;
-  info.optimizer_step = m.ranks[0]->optimizer->step_count();
+  info.optimizer_step = m.ranks[0]->dp->optimizer_steps();
   info.lr = m.lr;
   info.scaler = &m.ranks[0]->scaler;
-  // Replica 0 holds every stage: weights in model order, and every rank's optimizer state (under
-  // ZeRO-1 each replica holds its own parameters' state: all of them write theirs).
-  const bool zero = m.options.zero == 1;
+  // Replica 0 holds every stage: weights in model order; every rank's optimizer state comes to
+  // its stage's replica 0 (a sharded strategy gathers it there: collective, so every rank of the
+  // process takes part at once).
   NamedTensors model = Weights(), opt;
-  for (const auto& r : m.ranks) {
-    if (r->replica != 0 && !zero) continue;
-    PW_RETURN_IF_ERROR(r->BindDevice());
-    for (auto& [name, t] : r->optimizer->State()) {
-      PW_ASSIGN_OR_RETURN(Tensor h, r->ToHost(t));
-      opt.emplace_back(name, std::move(h));
+  std::vector<NamedTensors> state(m.ranks.size()), sync(m.ranks.size());
+  PW_RETURN_IF_ERROR(const_cast<Impl&>(m).OnEveryRank([&](RankExecutor& r) -> absl::Status {
+    PW_ASSIGN_OR_RETURN(state[r.slot], r.dp->OptimizerState());
+    PW_ASSIGN_OR_RETURN(NamedTensors mine, r.dp->SyncState());
+    // Every replica's compression state (its own error buffers), under "replica<R>/".
+    for (auto& [name, t] : mine) {
+      sync[r.slot].emplace_back(absl::StrCat("replica", r.replica, "/", name), std::move(t));
     }
-  }
-  // Every replica's compression state (its own error buffers), under "replica<R>/".
-  NamedTensors sync;
-  for (const auto& r : m.ranks) {
-    PW_RETURN_IF_ERROR(r->BindDevice());
-    PW_ASSIGN_OR_RETURN(NamedTensors state, r->grad_sync->SaveState());
-    for (auto& [name, t] : state) {
-      sync.emplace_back(absl::StrCat("replica", r->replica, "/", name), std::move(t));
-    }
+    return absl::OkStatus();
+  }));
+  NamedTensors all_sync;
+  for (size_t i = 0; i < m.ranks.size(); ++i) {
+    for (auto& named : state[i]) opt.push_back(std::move(named));
+    for (auto& named : sync[i]) all_sync.push_back(std::move(named));
   }
   const std::string manifest = internal::BuildManifest(info);
-  if (!m.world->multi_process()) return WriteCheckpoint(dir, manifest, model, opt, sync);
+  if (!m.world->multi_process()) return WriteCheckpoint(dir, manifest, model, opt, all_sync);
   // Under a launcher this process holds one rank: it writes that rank's files, the root the
   // manifest (Note [Collective checkpoints]); tensors are found by name whatever the files.
   internal::RankExecutor& r = *m.ranks[0];
   std::vector<std::pair<std::string, const NamedTensors*>> files;
   if (!model.empty()) files.emplace_back(absl::StrCat("model-p", r.pipe, ".safetensors"), &model);
-  if (!opt.empty()) {
-    files.emplace_back(zero ? absl::StrCat("optimizer-p", r.pipe, "-r", r.replica, ".safetensors")
-                            : absl::StrCat("optimizer-p", r.pipe, ".safetensors"),
-                       &opt);
-  }
-  if (!sync.empty()) {
-    files.emplace_back(absl::StrCat("grad_sync-r", r.global, ".safetensors"), &sync);
+  if (!opt.empty()) files.emplace_back(absl::StrCat("optimizer-p", r.pipe, ".safetensors"), &opt);
+  if (!all_sync.empty()) {
+    files.emplace_back(absl::StrCat("grad_sync-r", r.global, ".safetensors"), &all_sync);
   }
   return WriteCheckpointCollective(
       dir, manifest, files, m.world->is_root(),
@@ -669,10 +666,10 @@ absl::Status Engine::Resume(const std::string& dir, ResumeInfo* info) {
   PW_ASSIGN_OR_RETURN(Checkpoint ck, ReadCheckpoint(dir, nullptr, accept));
   for (auto& r : m.ranks) {
     PW_RETURN_IF_ERROR(r->BindDevice());
-    PW_RETURN_IF_ERROR(r->optimizer->LoadState(ck.optimizer, at.optimizer_step));
+    PW_RETURN_IF_ERROR(r->dp->LoadOptimizerState(ck.optimizer, at.optimizer_step));
     if (!at.grad_compression.empty()) {
       absl::Status s =
-          r->grad_sync->LoadState(ck.grad_sync, absl::StrCat("replica", r->replica, "/"));
+          r->dp->LoadSyncState(ck.grad_sync, absl::StrCat("replica", r->replica, "/"));
       if (!s.ok()) {
         return absl::Status(s.code(),
                             absl::StrCat(ck.path, "/grad_sync.safetensors: ", s.message()));

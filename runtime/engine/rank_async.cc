@@ -28,7 +28,7 @@ absl::Status RankExecutor::RunAsync(const AsyncRun& run, int64_t* end) {
     if (owner_[i] == replica) mine.push_back(params[i]);
   }
   PW_ASSIGN_OR_RETURN(shard_, AsyncShard::Create(ctx->options->optimizer, std::move(mine),
-                                                 *optimizer, D, alloc.get()));
+                                                 *dp->whole_optimizer(), D, alloc.get()));
   loader.reset();  // this run's first replica step reads the engine's current step
   async_done_ = 0;
   std::atomic<bool> cancel{false}, service_done{false};
@@ -180,7 +180,7 @@ absl::Status RankExecutor::AsyncPush(float lr, StepOutcome* out) {
   const Action a{ActionKind::kOptimizerStep, 0, 0};
   Clock::time_point t = Clock::now();
   PW_RETURN_IF_ERROR(WaitSends());
-  PW_RETURN_IF_ERROR(grad_sync->Finish());
+  PW_RETURN_IF_ERROR(dp->Finish());
   PW_RETURN_IF_ERROR(ReduceTied());  // linked copies only: CheckAsync refuses ties across ranks
   // The replica's agreement (Note [Step agreement], over its pipeline only): its losses and every
   // layer's squared gradient norm, each entry written by the one rank that has it.
@@ -262,8 +262,8 @@ absl::Status RankExecutor::AsyncPush(float lr, StepOutcome* out) {
 }
 
 absl::Status RankExecutor::Consolidate() {
-  PW_RETURN_IF_ERROR(shard_->Store(*optimizer));
-  const auto state = optimizer->State();
+  PW_RETURN_IF_ERROR(shard_->Store(*dp->whole_optimizer()));
+  const auto state = dp->whole_optimizer()->State();
   const size_t per = params.empty() ? 0 : state.size() / params.size();
   std::vector<std::unique_ptr<Work>> works;
   for (size_t i = 0; i < params.size(); ++i) {
@@ -276,7 +276,7 @@ absl::Status RankExecutor::Consolidate() {
   for (auto& w : works) {
     PW_RETURN_IF_ERROR(WaitOrAbort(*w, "asynchronous DP: gathering the owners' parameters"));
   }
-  optimizer->set_step_count(shard_->updates());
+  dp->whole_optimizer()->set_step_count(shard_->updates());
   return absl::OkStatus();
 }
 

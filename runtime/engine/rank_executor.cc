@@ -112,6 +112,20 @@ GradSyncContext RankExecutor::SyncContext() {
   return c;
 }
 
+DataParallelContext RankExecutor::DpContext() {
+  const GradSyncContext g = SyncContext();
+  DataParallelContext c;
+  c.dp = g.dp;
+  c.replica = replica;
+  c.replicas = ctx->topo.dp;
+  c.alloc = g.alloc;
+  c.wait = g.wait;
+  c.sync_device = g.sync_device;
+  c.optimizer = ctx->options->optimizer;
+  c.bucket_bytes = ctx->options->bucket_bytes;
+  return c;
+}
+
 void RankExecutor::Record(EventKind kind, const Action& a, Clock::time_point start, int peer,
                           int64_t tag) {
   RankEvent e;
@@ -169,8 +183,9 @@ void RankExecutor::EndStep(Clock::time_point t0, int64_t start_bytes) {
   t.peak_memory_bytes = alloc->peak_bytes();
   t.peak_activation_bytes = alloc->peak_bytes() - start_bytes;
   t.static_memory_bytes = static_bytes;
-  t.optimizer_state_bytes = optimizer->StateBytes();
-  const GradSyncBytes bytes = grad_sync->StepBytes();
+  t.optimizer_state_bytes = dp->OptimizerStateBytes();
+  t.gradient_bytes = dp->GradientBytes();
+  const GradSyncBytes bytes = dp->StepBytes();
   t.grad_bytes_sent += bytes.sent;  // (asynchronous DP counted its pushes already)
   t.grad_bytes_uncompressed += bytes.uncompressed;
   const double used =
@@ -196,7 +211,8 @@ RankTimes RankExecutor::Totals() const {
   t.pipeline_rank = pipe;
   t.replica = replica;
   t.static_memory_bytes = static_bytes;
-  t.optimizer_state_bytes = optimizer->StateBytes();
+  t.optimizer_state_bytes = dp->OptimizerStateBytes();
+  t.gradient_bytes = dp->GradientBytes();
   for (const StageRt& st : stages) {
     t.stages.push_back(st.index);
     auto mean = [](double v, int64_t k) { return k > 0 ? v / k : 0.0; };

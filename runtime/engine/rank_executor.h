@@ -22,6 +22,7 @@
 #include "pipewright/ops.h"
 #include "pipewright/optimizer.h"
 #include "pipewright/train_testing.h"
+#include "runtime/data_parallel/data_parallel.h"
 #include "runtime/engine/async_dp.h"
 #include "runtime/engine/flight_recorder.h"
 #include "runtime/grad_sync/grad_sync.h"
@@ -106,11 +107,9 @@ class RankExecutor {
   };
   std::vector<RemoteTie> tied_remote;
   std::vector<std::unique_ptr<Communicator>> tie_groups;
-  std::unique_ptr<Optimizer> optimizer;
-  // ZeRO-1 (TrainOptions::zero): the replica owning each of `params` (AssignOwners); empty
-  // otherwise. The optimizer holds the owned ones only.
-  std::vector<int> zero_owner;
-  std::unique_ptr<GradSync> grad_sync;
+  // Everything data-parallel: the gradient reduction, the optimizer and where its state lives,
+  // the parameter synchronisation (runtime/data_parallel/data_parallel.h).
+  std::unique_ptr<DataParallel> dp;
   std::unique_ptr<DataLoader> loader;
   // fp16 dynamic loss scaling; every rank keeps an identical copy, updated from the agreed
   // outcome of each step.
@@ -146,7 +145,9 @@ class RankExecutor {
   // the longest), staged through the device like AllReduceHost.
   absl::StatusOr<std::vector<std::string>> AllGatherBytes(const std::string& mine,
                                                           const std::string& what);
-  // The gradient synchronization's view of this rank (rank_executor.cc).
+  // The data-parallel strategy's view of this rank (rank_executor.cc); a GradSync's is the same
+  // with the group, allocator and waits only.
+  DataParallelContext DpContext();
   GradSyncContext SyncContext();
 
   // One step of the rank's program (rank_step.cc).
@@ -175,8 +176,6 @@ class RankExecutor {
   // The tie reduction, after the data-parallel one: every tied weight's gradient becomes owner +
   // copy (AddTiedGradients here, an all-reduce over the embedding group across ranks).
   absl::Status ReduceTied();
-  // ZeRO-1, after the optimizer step: every parameter from its owner to the other replicas.
-  absl::Status BroadcastOwned();
   bool async() const { return ctx->options->dp_mode == DpMode::kAsync; }
   // Asynchronous DP (rank_async.cc).
   absl::Status AsyncLoop(const AsyncRun& run);

@@ -36,7 +36,7 @@ void RankExecutor::BeginStep(int64_t step) {
     st.grad_out.assign(M, Tensor());
     st.grad_in.assign(M, Tensor());
   }
-  grad_sync->BeginStep();
+  dp->BeginStep();
   recvs_.clear();
   losses_.assign(M, 0.0);
   dev_inputs_.assign(M, Tensor());
@@ -127,7 +127,7 @@ absl::Status RankExecutor::RunAction(const Action& a, int index, int64_t step, f
     return absl::InvalidArgumentError(absl::StrCat(Who(), " ", a.ToString(), ": stage ",
                                                    a.virtual_stage, " is not on this rank"));
   }
-  if (a.kind == ActionKind::kReduceGrads) return grad_sync->StageReady(local[a.virtual_stage]);
+  if (a.kind == ActionKind::kReduceGrads) return dp->StageReady(local[a.virtual_stage]);
   if (a.micro_batch < 0 || a.micro_batch >= ctx->run->micro_batches()) {
     return absl::InvalidArgumentError(
         absl::StrCat(Who(), " ", a.ToString(), ": micro-batch out of range"));
@@ -272,18 +272,19 @@ absl::Status RankExecutor::Backward(StageRt& st, const Action& a, int index) {
     }
   }
   Clock::time_point t = Clock::now();
+  const bool whole = a.kind == ActionKind::kB;
+  if (whole) PW_RETURN_IF_ERROR(dp->BeginBackward(local[st.index]));
   Tensor g = dy;
   for (int i = st.stage->size(); i-- > 0;) {
     Layer& layer = st.stage->layer(i);
     // B: the weight gradient right away, layer by layer (Layer::Backward, which a composite
     // layer runs sublayer by sublayer: Note [Backward by layer] in transformer.cc); I: the
     // input gradient only, W later.
-    const bool whole = a.kind == ActionKind::kB;
     absl::StatusOr<Tensor> r =
         whole ? layer.Backward(g, lc, &saved[i]) : layer.BackwardInput(g, lc, &saved[i]);
     PW_RETURN_IF_ERROR(InLayer(r.status(), st, i, "backward"));
     g = *std::move(r);
-    if (whole && final_w) PW_RETURN_IF_ERROR(grad_sync->LayerReady(local[st.index], i));
+    if (whole) PW_RETURN_IF_ERROR(dp->GradReady(local[st.index], i, final_w));
   }
   PW_RETURN_IF_ERROR(Sync());
   Record(EventKind::kCompute, a, t);
@@ -311,10 +312,11 @@ absl::Status RankExecutor::WeightBackward(StageRt& st, const Action& a, int inde
   }
   const bool final_w = index == st.last_backward;
   Clock::time_point t = Clock::now();
+  PW_RETURN_IF_ERROR(dp->BeginBackward(local[st.index]));
   for (int i = st.stage->size(); i-- > 0;) {
     PW_RETURN_IF_ERROR(
         InLayer(st.stage->layer(i).BackwardWeight(lc, &saved[i]), st, i, "weight backward"));
-    if (final_w) PW_RETURN_IF_ERROR(grad_sync->LayerReady(local[st.index], i));
+    PW_RETURN_IF_ERROR(dp->GradReady(local[st.index], i, final_w));
   }
   saved.clear();
   PW_RETURN_IF_ERROR(Sync());
@@ -334,41 +336,39 @@ absl::Status RankExecutor::ReduceTied() {
   return absl::OkStatus();
 }
 
-// Note [Step agreement]. Every replica's micro-batch losses and every layer's squared gradient
-// norm go into one vector, each entry written by exactly one rank (zeros elsewhere, so the sum
-// is exact), summed over the world in a fixed order. Every rank then sees the same sums and
-// takes the same decision — clip by the same factor, step or skip, stop after this step or go
-// on — and keeps the same loss-scaler state. The per-layer grouping of the norm is the one a single
-// stage uses, so the norm is bit-identical at any pipeline depth.
+// Note [Step agreement]. Every replica's micro-batch losses and this rank's share of the squared
+// gradient norm (DataParallel::AddSquaredNorm: exact fixed-point limbs, Note [Exact norm] in
+// exact_sum.cc) go into one vector, each loss written by exactly one rank (zeros elsewhere, so
+// the sum is exact), summed over the world in a fixed order. Every rank then sees the same sums
+// and takes the same decision — clip by the same factor, step or skip, stop after this step or go
+// on — and keeps the same loss-scaler state. The norm is the exact sum of per-chunk squares
+// rounded once, so it is bit-identical at any pipeline depth, replica count or ZeRO stage.
 absl::Status RankExecutor::Agree(int64_t step, float lr, StepOutcome* out) {
   const Action a{ActionKind::kOptimizerStep, 0, 0};
   Clock::time_point t = Clock::now();
   PW_RETURN_IF_ERROR(WaitSends());
-  PW_RETURN_IF_ERROR(grad_sync->Finish());
+  PW_RETURN_IF_ERROR(dp->Finish());
   PW_RETURN_IF_ERROR(ReduceTied());
   const int64_t M = ctx->layout.micro_batches, R = ctx->layout.replicas;
-  const int64_t L = ctx->graph->num_layers();
+  constexpr int64_t K = ExactSum::kSlots;
   // The last entry counts the ranks whose process was asked to stop (train.h, RequestStop).
-  Tensor v = Tensor::Zeros({R * M + L + 1}, DType::kF64, host.get());
+  Tensor v = Tensor::Zeros({R * M + K + 1}, DType::kF64, host.get());
   double* d = v.data<double>();
   for (StageRt& st : stages) {
     if (st.last) {
       for (int64_t j = 0; j < M; ++j) d[replica * M + j] = losses_[j];
     }
-    if (replica == 0) {
-      for (int i = 0; i < st.stage->size(); ++i) {
-        PW_ASSIGN_OR_RETURN(d[R * M + st.begin + i],
-                            GradSquaredNorm(st.stage->layer(i).Parameters(), alloc.get()));
-      }
-    }
   }
-  d[R * M + L] = StopRequested() ? 1.0 : 0.0;
+  ExactSum norm;
+  PW_RETURN_IF_ERROR(dp->AddSquaredNorm(&norm));
+  norm.ToSlots(d + R * M);
+  d[R * M + K] = StopRequested() ? 1.0 : 0.0;
   PW_RETURN_IF_ERROR(AllReduceHost(v, "step agreement all-reduce"));
   Record(EventKind::kAllReduce, a, t);
-  out->stop_requested = d[R * M + L] > 0;
-  double loss = 0, norm2 = 0;
+  out->stop_requested = d[R * M + K] > 0;
+  double loss = 0;
   for (int64_t i = 0; i < R * M; ++i) loss += d[i];
-  for (int64_t i = 0; i < L; ++i) norm2 += d[R * M + i];
+  const double norm2 = ExactSum::FromSlots(d + R * M).Round();
   const float scale = scaler.scale();
   out->loss = loss / static_cast<double>(R * M);
   out->grad_norm = std::sqrt(norm2) / scale;
@@ -384,35 +384,13 @@ absl::Status RankExecutor::Agree(int64_t step, float lr, StepOutcome* out) {
   }
   Clock::time_point o = Clock::now();
   // Clipping (and fp16's unscaling) as the optimizer reads the gradients.
-  PW_RETURN_IF_ERROR(
-      optimizer->Step(lr, ClipScale(out->grad_norm, ctx->options->clip_norm) / scale));
+  PW_RETURN_IF_ERROR(dp->Step(lr, ClipScale(out->grad_norm, ctx->options->clip_norm) / scale));
   PW_RETURN_IF_ERROR(Sync());
   Record(EventKind::kOptimizer, a, o);
-  if (!zero_owner.empty()) {
+  if (dp->syncs_parameters()) {
     Clock::time_point b = Clock::now();
-    PW_RETURN_IF_ERROR(BroadcastOwned());
+    PW_RETURN_IF_ERROR(dp->SyncParameters());
     Record(EventKind::kAllReduce, a, b);
-  }
-  return absl::OkStatus();
-}
-
-// Note [Distributed optimizer]. Under ZeRO-1 every replica still receives the summed gradient
-// of every parameter (the bucketed all-reduce, overlapped with the backward), so the norm,
-// clipping and loss-scale decisions are the ones of zero = 0. Each replica then updates only the
-// parameters it owns — AdamW is elementwise, so an owned parameter gets exactly the update
-// zero = 0 gives it — and broadcasts them, which copies bits: losses and weights are
-// bit-identical to zero = 0 on every backend whose all-reduce is (tested). What it saves is the
-// optimizer state (two fp32 moments per parameter) on all but one replica; it sends the
-// parameters once more per step. A reduce-scatter in place of the all-reduce would halve the
-// gradient traffic; the communicator has none yet.
-absl::Status RankExecutor::BroadcastOwned() {
-  std::vector<std::unique_ptr<Work>> works;
-  for (size_t i = 0; i < params.size(); ++i) {
-    works.push_back(dp_comm->Broadcast(params[i]->value, zero_owner[i]));
-  }
-  for (size_t i = 0; i < works.size(); ++i) {
-    PW_RETURN_IF_ERROR(
-        WaitOrAbort(*works[i], absl::StrCat("ZeRO-1 broadcast of ", params[i]->name)));
   }
   return absl::OkStatus();
 }

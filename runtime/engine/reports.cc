@@ -33,6 +33,7 @@ json TimesToJson(const RankTimes& t) {
           {"peak_activation_bytes", t.peak_activation_bytes},
           {"static_memory_bytes", t.static_memory_bytes},
           {"optimizer_state_bytes", t.optimizer_state_bytes},
+          {"gradient_bytes", t.gradient_bytes},
           {"grad_bytes_sent", t.grad_bytes_sent},
           {"grad_bytes_uncompressed", t.grad_bytes_uncompressed},
           {"stages", t.stages},
@@ -59,6 +60,7 @@ RankTimes TimesFromJson(const json& j) {
   t.peak_activation_bytes = j.at("peak_activation_bytes").get<int64_t>();
   t.static_memory_bytes = j.at("static_memory_bytes").get<int64_t>();
   t.optimizer_state_bytes = j.at("optimizer_state_bytes").get<int64_t>();
+  t.gradient_bytes = j.at("gradient_bytes").get<int64_t>();
   t.grad_bytes_sent = j.at("grad_bytes_sent").get<int64_t>();
   t.grad_bytes_uncompressed = j.at("grad_bytes_uncompressed").get<int64_t>();
   t.stages = j.at("stages").get<std::vector<int>>();

@@ -141,7 +141,9 @@ class BucketedAllReduce final : public BucketLauncher {
   // Posts the bucket's collective, `b.flat` holding this replica's fp32 gradients.
   absl::Status EncodeAndLaunch(Bucket& b) {
     const ops::Exec e{ctx_.alloc};
-    bytes_.uncompressed += b.numel * static_cast<int64_t>(sizeof(float));
+    const int n = ctx_.dp->size();
+    const int64_t fp32 = b.numel * static_cast<int64_t>(sizeof(float));
+    bytes_.uncompressed += RingAllReduceBytes(fp32, n);
     if (compression_.kind == GradCompression::Kind::kBf16) {
       if (b.error.numel() == 0) b.error = Tensor::Zeros({b.numel}, DType::kF32, ctx_.alloc);
       PW_RETURN_IF_ERROR(ops::AddInPlace(e, b.flat, b.error));
@@ -152,9 +154,9 @@ class BucketedAllReduce final : public BucketLauncher {
       b.error = std::move(b.flat);
       b.flat = std::move(q);
       b.gathered = Tensor::Empty({ctx_.dp->size() * b.numel}, DType::kBF16, ctx_.alloc);
-      bytes_.sent += b.numel * 2;
+      bytes_.sent += RingAllGatherBytes(b.numel * 2, n);
     } else {
-      bytes_.sent += b.numel * static_cast<int64_t>(sizeof(float));
+      bytes_.sent += RingAllReduceBytes(fp32, n);
     }
     // A stream-ordered backend (NCCL) orders the collective after the copies on the GPU; any
     // other may read the buffer from another thread at once, so the copies must be done.

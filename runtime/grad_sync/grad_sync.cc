@@ -29,6 +29,16 @@ StageBuckets BucketLayers(const GradSyncStage& stage, int64_t bucket_bytes) {
   return sb;
 }
 
+int64_t RingAllReduceBytes(int64_t bytes, int n) {
+  return n <= 1 ? 0 : 2 * (bytes / n) * (n - 1) + 2 * (bytes % n) * (n - 1) / n;
+}
+
+int64_t RingReduceScatterBytes(int64_t bytes, int n) {
+  return n <= 1 ? 0 : (bytes / n) * (n - 1) + (bytes % n) * (n - 1) / n;
+}
+
+int64_t RingAllGatherBytes(int64_t bytes, int n) { return n <= 1 ? 0 : bytes * (n - 1); }
+
 BucketLauncher::BucketLauncher(Communicator* dp, const std::vector<GradSyncStage>& stages,
                                int64_t bucket_bytes)
     : dp_(dp) {

@@ -47,10 +47,11 @@ struct GradSyncStage {
   std::vector<std::vector<Parameter*>> layers;
 };
 
-// Gradient bytes this rank handed to the data-parallel collectives in a step: what it sent,
-// and what an uncompressed fp32 all-reduce of the same gradients would have sent. Counted as
-// the payload each rank contributes (its buffer's size), not the transport's wire traffic,
-// which depends on the backend's algorithm (a ring all-reduce moves about twice its buffer).
+// Gradient and parameter bytes this rank sends to its data-parallel group in a step, and what an
+// uncompressed fp32 all-reduce of the same gradients would have sent. Counted in wire terms, as
+// the ring algorithms move them (RingAllReduceBytes and the rest below: what NCCL's rings and
+// Open MPI's large-message algorithms send per rank), so that a reduce-scatter plus an all-gather
+// compares fairly with the all-reduce it replaces.
 struct GradSyncBytes {
   int64_t sent = 0;
   int64_t uncompressed = 0;
@@ -66,6 +67,13 @@ struct StageBuckets {
   std::vector<int> layers;                      // per bucket: its layers with parameters
 };
 StageBuckets BucketLayers(const GradSyncStage& stage, int64_t bucket_bytes);
+
+// Bytes one rank of an n-rank ring sends: an all-reduce of `bytes` sends 2 (n - 1) / n of them, a
+// reduce-scatter of `bytes` (its input) (n - 1) / n, and an all-gather in which every rank
+// contributes `bytes` (n - 1) times them. Zero when n <= 1.
+int64_t RingAllReduceBytes(int64_t bytes, int n);
+int64_t RingReduceScatterBytes(int64_t bytes, int n);
+int64_t RingAllGatherBytes(int64_t bytes, int n);
 
 class GradSync {
  public:

@@ -293,7 +293,8 @@ class PowerSgd final : public BucketLauncher {
   // gradients all-reduced.
   absl::Status LaunchFirstRound(Bucket& b) {
     const ops::Exec e{ctx_.alloc};
-    bytes_.uncompressed += b.numel * static_cast<int64_t>(sizeof(float));
+    const int n = ctx_.dp->size();
+    bytes_.uncompressed += RingAllReduceBytes(b.numel * static_cast<int64_t>(sizeof(float)), n);
     if (b.dense_numel > 0) {
       b.dense_flat = Tensor::Empty({b.dense_numel}, DType::kF32, ctx_.alloc);
       int64_t offset = 0;
@@ -318,11 +319,11 @@ class PowerSgd final : public BucketLauncher {
     PW_RETURN_IF_ERROR(ReadyToSend());
     if (b.dense_numel > 0) {
       b.dense_work = ctx_.dp->AllReduce(b.dense_flat);
-      bytes_.sent += b.dense_numel * static_cast<int64_t>(sizeof(float));
+      bytes_.sent += RingAllReduceBytes(b.dense_numel * static_cast<int64_t>(sizeof(float)), n);
     }
     if (b.p_numel > 0) {
       b.p_work = ctx_.dp->AllGather(b.p_flat, b.p_all);
-      bytes_.sent += b.p_numel * static_cast<int64_t>(sizeof(float));
+      bytes_.sent += RingAllGatherBytes(b.p_numel * static_cast<int64_t>(sizeof(float)), n);
     }
     return absl::OkStatus();
   }
@@ -352,7 +353,8 @@ class PowerSgd final : public BucketLauncher {
     b.q_all = Tensor::Empty({ctx_.dp->size() * b.q_numel}, DType::kF32, ctx_.alloc);
     PW_RETURN_IF_ERROR(ReadyToSend());
     b.q_work = ctx_.dp->AllGather(b.q_flat, b.q_all);
-    bytes_.sent += b.q_numel * static_cast<int64_t>(sizeof(float));
+    bytes_.sent +=
+        RingAllGatherBytes(b.q_numel * static_cast<int64_t>(sizeof(float)), ctx_.dp->size());
     return absl::OkStatus();
   }
 

@@ -536,6 +536,21 @@ absl::StatusOr<double> SumSquares(const Exec& e, const std::vector<const Tensor*
   return s;
 }
 
+absl::Status SquareSumsByChunk(const Exec& e, const Tensor& t, int64_t chunk,
+                               std::vector<double>* out) {
+  PW_RETURN_IF_ERROR(CheckDevice(e, "sums of squares by chunk", {&t}));
+  PW_RETURN_IF_ERROR(Need(t.dtype() == DType::kF32 && chunk > 0, "sums of squares by chunk",
+                          absl::StrCat(t.ShapeString(), " in chunks of ", chunk)));
+  if constexpr (kWithCuda) {
+    if (e.device().is_cuda()) return cuda_impl::SquareSumsByChunk(e, t, chunk, out);
+  }
+  const float* x = t.data<float>();
+  for (int64_t i = 0; i < t.numel(); i += chunk) {
+    out->push_back(cpu::SumSquares(x + i, static_cast<size_t>(std::min(chunk, t.numel() - i))));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Copy(const Exec& e, const Tensor& src, Tensor& dst) {
   PW_RETURN_IF_ERROR(Need(src.numel() == dst.numel() && src.dtype() == dst.dtype(), "copy",
                           absl::StrCat(src.ShapeString(), " into ", dst.ShapeString())));

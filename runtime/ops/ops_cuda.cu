@@ -233,5 +233,29 @@ absl::StatusOr<double> SumSquares(const Exec& e, const std::vector<const Tensor*
   return sum;
 }
 
+absl::Status SquareSumsByChunk(const Exec& e, const Tensor& t, int64_t chunk,
+                               std::vector<double>* out) {
+  // Each chunk is one "tensor" of the multi-tensor reduction, whose blocking depends only on
+  // a tensor's size: a chunk's sum depends only on its elements.
+  std::vector<const float*> ptrs;
+  std::vector<int64_t> sizes;
+  for (int64_t i = 0; i < t.numel(); i += chunk) {
+    ptrs.push_back(t.data<float>() + i);
+    sizes.push_back(std::min(chunk, t.numel() - i));
+  }
+  const int64_t count = static_cast<int64_t>(ptrs.size());
+  if (count == 0) return absl::OkStatus();
+  Tensor dev = Tensor::Empty({count}, DType::kF64, e.allocator());
+  cudaStream_t s = StreamOf(e);
+  PW_RETURN_IF_ERROR(cuda::SumSquaresMulti(s, ptrs.data(), sizes.data(), static_cast<int>(count),
+                                           dev.data<double>()));
+  const size_t first = out->size();
+  out->resize(first + count);
+  PW_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out->data() + first, dev.raw(), count * sizeof(double),
+                                          cudaMemcpyDeviceToHost, s));
+  PW_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
+  return absl::OkStatus();
+}
+
 }  // namespace cuda_impl
 }  // namespace pipewright::ops

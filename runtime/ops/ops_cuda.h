@@ -50,6 +50,8 @@ absl::Status EmbeddingBackward(const Exec& e, const Tensor& dout, const Tensor& 
 absl::Status AdamW(const Exec& e, const std::vector<AdamWItem>& items, float lr, float beta1,
                    float beta2, float eps, int64_t t);
 absl::StatusOr<double> SumSquares(const Exec& e, const std::vector<const Tensor*>& ts);
+absl::Status SquareSumsByChunk(const Exec& e, const Tensor& t, int64_t chunk,
+                               std::vector<double>* out);
 // Frees the stream's cuBLAS context (ops::ReleaseStream for a CUDA stream).
 void ReleaseStream(Stream stream);
 

@@ -131,7 +131,13 @@ TEST(FieldFlags, EveryTrainOptionsCheckNamesItsFieldAndTheCliItsFlag) {
        [](O& o) { o.threads_per_rank = 256; }},
       {"TrainOptions.data_workers", "--data-workers", [](O& o) { o.data_workers = -1; }},
       {"TrainOptions.staleness = -1", "--staleness -1", [](O& o) { o.staleness = -1; }},
-      {"TrainOptions.zero = 2", "--zero 2", [](O& o) { o.zero = 2; }},
+      {"TrainOptions.zero = 3", "--zero 3", [](O& o) { o.zero = 3; }},
+      {"TrainOptions.zero = 2 does not combine with TrainOptions.grad_compression",
+       "--zero 2 does not combine with --grad-compression",
+       [](O& o) {
+         o.zero = 2;
+         o.grad_compression = GradCompression::Bf16();
+       }, 2},
       {"TrainOptions.grad_compression = bf16",
        "--grad-compression bf16 does not support "
        "--precision fp16",

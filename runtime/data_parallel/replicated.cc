@@ -1,0 +1,95 @@
+// The replicated strategy (data_parallel.h): every replica keeps every parameter, its gradient
+// summed over the replicas by a GradSync, and the whole optimizer state.
+#include <memory>
+#include <utility>
+
+#include "runtime/data_parallel/data_parallel.h"
+
+namespace pipewright::internal {
+namespace {
+
+class Replicated final : public DataParallel {
+ public:
+  Replicated(const DataParallelContext& ctx, DataParallelParams params,
+             std::unique_ptr<GradSync> sync)
+      : ctx_(ctx), params_(std::move(params)), sync_(std::move(sync)) {
+    optimizer_ = Optimizer::Create(ctx_.optimizer, params_.trained, ctx_.alloc);
+  }
+
+  void BeginStep() override { sync_->BeginStep(); }
+  absl::Status BeginBackward(int) override { return absl::OkStatus(); }
+  absl::Status GradReady(int stage, int layer, bool last) override {
+    return last ? sync_->LayerReady(stage, layer) : absl::OkStatus();
+  }
+  absl::Status StageReady(int stage) override { return sync_->StageReady(stage); }
+  absl::Status Finish() override { return sync_->Finish(); }
+
+  // Replica 0 counts every gradient (every replica holds the same sums).
+  absl::Status AddSquaredNorm(ExactSum* sum) override {
+    if (ctx_.replica != 0) return absl::OkStatus();
+    const ops::Exec e{ctx_.alloc};
+    for (const GradSyncStage& st : params_.stages) {
+      for (const std::vector<Parameter*>& layer : st.layers) {
+        for (const Parameter* p : layer) {
+          if (!p->tied_to.empty()) continue;
+          PW_RETURN_IF_ERROR(AddChunkSquares(e, p->grad, 0, p->grad.numel(), sum));
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Step(float lr, float grad_scale) override {
+    return optimizer_->Step(lr, grad_scale);
+  }
+  absl::Status SyncParameters() override { return absl::OkStatus(); }
+  bool syncs_parameters() const override { return false; }
+  GradSyncBytes StepBytes() const override { return sync_->StepBytes(); }
+  int64_t OptimizerStateBytes() const override { return optimizer_->StateBytes(); }
+  int64_t GradientBytes() const override {
+    int64_t n = 0;
+    for (const GradSyncStage& st : params_.stages) {
+      for (const std::vector<Parameter*>& layer : st.layers) {
+        for (const Parameter* p : layer) n += static_cast<int64_t>(p->grad.nbytes());
+      }
+    }
+    return n;
+  }
+  int64_t optimizer_steps() const override { return optimizer_->step_count(); }
+
+  absl::StatusOr<NamedTensors> OptimizerState() override {
+    NamedTensors out;
+    if (ctx_.replica != 0) return out;
+    for (auto& [name, t] : optimizer_->State()) {
+      PW_ASSIGN_OR_RETURN(Tensor h, t.CopyTo(nullptr));
+      out.emplace_back(name, std::move(h));
+    }
+    return out;
+  }
+  absl::Status LoadOptimizerState(const std::map<std::string, Tensor>& state,
+                                  int64_t step) override {
+    return optimizer_->LoadState(state, step);
+  }
+  absl::StatusOr<NamedTensors> SyncState() override { return sync_->SaveState(); }
+  absl::Status LoadSyncState(const std::map<std::string, Tensor>& state,
+                             const std::string& prefix) override {
+    return sync_->LoadState(state, prefix);
+  }
+  Optimizer* whole_optimizer() override { return optimizer_.get(); }
+
+ private:
+  DataParallelContext ctx_;
+  DataParallelParams params_;
+  std::unique_ptr<GradSync> sync_;
+  std::unique_ptr<Optimizer> optimizer_;
+};
+
+}  // namespace
+
+std::unique_ptr<DataParallel> CreateReplicated(const DataParallelContext& ctx,
+                                               DataParallelParams params,
+                                               std::unique_ptr<GradSync> sync) {
+  return std::make_unique<Replicated>(ctx, std::move(params), std::move(sync));
+}
+
+}  // namespace pipewright::internal
