@@ -99,15 +99,15 @@ class StageCosts {
  public:
   // `split_backward`: the schedule runs input and weight gradients apart (I, W), so a selective
   // stage holds its remade tensors from I to W: selective counts as none there (an upper bound).
-  // `optimizer_shards`: the replicas the optimizer state is split over (ZeRO-1: dp; else 1).
+  // `sharding`: what ZeRO splits over the data-parallel replicas (optimizer state, gradients).
   StageCosts(const ModelCosts& model, const DeviceSpec& dev, const ParamBytes& param_bytes,
              std::vector<int> inflight, int chunks, bool split_backward = false,
-             int optimizer_shards = 1)
+             const ZeroSharding& sharding = {})
       : model_(model),
         pb_(param_bytes),
         inflight_(std::move(inflight)),
         split_backward_(split_backward),
-        shards_(std::max(1, optimizer_shards)) {
+        sharding_(sharding) {
     const int L = model.num_layers();
     f_.assign(L + 1, 0);
     b_.assign(L + 1, 0);
@@ -170,12 +170,16 @@ class StageCosts {
     return i == 0 ? model_.input_bytes : model_.layers[i - 1].output_bytes;
   }
   const ParamBytes& param_bytes() const { return pb_; }
-  int optimizer_shards() const { return shards_; }
-  // Optimizer state of `params` parameters on one replica: an even share under ZeRO-1 (the
+  const ZeroSharding& sharding() const { return sharding_; }
+  // Optimizer state of `params` parameters on one replica: an even share under ZeRO-1 and 2 (the
   // runtime splits by whole tensors, so a rank may hold up to one tensor's state more).
   int64_t OptimizerBytes(int64_t params) const {
-    const int64_t all = SatMul(params, pb_.optimizer);
-    return all == kMemoryOverflow ? all : all / shards_ + (all % shards_ != 0);
+    return sharding_.OptimizerBytes(SatMul(params, pb_.optimizer));
+  }
+  // Gradients of `params` parameters on one replica: all of them, or under ZeRO-2 a 1/dp shard
+  // and the buckets in flight.
+  int64_t GradientBytes(int64_t params) const {
+    return sharding_.GradientBytes(SatMul(params, pb_.grads));
   }
   // A tied layer (LayerCost::tied_to): its index, its owner's and its parameter count.
   struct Tie {
@@ -191,7 +195,7 @@ class StageCosts {
     StageMemory m;
     const int64_t p = params(i, j), trained = SatSub(p, linked_params(i, j));
     m.params = SatMul(trained, pb_.weights);
-    m.grads = SatMul(p, pb_.grads);
+    m.grads = GradientBytes(p);
     m.optimizer = OptimizerBytes(trained);
     const int64_t saved = RangeSum(act_, i, j);
     const int64_t held = inflight_[k];
@@ -212,7 +216,7 @@ class StageCosts {
   // Never above the memory of any recompute choice, and never shrinking as the range grows.
   int64_t MemoryLowerBound(int i, int j) const {
     const int64_t trained = SatSub(params(i, j), linked_params(i, j));
-    const int64_t fixed = SatAdd(SatMul(params(i, j), pb_.grads),
+    const int64_t fixed = SatAdd(GradientBytes(params(i, j)),
                                  SatAdd(SatMul(trained, pb_.weights), OptimizerBytes(trained)));
     return SatAdd(fixed, SatSub(RangeSum(act_, i, j), selective_saving(i, j)));
   }
@@ -265,7 +269,7 @@ class StageCosts {
     return most;
   }
   bool split_backward_ = false;
-  int shards_ = 1;
+  ZeroSharding sharding_;
   // Saturating prefix sums (SatAdd) over the layers; sel_layer_ per layer.
   std::vector<int64_t> params_, act_, sel_bytes_, sel_layer_;
   std::vector<double> sel_time_;
@@ -471,24 +475,15 @@ absl::Status PredictWith(const StageCosts& c, const ModelCosts& model, const Dev
   costs.comm_latency = dev.link_latency_s;
   costs.comm_per_byte = 1.0 / dev.link_bandwidth;
   costs.message_bytes = largest_message;
-  const int dp = plan.data_parallel;
-  if (dp > 1) {
-    // Ring all-reduce of the fp32 gradients: 2 (dp - 1) / dp of the bytes over each link.
-    const double bytes = static_cast<double>(max_stage_params) * c.param_bytes().grads;
-    costs.reduce_time =
-        2.0 * (dp - 1) / dp * bytes / dev.link_bandwidth + 2.0 * (dp - 1) * dev.link_latency_s;
-    if (plan.zero == 1) {
-      // ZeRO-1 then sends the updated weights from their owners: (dp - 1) / dp of them.
-      costs.reduce_time += static_cast<double>(dp - 1) / dp *
-                               static_cast<double>(max_stage_params) * c.param_bytes().weights /
-                               dev.link_bandwidth +
-                           (dp - 1) * dev.link_latency_s;
-    }
-  }
+  // The data-parallel gradient synchronization of the stage with the most parameters (all-reduce,
+  // or ZeRO's reduce-scatters and all-gather), after the backward like the all-reduce.
+  costs.reduce_time = PredictGradSync(max_stage_params, c.param_bytes(), c.sharding(),
+                                      plan.schedule.micro_batches, dev)
+                          .seconds;
   // The optimizer reads every parameter's state once and writes weights and moments back.
   const int64_t most_params = *std::max_element(rank_params.begin(), rank_params.end());
   costs.optimizer_time =
-      static_cast<double>(most_params) / c.optimizer_shards() *
+      static_cast<double>(most_params) / c.sharding().optimizer_shards() *
       (c.param_bytes().total() + c.param_bytes().weights + c.param_bytes().optimizer) /
       dev.memory_bandwidth;
   PW_ASSIGN_OR_RETURN(SimResult sim, Simulate(sched, costs));
@@ -550,6 +545,16 @@ std::vector<std::string> Suggestions(const ModelCosts& model, const DeviceSpec& 
     PartitionOptions alt = o;
     alt.allow_recompute = true;
     if (fits(alt)) out.push_back("allowing activation recomputation");
+  }
+  for (int zero = o.zero + 1; zero <= 2 && o.dp >= 2; ++zero) {
+    PartitionOptions alt = o;
+    alt.zero = zero;
+    if (fits(alt)) {
+      out.push_back(absl::StrCat("PartitionOptions.zero = ", zero, " (splits the optimizer state",
+                                 zero == 2 ? " and the gradients" : "", " over the ", o.dp,
+                                 " replicas)"));
+      break;
+    }
   }
   if (o.schedule == ScheduleKind::kGpipe) {
     PartitionOptions alt = o;
@@ -623,7 +628,7 @@ absl::StatusOr<Plan> internal::Partition(const ModelCosts& model, const DeviceSp
                                                    " stages; a plan has at most ", kMaxPlanStages));
   }
   StageCosts c(scaled, dev, BytesPerParam(o.precision), PeakInflightPerStage(sched), spec.chunks,
-               SplitsBackward(sched), o.zero == 1 ? o.dp : 1);
+               SplitsBackward(sched), ZeroSharding{o.zero, o.dp});
   const double bottleneck = OptimalBottleneck(c, S, o.allow_recompute);
   Plan plan = EmptyPlan(scaled, dev, spec, o.dp, b);
   plan.zero = o.zero;
@@ -654,7 +659,9 @@ absl::StatusOr<Plan> internal::Partition(const ModelCosts& model, const DeviceSp
         dev.reserve_bytes ? absl::StrCat(" after a ", Bytes(dev.reserve_bytes), " reserve") : "",
         Bytes(*shortfall));
     if (!o.suggest) return absl::FailedPreconditionError(message);
-    const int64_t static_bytes = SatMul(c.params(0, L), c.param_bytes().total());
+    const int64_t all = c.params(0, L);
+    const int64_t static_bytes = SatAdd(SatMul(all, c.param_bytes().weights),
+                                        SatAdd(c.GradientBytes(all), c.OptimizerBytes(all)));
     std::vector<std::string> ideas = Suggestions(model, dev, o, b, S, c.budget(), static_bytes);
     return absl::FailedPreconditionError(
         absl::StrCat(message, ".\nwould fit: ", absl::StrJoin(ideas, "; or ")));
@@ -679,13 +686,17 @@ absl::Status Predict(const ModelCosts& model, const DeviceSpec& dev, Precision p
   const ModelCosts scaled = model.WithMicroBatchSize(plan.micro_batch_size);
   PW_ASSIGN_OR_RETURN(Schedule sched, GenerateSchedule(plan.schedule));
   StageCosts c(scaled, dev, BytesPerParam(precision), PeakInflightPerStage(sched),
-               sched.spec.chunks, SplitsBackward(sched), plan.zero == 1 ? plan.data_parallel : 1);
+               sched.spec.chunks, SplitsBackward(sched),
+               ZeroSharding{plan.zero, plan.data_parallel});
   return PredictWith(c, scaled, dev, plan);
 }
 
-absl::StatusOr<std::vector<RankMemory>> PredictRankMemory(
-    const ModelCosts& model, const Schedule& schedule, const std::vector<int>& boundaries,
-    const std::vector<Recompute>& recompute, const ParamBytes& param_bytes, int optimizer_shards) {
+absl::StatusOr<std::vector<RankMemory>> PredictRankMemory(const ModelCosts& model,
+                                                          const Schedule& schedule,
+                                                          const std::vector<int>& boundaries,
+                                                          const std::vector<Recompute>& recompute,
+                                                          const ParamBytes& param_bytes,
+                                                          const ZeroSharding& sharding) {
   const int S = schedule.num_stages, L = model.num_layers();
   const int ranks = static_cast<int>(schedule.programs.size());
   if (S < 1 || static_cast<int>(schedule.stage_rank.size()) != S) {
@@ -714,12 +725,15 @@ absl::StatusOr<std::vector<RankMemory>> PredictRankMemory(
     }
     split.push_back({boundaries[k], boundaries[k + 1], recompute[k]});
   }
-  if (optimizer_shards < 1) {
-    return absl::InvalidArgumentError("PredictRankMemory: optimizer_shards must be >= 1");
+  if (sharding.zero < 0 || sharding.zero > 2 || sharding.dp < 1 || sharding.bucket_bytes < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("PredictRankMemory: ZeRO ", sharding.zero, " over ", sharding.dp,
+                     " replicas with ", sharding.bucket_bytes,
+                     "-byte buckets: want zero 0, 1 or 2, dp >= 1 and buckets >= 1 byte"));
   }
   const std::vector<int> held = PeakInflightPerStage(schedule);
   StageCosts c(model, DeviceSpec{}, param_bytes, held, schedule.spec.chunks,
-               SplitsBackward(schedule), optimizer_shards);
+               SplitsBackward(schedule), sharding);
   const std::vector<StageMemory> memory = SplitMemory(c, schedule, split);
   std::vector<RankMemory> out(ranks);
   for (int r = 0; r < ranks; ++r) out[r].rank = r;

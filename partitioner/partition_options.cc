@@ -50,14 +50,14 @@ absl::Status ValidatePartitionOptions(const ModelCosts& model, const DeviceSpec&
                                                    " and PartitionOptions.dp = ", o.dp,
                                                    ": both must be >= 1"));
   }
-  if (o.zero != 0 && o.zero != 1) {
+  if (o.zero < 0 || o.zero > 2) {
     return absl::InvalidArgumentError(
-        absl::StrCat("PartitionOptions.zero = ", o.zero, ": must be 0 or 1"));
+        absl::StrCat("PartitionOptions.zero = ", o.zero, ": must be 0, 1 or 2"));
   }
-  if (o.zero == 1 && o.dp < 2) {
-    return absl::InvalidArgumentError(
-        "PartitionOptions.zero = 1 splits the optimizer state over PartitionOptions.dp >= 2 "
-        "replicas");
+  if (o.zero >= 1 && o.dp < 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "PartitionOptions.zero = ", o.zero, " splits the optimizer state",
+        o.zero == 2 ? " and the gradients" : "", " over PartitionOptions.dp >= 2 replicas"));
   }
   if (int64_t{o.pp} * o.dp != dev.count) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -488,11 +488,12 @@ void ReadPlan(const json& doc, const ModelCosts* model, Plan& plan, Problems& p)
   if (ctx.pp) plan.pipeline_parallel = static_cast<int>(*ctx.pp);
   if (dp) plan.data_parallel = static_cast<int>(*dp);
   if (top.Find("zero") != nullptr) {
-    if (std::optional<int64_t> z = top.Int("zero", 0, 1)) {
+    if (std::optional<int64_t> z = top.Int("zero", 0, 2)) {
       plan.zero = static_cast<int>(*z);
-      if (plan.zero == 1 && dp && *dp < 2) {
-        p.Add("zero",
-              "1 splits the optimizer state over the replicas: it needs data_parallel >= 2");
+      if (plan.zero >= 1 && dp && *dp < 2) {
+        p.Add("zero", absl::StrCat(plan.zero, " splits the optimizer state",
+                                   plan.zero == 2 ? " and the gradients" : "",
+                                   " over the replicas: it needs data_parallel >= 2"));
       }
     }
   }

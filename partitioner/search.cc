@@ -45,6 +45,10 @@ absl::StatusOr<SearchResult> SearchPlans(const ModelCosts& model, const DeviceSp
   const int64_t G =
       o.global_batch > 0 ? o.global_batch : int64_t{dev.count} * model.micro_batch_size;
   if (o.keep < 1) return absl::InvalidArgumentError("keep must be >= 1");
+  if (o.zero && (*o.zero < 0 || *o.zero > 2)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("SearchOptions.zero = ", *o.zero, ": must be 0, 1 or 2"));
+  }
   SearchResult result;
   // Why each infeasible candidate did not fit, by shortfall in bytes.
   std::vector<std::pair<int64_t, std::string>> misses;
@@ -63,11 +67,13 @@ absl::StatusOr<SearchResult> SearchPlans(const ModelCosts& model, const DeviceSp
       const int64_t m = G / dp / b;
       if (m > (int64_t{1} << 20)) continue;
       for (const Choice& ch : Schedules(o, pp))
-        for (int zero : {0, 1}) {
+        for (int zero : {0, 1, 2}) {
           if (o.zero && *o.zero != zero) continue;
-          if (zero == 1 && dp < 2) {
+          if (zero >= 1 && dp < 2) {
             if (o.zero) {
-              last_invalid = "SearchOptions.zero = 1 needs dp >= 2: it splits the optimizer state";
+              last_invalid = absl::StrCat("SearchOptions.zero = ", zero,
+                                          " needs dp >= 2: it splits the optimizer state",
+                                          zero == 2 ? " and the gradients" : "");
             }
             continue;
           }
@@ -101,8 +107,9 @@ absl::StatusOr<SearchResult> SearchPlans(const ModelCosts& model, const DeviceSp
           } else if (plan.status().code() == absl::StatusCode::kFailedPrecondition) {
             misses.emplace_back(
                 shortfall,
-                absl::StrCat("pp=", pp, " dp=", dp, zero ? " zero=1" : "", " b=", b, " m=", m, " ",
-                             ScheduleKindName(ch.kind), ": ", plan.status().message()));
+                absl::StrCat("pp=", pp, " dp=", dp, zero ? absl::StrCat(" zero=", zero) : "",
+                             " b=", b, " m=", m, " ", ScheduleKindName(ch.kind), ": ",
+                             plan.status().message()));
           } else {
             return plan.status();
           }

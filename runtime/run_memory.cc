@@ -103,10 +103,11 @@ absl::StatusOr<RunMemoryNeed> Predict(const ModelCosts& costs, const RunSpec& ru
                                       const std::vector<Recompute>& recompute,
                                       const TrainOptions& options, const SampleSpec& sample,
                                       const std::vector<RankPlace>& places) {
-  PW_ASSIGN_OR_RETURN(std::vector<RankMemory> ranks,
-                      PredictRankMemory(costs, run.schedule, run.boundaries, recompute,
-                                        BytesPerParam(options.precision),
-                                        options.zero == 1 ? run.data_parallel : 1));
+  PW_ASSIGN_OR_RETURN(
+      std::vector<RankMemory> ranks,
+      PredictRankMemory(costs, run.schedule, run.boundaries, recompute,
+                        BytesPerParam(options.precision),
+                        ZeroSharding{options.zero, run.data_parallel, options.bucket_bytes}));
   RunMemoryNeed need;
   need.micro_batch_size = costs.micro_batch_size;
   need.micro_batches = run.micro_batches();

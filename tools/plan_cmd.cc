@@ -29,7 +29,7 @@ struct PlanFlags {
   std::string model, preset, out;
   int devices = 1;
   std::string device_memory = "80GiB", reserve = "0";
-  int pp = 0, dp = 0, chunks = 0, zero = -1;  // zero -1: try both
+  int pp = 0, dp = 0, chunks = 0, zero = -1;  // zero -1: try 0, 1 and 2
   std::string schedule, precision = "fp32";
   int64_t micro_batch_size = 0, micro_batches = 0, global_batch = 0;
   double tflops = 100, link_gbps = 25, latency_us = 10, hbm_gbps = 2000;
@@ -54,6 +54,7 @@ absl::StatusOr<ModelCosts> LoadModel(const PlanFlags& f) {
 json PlanRow(const Plan& p) {
   return {{"pipeline_parallel", p.pipeline_parallel},
           {"data_parallel", p.data_parallel},
+          {"zero", p.zero},
           {"schedule", ScheduleKindName(p.schedule.kind)},
           {"chunks", p.schedule.chunks},
           {"micro_batch_size", p.micro_batch_size},
@@ -195,10 +196,11 @@ int RunPlan(const PlanFlags& f) {
       GiB(dev.memory_bytes).c_str(), PrecisionName(o.precision),
       static_cast<long long>(best.global_batch()), r->candidates, r->feasible, r->best.size());
   PrintTable(r->best);
+  const std::string zero = best.zero ? absl::StrCat(" zero=", best.zero) : "";
   std::printf(
       "best: pp=%d dp=%d%s %s, %d x %lld per replica: %.4g s/step, %.4g samples/s, "
       "lower bound %.4g s (gap %.1f%%)\n",
-      best.pipeline_parallel, best.data_parallel, best.zero ? " zero=1" : "",
+      best.pipeline_parallel, best.data_parallel, zero.c_str(),
       ScheduleKindName(best.schedule.kind), best.schedule.micro_batches,
       static_cast<long long>(best.micro_batch_size), best.predicted.step_time_s,
       best.predicted.samples_per_s, best.predicted.lower_bound_step_time_s,
@@ -274,9 +276,10 @@ void RegisterPlan(CLI::App& app, int* exit_code) {
   AddReal(cmd, "--hbm-gbps", &f->hbm_gbps, RealRange::LeftOpen(0, 1e9),
           "Device memory GB/s (optimizer step)");
   cmd->add_flag("--no-recompute", f->no_recompute, "Never recompute activations to fit");
-  AddInt(cmd, "--zero", &f->zero, {0, 1},
-         "0: every replica keeps its stage's optimizer state; 1: ZeRO-1, split over the "
-         "dp replicas (default: try both where dp >= 2)");
+  AddInt(cmd, "--zero", &f->zero, {0, 2},
+         "0: every replica keeps its stage's optimizer state and gradients; 1: ZeRO-1, the "
+         "optimizer state split over the dp replicas; 2: ZeRO-2, the gradients too, "
+         "reduce-scattered every micro-batch (default: try all three where dp >= 2)");
   cmd->add_option("-o,--output", f->out, "Write the best plan here");
   cmd->add_flag("--json", f->json, "Print the five best and the plan as JSON");
   cmd->callback([f, exit_code] { *exit_code = RunPlan(*f); });

@@ -40,8 +40,9 @@ std::string Summary(const std::string& path, const Plan& p) {
   std::string schedule = ScheduleKindName(p.schedule.kind);
   if (p.schedule.chunks > 1) absl::StrAppend(&schedule, " v=", p.schedule.chunks);
   return absl::StrCat(path, ": valid: ", p.model_name, ", ", p.num_layers,
-                      " layers, pp=", p.pipeline_parallel, " dp=", p.data_parallel, " ", schedule,
-                      ", ", p.schedule.micro_batches,
+                      " layers, pp=", p.pipeline_parallel, " dp=", p.data_parallel,
+                      p.zero ? absl::StrCat(" zero=", p.zero) : "", " ", schedule, ", ",
+                      p.schedule.micro_batches,
                       p.schedule.micro_batches == 1 ? " micro-batch x " : " micro-batches x ",
                       p.micro_batch_size, ", ", p.stages.size(), " stages");
 }

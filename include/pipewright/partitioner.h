@@ -47,6 +47,46 @@ struct ParamBytes {
 };
 ParamBytes BytesPerParam(Precision precision);  // fp32 4+4+8; bf16/fp16 2+4+(4+8) = 18
 
+// TrainOptions::bucket_bytes' default (train.h; tests/runtime/run_memory_test.cc checks that they
+// agree): the gradient bucket a plan assumes for ZeRO-2's in-flight buffers, since neither a
+// layer graph nor a plan carries the run's bucket size.
+inline constexpr int64_t kDefaultGradBucketBytes = int64_t{1} << 20;
+
+// How ZeRO splits a stage's state over its data-parallel replicas (docs/memory.md, "Memory of a
+// stage"). Counts saturate at kMemoryOverflow.
+struct ZeroSharding {
+  int zero = 0;  // 0: every replica holds everything; 1: the optimizer state is split; 2: and
+                 // the gradients (dp >= 2 for 1 and 2)
+  int dp = 1;    // the stage's replicas
+  // ZeRO-2: gradients are reduce-scattered bucket by bucket as the backward produces them; a
+  // replica holds its 1/dp shard of the stage's gradients and at most two buckets in flight.
+  int64_t bucket_bytes = kDefaultGradBucketBytes;
+
+  int optimizer_shards() const { return zero >= 1 && dp > 1 ? dp : 1; }
+  int gradient_shards() const { return zero >= 2 && dp > 1 ? dp : 1; }
+  // One replica's share of a stage whose whole optimizer state is `bytes`: ceil(bytes / shards).
+  int64_t OptimizerBytes(int64_t bytes) const;
+  // One replica's gradient bytes for a stage whose whole gradients are `bytes`: `bytes`, or under
+  // ZeRO-2 ceil(bytes / dp) + min(2 x bucket_bytes, bytes).
+  int64_t GradientBytes(int64_t bytes) const;
+};
+
+// What one stage's data-parallel gradient synchronization costs per step (docs/memory.md,
+// "Predicted step time"), with G its gradient bytes, W its weight bytes and m micro-batches:
+//   zero 0: ring all-reduce of G, 2 (dp - 1)/dp G over each link, 2 (dp - 1) latencies;
+//   zero 1: reduce-scatter of G, all-gather of the updated W: (dp - 1)/dp (G + W), 2 (dp - 1);
+//   zero 2: a reduce-scatter of G per micro-batch, one all-gather of W:
+//           (dp - 1)/dp (m G + W), (m + 1)(dp - 1) latencies.
+// Nothing with dp = 1.
+struct GradSyncCost {
+  double bytes = 0;       // over each link
+  int64_t latencies = 0;  // messages in sequence
+  double seconds = 0;     // bytes / link_bandwidth + latencies x link_latency_s
+};
+GradSyncCost PredictGradSync(int64_t params, const ParamBytes& param_bytes,
+                             const ZeroSharding& sharding, int micro_batches,
+                             const DeviceSpec& devices);
+
 struct PartitionOptions {
   int pp = 1;
   int dp = 1;
@@ -55,7 +95,9 @@ struct PartitionOptions {
   int micro_batches = 1;         // per replica
   int64_t micro_batch_size = 0;  // 0: the model's
   Precision precision = Precision::kFp32;
-  int zero = 0;  // 1: ZeRO-1, each stage's optimizer state split over the dp replicas (dp >= 2)
+  // ZeRO (ZeroSharding): 1 splits each stage's optimizer state over the dp replicas, 2 its
+  // gradients too (dp >= 2 for either).
+  int zero = 0;
   bool allow_recompute = true;  // recompute a stage when (and only when) it does not fit without
   // When nothing fits, partition alternatives (recomputation, 1f1b, smaller micro-batches, more
   // stages) and name those that would fit in the error.
@@ -90,9 +132,10 @@ std::vector<int> PeakInflightPerStage(const Schedule& schedule);
 absl::StatusOr<Plan> Partition(const ModelCosts& model, const DeviceSpec& devices,
                                const PartitionOptions& options);
 // What Partition checks first: a model with layers, devices with positive counts, memory,
-// throughputs and bandwidths, pp, dp >= 1 with pp x dp = devices.count, zero 0 or 1 (1 with
-// dp >= 2), micro_batch_size >= 0. InvalidArgument naming the field (`PartitionOptions.pp = 0`,
-// `DeviceSpec.memory_bytes`; Note [Field names in errors] in train.h) otherwise.
+// throughputs and bandwidths, pp, dp >= 1 with pp x dp = devices.count, zero 0, 1 or 2 (1 and 2
+// with dp >= 2), micro_batch_size >= 0. InvalidArgument naming the field otherwise
+// (`PartitionOptions.pp = 0`, `DeviceSpec.memory_bytes`, `PartitionOptions.zero = 3`;
+// Note [Field names in errors] in train.h).
 absl::Status ValidatePartitionOptions(const ModelCosts& model, const DeviceSpec& devices,
                                       const PartitionOptions& options);
 
@@ -113,15 +156,16 @@ struct RankMemory {
 // run's micro-batch size), split at `boundaries` (stages + 1 increasing layer indices from 0 to
 // the number of layers) with per-stage `recompute`: Predict's per-stage model (held micro-batches
 // from PeakInflightPerStage, tied copies linked within a rank) for any schedule, hand-written
-// ones included. `optimizer_shards`: the data-parallel replicas the optimizer state is split
-// over (ZeRO-1: dp; else 1). Counts saturate at kMemoryOverflow. Nothing is allocated beyond the
-// result. InvalidArgument when the boundaries or recompute entries do not fit the schedule.
+// ones included. `sharding`: what ZeRO splits over the data-parallel replicas (optimizer state,
+// gradients). Counts saturate at kMemoryOverflow. Nothing is allocated beyond the result.
+// InvalidArgument when the boundaries or recompute entries do not fit the schedule, or the
+// sharding is not valid (zero 0, 1 or 2, dp >= 1, bucket_bytes >= 1).
 absl::StatusOr<std::vector<RankMemory>> PredictRankMemory(const ModelCosts& model,
                                                           const Schedule& schedule,
                                                           const std::vector<int>& boundaries,
                                                           const std::vector<Recompute>& recompute,
                                                           const ParamBytes& param_bytes,
-                                                          int optimizer_shards = 1);
+                                                          const ZeroSharding& sharding = {});
 
 // The split used when a run names no plan: `stages` contiguous non-empty layer ranges whose
 // largest forward + backward FLOPs is the smallest possible (every layer counts at least 1),
@@ -134,7 +178,7 @@ struct SearchOptions {
   int64_t global_batch = 0;  // sequences per step; 0: devices * the model's micro-batch size
   // Fixed choices; unset means "try every value".
   std::optional<int> pp, dp, chunks;
-  // ZeRO-1 (Plan::zero); unset: both where dp >= 2, 0 otherwise.
+  // ZeRO stage (Plan::zero: 0, 1 or 2); unset: all three where dp >= 2, 0 otherwise.
   std::optional<int> zero;
   std::optional<ScheduleKind> schedule;
   std::optional<int64_t> micro_batch_size;
@@ -151,8 +195,9 @@ struct SearchResult {
 };
 
 // Tries every pp x dp = devices.count, micro-batch sizes b with dp * b dividing the global
-// batch, and the schedules (gpipe, 1f1b, interleaved with 2 chunks, zb-h1, zb-v), each
-// partitioned optimally. An error when no combination fits, with the closest shortfall.
+// batch, the schedules (gpipe, 1f1b, interleaved with 2 chunks, zb-h1, zb-v) and, where dp >= 2,
+// ZeRO 0, 1 and 2, each partitioned optimally; fastest first, equal times by less memory. An error
+// when no combination fits, with the closest shortfall.
 absl::StatusOr<SearchResult> SearchPlans(const ModelCosts& model, const DeviceSpec& devices,
                                          const SearchOptions& options);
 

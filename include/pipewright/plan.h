@@ -129,9 +129,9 @@ struct Plan {
   int64_t device_memory_bytes = 0;
   int pipeline_parallel = 1;
   int data_parallel = 1;
-  // 1: the distributed optimizer (ZeRO-1, TrainOptions::zero): each stage's optimizer state is
-  // split over its data_parallel replicas. Optional in the JSON ("zero", default 0); 1 needs
-  // data_parallel >= 2.
+  // ZeRO (TrainOptions::zero): 1, the distributed optimizer, splits each stage's optimizer state
+  // over its data_parallel replicas; 2 splits its gradients too (reduce-scattered every
+  // micro-batch). Optional in the JSON ("zero", default 0); 1 and 2 need data_parallel >= 2.
   int zero = 0;
   ScheduleSpec schedule;          // kind, ranks (= pipeline_parallel), micro_batches, chunks
   int64_t micro_batch_size = 1;   // sequences per micro-batch

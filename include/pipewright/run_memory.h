@@ -92,7 +92,8 @@ struct RunMemoryNeed {
 
 // Predicts what the ranks `places` of a run need (Engine::Create: every rank in one process;
 // its own under a launcher), from `graph`'s costs at its micro-batch size, `run`'s schedule,
-// split and recomputation, options.precision and options.zero, and the data's sample shape.
+// split and recomputation, options.precision, options.zero (and ZeRO-2's options.bucket_bytes),
+// and the data's sample shape.
 // Nothing is allocated beyond the result. InvalidArgument when `run` does not fit `graph`.
 absl::StatusOr<RunMemoryNeed> PredictRunMemory(const LayerGraph& graph, const RunSpec& run,
                                                const TrainOptions& options,

@@ -441,14 +441,14 @@ TEST(Search, TriesEveryShapeAndRanksByStepTime) {
       EXPECT_LE(r->best[i - 1].predicted.step_time_s, p.predicted.step_time_s);
     }
   }
-  // Fixing pp, dp and the schedule leaves the micro-batch sizes and ZeRO-1 to try (dp >= 2),
-  // and fixing zero too only the micro-batch sizes.
+  // Fixing pp, dp and the schedule leaves the micro-batch sizes and ZeRO 0, 1 and 2 to try
+  // (dp >= 2), and fixing zero too only the micro-batch sizes.
   o.pp = 4;
   o.dp = 2;
   o.schedule = ScheduleKind::k1F1B;
   auto both = SearchPlans(model, Devices(8, int64_t{1} << 40), o);
   ASSERT_TRUE(both.ok());
-  EXPECT_EQ(both->candidates, 8);  // b in {1, 2, 4, 8} with dp * b | 16, zero in {0, 1}
+  EXPECT_EQ(both->candidates, 12);  // b in {1, 2, 4, 8} with dp * b | 16, zero in {0, 1, 2}
   o.zero = 1;
   o.pp = 8;
   o.dp.reset();

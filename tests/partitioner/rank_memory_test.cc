@@ -69,6 +69,8 @@ TEST(RankMemory, SumsThePlansStagesOnEachRank) {
       {ScheduleKind::kInterleaved, 2, 1, 2, 4, 0, Precision::kFp32, Recompute::kSelective},
       {ScheduleKind::kZbV, 2, 2, 2, 4, 1, Precision::kFp32, Recompute::kNone},
       {ScheduleKind::kZbH1, 2, 2, 1, 4, 1, Precision::kFp16, Recompute::kSelective},
+      {ScheduleKind::k1F1B, 2, 4, 1, 4, 2, Precision::kBf16, Recompute::kNone},
+      {ScheduleKind::kInterleaved, 2, 2, 2, 4, 2, Precision::kFp32, Recompute::kFull},
   };
   for (const Case& c : cases) {
     const std::string what = absl::StrCat(ScheduleKindName(c.kind), " pp=", c.pp, " dp=", c.dp);
@@ -97,7 +99,7 @@ TEST(RankMemory, SumsThePlansStagesOnEachRank) {
     }
     ASSERT_TRUE(Predict(model, DeviceSpec{}, c.precision, plan).ok()) << what;
     absl::StatusOr<std::vector<RankMemory>> ranks = PredictRankMemory(
-        model, *sched, bounds, recompute, BytesPerParam(c.precision), c.zero == 1 ? c.dp : 1);
+        model, *sched, bounds, recompute, BytesPerParam(c.precision), ZeroSharding{c.zero, c.dp});
     ASSERT_TRUE(ranks.ok()) << what << ": " << ranks.status();
     ASSERT_EQ(static_cast<int>(ranks->size()), c.pp) << what;
     const std::vector<int> held = PeakInflightPerStage(*sched);
@@ -196,8 +198,9 @@ TEST(RankMemory, ASplitThatDoesNotFitTheScheduleIsAnError) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(PredictRankMemory(model, *sched, {0, 4, 8}, {Recompute::kNone}, pb).status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(PredictRankMemory(model, *sched, {0, 4, 8}, none, pb, 0).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      PredictRankMemory(model, *sched, {0, 4, 8}, none, pb, ZeroSharding{1, 0}).status().code(),
+      absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(PredictRankMemory(model, *sched, {0, 4, 8}, none, pb).ok());
 }
 

@@ -180,6 +180,40 @@ TEST(RunMemory, SumsTheRanksOfThisProcessAndSuggestsWhatFits) {
   EXPECT_TRUE(absl::StrContains(s.message(), "MicroBatchShape.batch = 1 (")) << s;
 }
 
+// ZeRO-2 in the run's own prediction: each rank's gradients are its stage's over dp plus two of
+// the run's buckets (TrainOptions::bucket_bytes) in flight, its optimizer state ZeRO-1's; the
+// planner assumes TrainOptions' default bucket.
+TEST(RunMemory, ZeroTwoShardsTheGradientsWithTwoBucketsInFlight) {
+  EXPECT_EQ(TrainOptions{}.bucket_bytes, kDefaultGradBucketBytes);
+  const int dp = 4;
+  auto data = SyntheticDataset(32, 1);
+  auto run = RunSpecFromSchedule(testing_util::Tiny(),
+                                 *GenerateSchedule({ScheduleKind::k1F1B, 2, 4, 1}), dp);
+  ASSERT_TRUE(run.ok()) << run.status();
+  auto predict = [&](int zero, int64_t bucket) {
+    TrainOptions o;
+    o.zero = zero;
+    o.bucket_bytes = bucket;
+    auto need = PredictRunMemory(testing_util::Tiny(), *run, o, data->Spec(), {{0}, {1}});
+    EXPECT_TRUE(need.ok()) << need.status();
+    return *need;
+  };
+  const int64_t bucket = 4096;
+  const RunMemoryNeed z0 = predict(0, bucket), z1 = predict(1, bucket), z2 = predict(2, bucket);
+  for (size_t i = 0; i < 2; ++i) {
+    const StageMemory &m0 = z0.ranks[i].model.memory, &m1 = z1.ranks[i].model.memory,
+                      &m2 = z2.ranks[i].model.memory;
+    ASSERT_GT(m0.grads, 2 * bucket);
+    EXPECT_EQ(m2.grads, (m0.grads + dp - 1) / dp + 2 * bucket) << i;
+    EXPECT_EQ(m1.grads, m0.grads) << i;
+    EXPECT_EQ(m2.optimizer, m1.optimizer) << i;
+    EXPECT_LT(m2.total, m1.total) << i;
+  }
+  // The run's bucket size, not the default.
+  const RunMemoryNeed big = predict(2, kDefaultGradBucketBytes);
+  EXPECT_GT(big.ranks[0].model.memory.grads, z2.ranks[0].model.memory.grads);
+}
+
 // The prediction against what the runs measure: the weights, gradients and optimizer state are
 // what the ranks allocate at creation, exactly; the peak of a step is within a quarter of the
 // prediction. The model leaves out temporaries inside a layer and messages in flight (measured

@@ -226,8 +226,15 @@ TEST(FieldFlags, OtherLibraryChecksNameFieldsToo) {
                          "DeviceSpec.tflops", "--device-tflops must be finite and > 0");
   ExpectBothVocabularies(partition([](DeviceSpec&, PartitionOptions& p) { p.pp = 0; }),
                          "PartitionOptions.pp = 0", "--pp 0");
-  ExpectBothVocabularies(partition([](DeviceSpec&, PartitionOptions& p) { p.zero = 2; }),
-                         "PartitionOptions.zero = 2", "--zero 2");
+  ExpectBothVocabularies(partition([](DeviceSpec&, PartitionOptions& p) { p.zero = 3; }),
+                         "PartitionOptions.zero = 3", "--zero 3: must be 0, 1 or 2");
+  ExpectBothVocabularies(partition([](DeviceSpec& d, PartitionOptions& p) {
+                           d.count = 1;
+                           p.dp = 1;
+                           p.zero = 2;
+                         }),
+                         "PartitionOptions.zero = 2",
+                         "--zero 2 splits the optimizer state and the gradients over --dp >= 2");
   ExpectBothVocabularies(partition([](DeviceSpec& d, PartitionOptions& p) {
                            d.count = 1;
                            p.dp = 1;

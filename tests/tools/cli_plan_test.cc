@@ -92,6 +92,38 @@ TEST(CliPlan, WrittenPlanValidatesAndTrainsLikeTheFlags) {
   std::remove(plan.c_str());
 }
 
+// --zero 2 (ZeRO-2): the table, the best line and the written plan say so; the plan validates.
+// --zero 3 is refused naming the flag.
+TEST(CliPlan, ZeroTwoIsPlannedShownAndWritten) {
+  const std::string plan = TempPath("plan_zero2_" + std::to_string(getpid()) + ".json");
+  Result p = RunCli(
+      "plan --preset gpt-tiny --devices 4 --pp 2 --schedule 1f1b --micro-batch-size 2 "
+      "--micro-batches 4 --device-memory 1GiB --zero 2 -o " +
+      plan);
+  ASSERT_EQ(p.exit_code, 0) << p.err;
+  EXPECT_NE(p.out.find("best: pp=2 dp=2 zero=2 1f1b"), std::string::npos) << p.out;
+  EXPECT_NE(p.out.find("   2  1f1b"), std::string::npos) << "the table's zero column\n" << p.out;
+  json pj = ReadJson(plan);
+  ASSERT_TRUE(pj.is_object());
+  EXPECT_EQ(pj["zero"], 2);
+  Result v = RunCli("validate " + plan);
+  EXPECT_EQ(v.exit_code, 0) << v.err;
+  EXPECT_NE(v.out.find("zero=2"), std::string::npos) << v.out;
+  Result j = RunCli(
+      "plan --preset gpt-tiny --devices 4 --pp 2 --schedule 1f1b --micro-batch-size 2 "
+      "--micro-batches 4 --device-memory 1GiB --zero 2 --json");
+  ASSERT_EQ(j.exit_code, 0) << j.err;
+  json out = json::parse(j.out, nullptr, false);
+  ASSERT_TRUE(out.is_object()) << j.out;
+  EXPECT_EQ(out["best"][0]["zero"], 2);
+  for (const char* zero : {"3", "-1"}) {
+    Result bad = RunCli(std::string("plan --preset gpt-tiny --devices 4 --zero ") + zero);
+    EXPECT_EQ(bad.exit_code, 2) << zero;
+    EXPECT_NE(bad.err.find("--zero"), std::string::npos) << bad.err;
+  }
+  std::remove(plan.c_str());
+}
+
 TEST(CliPlan, ModelThatCannotFitIsExplained) {
   Result r = RunCli("plan --preset gpt-small --devices 2 --device-memory 4MiB");
   EXPECT_EQ(r.exit_code, 2);

@@ -101,6 +101,23 @@ TEST(CliValidate, GoodPlanIsValid) {
   EXPECT_EQ(r.err, "");
 }
 
+// "zero": 2 (ZeRO-2) is valid with dp >= 2 and shown in the summary; 3 is refused at the field.
+TEST(CliValidate, ZeroTwoIsValidAndThreeIsNot) {
+  Plan z2 = GoodPlan();
+  z2.zero = 2;
+  const std::string plan = Write("zero2.json", pipewright::PlanToJson(z2));
+  Result r = RunCli("validate " + plan);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, plan +
+                       ": valid: gpt-tiny, 10 layers, pp=4 dp=2 zero=2 1f1b, 8 micro-batches x "
+                       "4, 4 stages\n");
+  z2.zero = 3;
+  const std::string bad = Write("zero3.json", pipewright::PlanToJson(z2));
+  Result b = RunCli("validate " + bad);
+  EXPECT_EQ(b.exit_code, 2);
+  EXPECT_EQ(b.err, "zero: must be <= 2, got 3\n");
+}
+
 TEST(CliValidate, MatchingModelIsValid) {
   const std::string plan = Write("good_m.json", pipewright::PlanToJson(GoodPlan()));
   const std::string model = Write("model.json", pipewright::ModelCostsToJson(GoodModel()));
