@@ -135,6 +135,9 @@ class StageCosts {
                                                : l.selective_recompute_flops / flops_per_s;
       sel_time_[i + 1] = sel_time_[i] + sel;
       max_layer_ = std::max(max_layer_, f + b);
+      // ZeRO-2's buckets hold whole layers: one can exceed the bucket size by a layer.
+      sharding_.largest_layer_bytes =
+          std::max(sharding_.largest_layer_bytes, SatMul(l.params, pb_.grads));
       if (!l.tied_to.empty()) {
         for (int o = 0; o < i; ++o) {
           if (model.layers[o].name == l.tied_to) ties_.push_back({i, o, l.params});

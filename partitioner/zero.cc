@@ -22,10 +22,12 @@ int64_t ZeroSharding::OptimizerBytes(int64_t bytes) const {
 int64_t ZeroSharding::GradientBytes(int64_t bytes) const {
   const int shards = gradient_shards();
   if (shards <= 1) return bytes;
-  // The shard accumulator, plus the full-size gradient buckets a replica holds while they are
-  // reduce-scattered: at most two in flight (one filling, one on the wire), never more than the
-  // stage's whole gradient.
-  const int64_t in_flight = std::min(SaturatingMul(2, std::max<int64_t>(1, bucket_bytes)), bytes);
+  // The shard accumulator, plus the two bucket buffers a replica fills and reduce-scatters in
+  // turn (one filling, one on the wire), each as large as the largest bucket (whole layers, up
+  // to a layer past bucket_bytes), never more than the stage's whole gradient.
+  const int64_t bucket =
+      SaturatingAdd(std::max<int64_t>(1, bucket_bytes), std::max<int64_t>(0, largest_layer_bytes));
+  const int64_t in_flight = std::min(SaturatingMul(2, bucket), bytes);
   return SaturatingAdd(Share(bytes, shards), in_flight);
 }
 

@@ -643,6 +643,7 @@ absl::Status RunTrain(const TrainFlags& given) {
   in.svg = f.svg;
   in.checkpoint = f.save;
   in.grad_compression = options.grad_compression;
+  in.zero = options.zero;
   if (options.dp_mode == DpMode::kAsync) {
     in.async = &async_report;
     in.staleness = options.staleness;

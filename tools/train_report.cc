@@ -44,18 +44,18 @@ void PrintRankTable(const RunSummary& s) {
   const double n = std::max<int64_t>(1, s.steps);
   std::printf(
       "  rank  pp dp  stages      compute  recompute   p2p wait  all-reduce  optimizer  data wait"
-      "       idle   peak MiB  act MiB  optim MiB\n");
+      "       idle   peak MiB  act MiB  optim MiB  grad MiB\n");
   for (const RankTimes& t : s.ranks) {
     std::string stages;
     for (int st : t.stages) stages += absl::StrCat(stages.empty() ? "" : ",", st);
     std::printf(
         "  %4d  %2d %2d  %-8s %8.1fms %8.1fms %8.1fms %9.1fms %8.1fms %8.1fms %8.1fms"
-        " %10.2f %8.2f %10.2f%s\n",
+        " %10.2f %8.2f %10.2f %9.2f%s\n",
         t.global_rank, t.pipeline_rank, t.replica, stages.c_str(), 1e3 * t.compute / n,
         1e3 * t.recompute / n, 1e3 * t.p2p_wait / n, 1e3 * t.all_reduce / n, 1e3 * t.optimizer / n,
         1e3 * t.data_wait / n, 1e3 * t.idle / n, t.peak_memory_bytes / 1048576.0,
         t.peak_activation_bytes / 1048576.0, t.optimizer_state_bytes / 1048576.0,
-        t.global_rank == s.bottleneck_rank ? "  <- bottleneck" : "");
+        t.gradient_bytes / 1048576.0, t.global_rank == s.bottleneck_rank ? "  <- bottleneck" : "");
   }
   std::printf(
       "  (per step)  bubble measured %.1f%%, simulator %.1f%%; step %.1f ms, simulator "
@@ -170,6 +170,7 @@ void PrintSummary(const ReportInput& in, bool as_json) {
                   {"recompute", run.RecomputeSummary()},
                   {"precision", PrecisionName(in.precision)},
                   {"grad_compression", GradCompressionName(in.grad_compression)},
+                  {"zero", in.zero},
                   {"grad_bytes_sent_per_rank_step", grad_sent / rank_steps},
                   {"grad_bytes_uncompressed_per_rank_step", grad_fp32 / rank_steps},
                   {"grad_compression_ratio", grad_ratio},
@@ -234,10 +235,11 @@ void PrintSummary(const ReportInput& in, bool as_json) {
   if (steps_run > 0) PrintRankTable(rs);
   if (steps_run > 0 && grad_sent > 0) {
     std::printf(
-        "  gradients: %s, %.3f MiB sent per rank per step (fp32 all-reduce: %.3f MiB), "
-        "compression ratio %.2fx\n",
-        GradCompressionName(in.grad_compression).c_str(), grad_sent / rank_steps / 1048576.0,
-        grad_fp32 / rank_steps / 1048576.0, grad_ratio);
+        "  data-parallel traffic: %s%s, %.3f MiB sent per rank per step on the wire (an fp32 "
+        "all-reduce of the gradients: %.3f MiB), ratio %.2fx\n",
+        GradCompressionName(in.grad_compression).c_str(),
+        in.zero > 0 ? absl::StrCat(", ZeRO-", in.zero).c_str() : "",
+        grad_sent / rank_steps / 1048576.0, grad_fp32 / rank_steps / 1048576.0, grad_ratio);
   }
   if (in.async != nullptr) {
     std::printf(

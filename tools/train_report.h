@@ -38,6 +38,7 @@ struct ReportInput {
   const RunRecord* record = nullptr;
   Precision precision = Precision::kFp32;
   GradCompression grad_compression;
+  int zero = 0;                        // TrainOptions::zero
   const AsyncReport* async = nullptr;  // --dp-mode async
   int staleness = 0;
   std::string plan_file, trace, svg, checkpoint;

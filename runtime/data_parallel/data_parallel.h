@@ -20,9 +20,9 @@
 // `stage` is the stage's slot among the rank's own, `layer` the layer's index in the stage.
 //
 // Implementations: Replicated (zero = 0: a GradSync — bucketed all-reduce, bf16 or PowerSGD —
-// and the whole optimizer; also the base of asynchronous DP, whose owners apply pushed
-// gradients: rank_async.cc) and Sharded (zero = 1 and 2: flat buffers, Note [Flat shards] in
-// sharded.cc).
+// and the whole optimizer), Sharded (zero = 1 and 2: flat buffers, Note [Flat shards] in
+// sharded.cc) and Async (dp_mode = async: the owners apply pushed gradients, Note [Async DP] in
+// async_dp.cc).
 #ifndef PIPEWRIGHT_RUNTIME_DATA_PARALLEL_DATA_PARALLEL_H_
 #define PIPEWRIGHT_RUNTIME_DATA_PARALLEL_DATA_PARALLEL_H_
 
@@ -38,6 +38,7 @@
 #include "pipewright/comm.h"
 #include "pipewright/optimizer.h"
 #include "pipewright/train.h"
+#include "runtime/data_parallel/async_dp.h"
 #include "runtime/data_parallel/exact_sum.h"
 #include "runtime/grad_sync/grad_sync.h"
 
@@ -102,9 +103,33 @@ class DataParallel {
   virtual absl::StatusOr<NamedTensors> SyncState() = 0;
   virtual absl::Status LoadSyncState(const std::map<std::string, Tensor>& state,
                                      const std::string& prefix) = 0;
-  // The whole optimizer of a replicated strategy (asynchronous DP moves state through it);
-  // nullptr for a sharded one.
-  virtual Optimizer* whole_optimizer() { return nullptr; }
+
+  // How many replicas one step's gradient is the mean over (the backward's seed divides by it
+  // and the micro-batch count): every replica's, or (asynchronous) the replica's own.
+  virtual int gradient_replicas() const = 0;
+  // Whether every replica takes each step together: the step agreement then spans the world;
+  // otherwise only the replica's own pipeline.
+  virtual bool replicas_step_together() const { return true; }
+  // The asynchronous strategy's run-level protocol (the replica-step loop's), or nullptr.
+  virtual class AsyncDataParallel* async() { return nullptr; }
+};
+
+// Asynchronous DP, as the engine's replica-step loop (RankExecutor::RunAsync) drives it.
+class AsyncDataParallel : public DataParallel {
+ public:
+  // Before a run of replica steps: every parameter's owner, and this replica's shard, started
+  // from the optimizer's state.
+  virtual absl::Status StartRun() = 0;
+  virtual AsyncShard* shard() = 0;
+  // Every parameter's current value from its owner (before each replica step).
+  virtual absl::Status Pull() = 0;
+  // A request header (kAsyncHeaderLen values) to replica `o`; FinishSends waits for every send.
+  virtual absl::Status SendHeader(const std::vector<double>& v, int o, int64_t tag) = 0;
+  virtual absl::Status FinishSends() = 0;
+  // After the run: the owners' values and optimizer state to every replica.
+  virtual absl::Status Consolidate() = 0;
+  // Updates this replica's shard applied, per replica.
+  virtual std::vector<int64_t> Applied() const = 0;
 };
 
 // zero = 0: `sync` reduces the gradients (its context's group null: nothing is reduced), and one
@@ -112,6 +137,10 @@ class DataParallel {
 std::unique_ptr<DataParallel> CreateReplicated(const DataParallelContext& ctx,
                                                DataParallelParams params,
                                                std::unique_ptr<GradSync> sync);
+
+// dp_mode = async (Note [Async DP] in async_dp.cc). Needs ctx.dp.
+std::unique_ptr<DataParallel> CreateAsync(const DataParallelContext& ctx,
+                                          DataParallelParams params);
 
 // zero = 1 or 2 (Note [Flat shards] in sharded.cc). Needs ctx.dp.
 absl::StatusOr<std::unique_ptr<DataParallel>> CreateSharded(const DataParallelContext& ctx,

@@ -31,7 +31,7 @@ void ExactSum::Add(double x) {
   }
   if (!(x > 0)) return;  // zero (negative inputs are outside the contract)
   int e = 0;
-  const double m = std::frexp(x, &e);  // x = m 2^e, m in [0.5, 1)
+  const double m = std::frexp(x, &e);                        // x = m 2^e, m in [0.5, 1)
   uint64_t mant = static_cast<uint64_t>(std::ldexp(m, 53));  // exact: x = mant 2^(e - 53)
   int pos = e - 53 - kLowExp;
   if (pos < 0) {

@@ -75,9 +75,10 @@ class Replicated final : public DataParallel {
                              const std::string& prefix) override {
     return sync_->LoadState(state, prefix);
   }
-  Optimizer* whole_optimizer() override { return optimizer_.get(); }
 
  private:
+  int gradient_replicas() const override { return ctx_.replicas; }
+
   DataParallelContext ctx_;
   DataParallelParams params_;
   std::unique_ptr<GradSync> sync_;

@@ -112,9 +112,9 @@ struct Bucket {
 // ZeRO-2: one of a stage's two bucket-sized gradient buffers (reduce-scattered in place).
 struct Slot {
   Tensor grads;
-  int bucket = -1;          // the bucket bound to it; -1: free
-  bool in_flight = false;   // its reduce-scatter is posted
-  int64_t launched = 0;     // when (a counter): the older of two in flight is drained first
+  int bucket = -1;         // the bucket bound to it; -1: free
+  bool in_flight = false;  // its reduce-scatter is posted
+  int64_t launched = 0;    // when (a counter): the older of two in flight is drained first
   std::unique_ptr<Work> work;
 };
 
@@ -165,8 +165,7 @@ class Sharded final : public DataParallel {
         if (zero_ == 1) {  // reduce-scattered in place: the shard is this replica's range
           PW_ASSIGN_OR_RETURN(b.shard, b.grads.View(me * b.layout.shard, {b.layout.shard}));
         } else {
-          PW_ASSIGN_OR_RETURN(b.shard,
-                              Tensor::TryEmpty({b.layout.shard}, DType::kF32, ctx_.alloc));
+          PW_ASSIGN_OR_RETURN(b.shard, Tensor::TryEmpty({b.layout.shard}, DType::kF32, ctx_.alloc));
           b.shard.SetZero();
         }
         const int64_t lo = me * b.layout.shard, hi = lo + b.layout.shard;
@@ -217,9 +216,8 @@ class Sharded final : public DataParallel {
           piece->weight_decay = pc.param->weight_decay;
           const int64_t len = pc.end - pc.begin;
           PW_ASSIGN_OR_RETURN(piece->value, b.values.View(pc.flat + pc.begin, {len}));
-          PW_ASSIGN_OR_RETURN(piece->grad, b.shard.View(pc.flat + pc.begin -
-                                                            ctx_.replica * b.layout.shard,
-                                                        {len}));
+          PW_ASSIGN_OR_RETURN(
+              piece->grad, b.shard.View(pc.flat + pc.begin - ctx_.replica * b.layout.shard, {len}));
           pieces_.push_back(std::move(piece));
         }
       }
@@ -308,9 +306,9 @@ class Sharded final : public DataParallel {
     for (Stage& st : stages_) {
       for (Bucket& b : st.buckets) {
         for (const Piece& pc : b.pieces) {
-          PW_ASSIGN_OR_RETURN(
-              const Tensor g,
-              b.shard.View(pc.flat + pc.begin - ctx_.replica * b.layout.shard, {pc.end - pc.begin}));
+          PW_ASSIGN_OR_RETURN(const Tensor g,
+                              b.shard.View(pc.flat + pc.begin - ctx_.replica * b.layout.shard,
+                                           {pc.end - pc.begin}));
           PW_RETURN_IF_ERROR(AddChunkSquares(e, g, 0, g.numel(), sum));
         }
         if (ctx_.replica != 0) continue;  // whole tensors: replica 0 counts them
@@ -401,8 +399,7 @@ class Sharded final : public DataParallel {
           for (size_t i = 0; i < b.sharded.size(); ++i) {
             const Parameter* p = b.sharded[i];
             Tensor h = Tensor::Empty(p->value.shape(), DType::kF32);
-            PW_RETURN_IF_ERROR(
-                ops::CopyRange(e, all, b.layout.offsets[i], h, 0, p->value.numel()));
+            PW_RETURN_IF_ERROR(ops::CopyRange(e, all, b.layout.offsets[i], h, 0, p->value.numel()));
             out.emplace_back(absl::StrCat(kind, ".", p->name), std::move(h));
           }
         }
@@ -432,12 +429,10 @@ class Sharded final : public DataParallel {
             if (it->second.dtype() != DType::kF32 ||
                 it->second.numel() != pc.param->value.numel()) {
               return absl::InvalidArgumentError(
-                  absl::StrCat("optimizer state '", name, "' has shape ",
-                               it->second.ShapeString(), ", expected ",
-                               pc.param->value.ShapeString()));
+                  absl::StrCat("optimizer state '", name, "' has shape ", it->second.ShapeString(),
+                               ", expected ", pc.param->value.ShapeString()));
             }
-            PW_ASSIGN_OR_RETURN(Tensor slice,
-                                it->second.View(pc.begin, {pc.end - pc.begin}));
+            PW_ASSIGN_OR_RETURN(Tensor slice, it->second.View(pc.begin, {pc.end - pc.begin}));
             pieces.emplace(name, std::move(slice));
           }
         }
@@ -459,8 +454,8 @@ class Sharded final : public DataParallel {
   }
 
   absl::Status Wait(Work& w, const char* what, const Stage& st) {
-    return ctx_.wait(w, absl::StrCat("ZeRO-", zero_, " ", what, " of stage ", st.index,
-                                     " across replicas"));
+    return ctx_.wait(
+        w, absl::StrCat("ZeRO-", zero_, " ", what, " of stage ", st.index, " across replicas"));
   }
 
   // Every sharded grad of `b` a view of `buffer` at its place in the layout.
@@ -479,6 +474,7 @@ class Sharded final : public DataParallel {
       PW_RETURN_IF_ERROR(ctx_.sync_device());
       b.work = ctx_.dp->ReduceScatter(b.grads, b.shard);
       CountReduceScatter(b);
+      CountUncompressed(b);
     }
     return LaunchWhole(b);
   }
@@ -492,6 +488,13 @@ class Sharded final : public DataParallel {
     bytes_.sent += RingAllReduceBytes(bytes, ctx_.replicas);
     bytes_.uncompressed += RingAllReduceBytes(bytes, ctx_.replicas);
     return absl::OkStatus();
+  }
+
+  // What an fp32 all-reduce of the bucket's sharded gradients would send, once per step.
+  void CountUncompressed(const Bucket& b) {
+    int64_t real = 0;
+    for (const Parameter* p : b.sharded) real += p->value.numel();
+    bytes_.uncompressed += RingAllReduceBytes(real * 4, ctx_.replicas);
   }
 
   void CountReduceScatter(const Bucket& b) {
@@ -522,10 +525,7 @@ class Sharded final : public DataParallel {
     }
     if (last) {
       PW_RETURN_IF_ERROR(LaunchWhole(b));
-      // What an fp32 all-reduce of the step's sharded gradients would send, once per step.
-      int64_t real = 0;
-      for (const Parameter* p : b.sharded) real += p->value.numel();
-      bytes_.uncompressed += RingAllReduceBytes(real * 4, ctx_.replicas);
+      CountUncompressed(b);
     }
     return absl::OkStatus();
   }
@@ -569,6 +569,8 @@ class Sharded final : public DataParallel {
     slot->bucket = k;
     return absl::OkStatus();
   }
+
+  int gradient_replicas() const override { return ctx_.replicas; }
 
   DataParallelContext ctx_;
   DataParallelParams params_;

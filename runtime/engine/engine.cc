@@ -316,7 +316,9 @@ absl::Status ConnectReplicas(Engine::Impl& m) {
     for (const TiedLink& t : r.tied_local) params.tied.insert({t.owner, t.copy});
     for (const RankExecutor::RemoteTie& t : r.tied_remote) params.tied.insert(t.param);
     params.trained = r.params;
-    if (zero > 0) {
+    if (async) {
+      r.dp = internal::CreateAsync(r.DpContext(), std::move(params));
+    } else if (zero > 0) {
       PW_ASSIGN_OR_RETURN(r.dp, internal::CreateSharded(r.DpContext(), std::move(params), zero));
     } else {
       std::unique_ptr<internal::GradSync> sync;
@@ -668,8 +670,7 @@ absl::Status Engine::Resume(const std::string& dir, ResumeInfo* info) {
     PW_RETURN_IF_ERROR(r->BindDevice());
     PW_RETURN_IF_ERROR(r->dp->LoadOptimizerState(ck.optimizer, at.optimizer_step));
     if (!at.grad_compression.empty()) {
-      absl::Status s =
-          r->dp->LoadSyncState(ck.grad_sync, absl::StrCat("replica", r->replica, "/"));
+      absl::Status s = r->dp->LoadSyncState(ck.grad_sync, absl::StrCat("replica", r->replica, "/"));
       if (!s.ok()) {
         return absl::Status(s.code(),
                             absl::StrCat(ck.path, "/grad_sync.safetensors: ", s.message()));

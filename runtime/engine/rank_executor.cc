@@ -104,8 +104,7 @@ absl::StatusOr<std::vector<std::string>> RankExecutor::AllGatherBytes(const std:
 
 GradSyncContext RankExecutor::SyncContext() {
   GradSyncContext c;
-  // Asynchronous DP exchanges no gradients by collectives (the owners apply them).
-  c.dp = async() ? nullptr : dp_comm.get();
+  c.dp = dp_comm.get();
   c.alloc = alloc.get();
   c.wait = [this](Work& w, const std::string& what) { return WaitOrAbort(w, what); };
   c.sync_device = [this] { return Sync(); };
@@ -186,7 +185,7 @@ void RankExecutor::EndStep(Clock::time_point t0, int64_t start_bytes) {
   t.optimizer_state_bytes = dp->OptimizerStateBytes();
   t.gradient_bytes = dp->GradientBytes();
   const GradSyncBytes bytes = dp->StepBytes();
-  t.grad_bytes_sent += bytes.sent;  // (asynchronous DP counted its pushes already)
+  t.grad_bytes_sent += bytes.sent;
   t.grad_bytes_uncompressed += bytes.uncompressed;
   const double used =
       t.compute + t.recompute + t.p2p_wait + t.all_reduce + t.optimizer + t.data_wait;

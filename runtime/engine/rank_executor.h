@@ -22,8 +22,8 @@
 #include "pipewright/ops.h"
 #include "pipewright/optimizer.h"
 #include "pipewright/train_testing.h"
+#include "runtime/data_parallel/async_dp.h"
 #include "runtime/data_parallel/data_parallel.h"
-#include "runtime/engine/async_dp.h"
 #include "runtime/engine/flight_recorder.h"
 #include "runtime/grad_sync/grad_sync.h"
 
@@ -165,7 +165,7 @@ class RankExecutor {
   };
   absl::Status RunAsync(const AsyncRun& run, int64_t* end);
   // What this rank's shard applied, per replica (after RunAsync).
-  std::vector<int64_t> AsyncApplied() const;
+  std::vector<int64_t> AsyncApplied();
 
  private:
   absl::Status RunAction(const Action& a, int index, int64_t step, float lr, StepOutcome* out);
@@ -176,16 +176,10 @@ class RankExecutor {
   // The tie reduction, after the data-parallel one: every tied weight's gradient becomes owner +
   // copy (AddTiedGradients here, an all-reduce over the embedding group across ranks).
   absl::Status ReduceTied();
-  bool async() const { return ctx->options->dp_mode == DpMode::kAsync; }
   // Asynchronous DP (rank_async.cc).
-  absl::Status AsyncLoop(const AsyncRun& run);
-  absl::StatusOr<AsyncCoordinator::Grant> ClaimStep(const AsyncRun& run, const double* claim);
-  absl::Status AsyncPull();
-  // In place of Agree: the replica's loss and norm over its pipeline, the gradients pushed.
-  absl::Status AsyncPush(float lr, StepOutcome* out);
-  absl::Status Consolidate();
-  // A message of kAsyncHeaderLen f64 values to replica `o` on the data-parallel group.
-  absl::Status SendHeader(const std::vector<double>& v, int o, int64_t tag);
+  absl::Status AsyncLoop(const AsyncRun& run, AsyncDataParallel& a);
+  absl::StatusOr<AsyncCoordinator::Grant> ClaimStep(const AsyncRun& run, AsyncDataParallel& a,
+                                                    const double* claim);
   void BeginStep(int64_t step);
   void EndStep(Clock::time_point t0, int64_t start_bytes);
   void Record(EventKind kind, const Action& a, Clock::time_point start, int peer = -1,
@@ -230,13 +224,7 @@ class RankExecutor {
   std::vector<std::unique_ptr<Work>> sends_;
   std::vector<PendingRecv> recvs_;  // posted, not yet waited for (Note [Receives posted ahead])
   int64_t step_ = 0;
-  // Asynchronous DP: owners per parameter, elements each replica owns, this rank's shard, and
-  // the replica steps done in the current run.
-  std::vector<int> owner_;
-  std::vector<int64_t> owned_numel_;
-  std::unique_ptr<AsyncShard> shard_;
-  std::vector<std::unique_ptr<Work>> async_sends_;
-  int64_t async_done_ = 0;
+  int64_t async_done_ = 0;  // asynchronous DP: the replica steps done in the current run
 };
 
 }  // namespace pipewright::internal

@@ -112,9 +112,7 @@ absl::Status RankExecutor::RunStep(int64_t step, float lr, StepOutcome* out) {
 
 absl::Status RankExecutor::RunAction(const Action& a, int index, int64_t step, float lr,
                                      StepOutcome* out) {
-  if (a.kind == ActionKind::kOptimizerStep) {
-    return async() ? AsyncPush(lr, out) : Agree(step, lr, out);
-  }
+  if (a.kind == ActionKind::kOptimizerStep) return Agree(step, lr, out);
   if (IsComm(a.kind)) {
     if (a.kind == ActionKind::kSendF || a.kind == ActionKind::kSendB) return IssueSend(a);
     PendingRecv r;
@@ -261,10 +259,10 @@ absl::Status RankExecutor::Backward(StageRt& st, const Action& a, int index) {
   if (st.last) {
     const BatchLayout& l = ctx->layout;
     dy = Tensor::Empty({1}, DType::kF32, host.get());  // a host scalar on every device
-    // The mean over the global batch; under asynchronous DP over the replica's own batch (each
-    // replica's gradient is an update of its own).
-    const int64_t replicas = async() ? 1 : l.replicas;
-    dy.data<float>()[0] = scaler.scale() / static_cast<float>(l.micro_batches * replicas);
+    // The mean over the batch of the replicas one step's gradient spans: the global batch, or
+    // (asynchronous DP: each replica's gradient is an update of its own) the replica's.
+    dy.data<float>()[0] =
+        scaler.scale() / static_cast<float>(l.micro_batches * dp->gradient_replicas());
   } else {
     dy = st.grad_out[mb];
     if (!dy.defined()) {
@@ -336,34 +334,43 @@ absl::Status RankExecutor::ReduceTied() {
   return absl::OkStatus();
 }
 
-// Note [Step agreement]. Every replica's micro-batch losses and this rank's share of the squared
-// gradient norm (DataParallel::AddSquaredNorm: exact fixed-point limbs, Note [Exact norm] in
-// exact_sum.cc) go into one vector, each loss written by exactly one rank (zeros elsewhere, so
-// the sum is exact), summed over the world in a fixed order. Every rank then sees the same sums
-// and takes the same decision — clip by the same factor, step or skip, stop after this step or go
-// on — and keeps the same loss-scaler state. The norm is the exact sum of per-chunk squares
-// rounded once, so it is bit-identical at any pipeline depth, replica count or ZeRO stage.
+// Note [Step agreement]. The losses of every replica that takes this step and this rank's share
+// of the squared gradient norm (DataParallel::AddSquaredNorm: exact fixed-point limbs, Note
+// [Exact norm] in exact_sum.cc) go into one vector, each loss written by exactly one rank (zeros
+// elsewhere, so the sum is exact), summed in a fixed order over the ranks that step together:
+// the world, or under asynchronous DP the replica's own pipeline. Every one of them then sees
+// the same sums and takes the same decision — clip by the same factor, step or skip, stop after
+// this step or go on — and keeps the same loss-scaler state. The norm is the exact sum of
+// per-chunk squares rounded once, so it is bit-identical at any pipeline depth, replica count or
+// ZeRO stage.
 absl::Status RankExecutor::Agree(int64_t step, float lr, StepOutcome* out) {
   const Action a{ActionKind::kOptimizerStep, 0, 0};
   Clock::time_point t = Clock::now();
   PW_RETURN_IF_ERROR(WaitSends());
   PW_RETURN_IF_ERROR(dp->Finish());
   PW_RETURN_IF_ERROR(ReduceTied());
-  const int64_t M = ctx->layout.micro_batches, R = ctx->layout.replicas;
+  const bool together = dp->replicas_step_together();
+  const int64_t M = ctx->layout.micro_batches, R = together ? ctx->layout.replicas : 1;
+  const int64_t me = together ? replica : 0;
   constexpr int64_t K = ExactSum::kSlots;
   // The last entry counts the ranks whose process was asked to stop (train.h, RequestStop).
   Tensor v = Tensor::Zeros({R * M + K + 1}, DType::kF64, host.get());
   double* d = v.data<double>();
   for (StageRt& st : stages) {
     if (st.last) {
-      for (int64_t j = 0; j < M; ++j) d[replica * M + j] = losses_[j];
+      for (int64_t j = 0; j < M; ++j) d[me * M + j] = losses_[j];
     }
   }
   ExactSum norm;
   PW_RETURN_IF_ERROR(dp->AddSquaredNorm(&norm));
   norm.ToSlots(d + R * M);
   d[R * M + K] = StopRequested() ? 1.0 : 0.0;
-  PW_RETURN_IF_ERROR(AllReduceHost(v, "step agreement all-reduce"));
+  if (together) {
+    PW_RETURN_IF_ERROR(AllReduceHost(v, "step agreement all-reduce"));
+  } else if (replica_comm != nullptr) {
+    std::unique_ptr<Work> w = replica_comm->AllReduce(v);
+    PW_RETURN_IF_ERROR(WaitOrAbort(*w, "the replica's step agreement"));
+  }
   Record(EventKind::kAllReduce, a, t);
   out->stop_requested = d[R * M + K] > 0;
   double loss = 0;

@@ -95,7 +95,9 @@ TEST(ZeroSharding, GradientsAreTheShardPlusAtMostTwoBucketsInFlight) {
 // A partitioned plan under ZeRO-2: every stage's gradients are the stage's (ZeRO 0's, same
 // split) over dp within two buckets, its optimizer state ZeRO-1's, its weights unchanged.
 TEST(Zero2, PlanGradientsPerRankAreTheStagesOverDp) {
-  const ModelCosts model = BigParamsModel(8, 2500000);
+  const ModelCosts model = BigParamsModel(80, 250000);
+  // Two bucket buffers; a bucket holds whole layers, up to one past the bucket size.
+  const int64_t in_flight = 2 * (kDefaultGradBucketBytes + 4 * 250000);
   const int dp = 4;
   absl::StatusOr<Plan> z0 = Partition(model, Devices(8, 80 * kGiB), Options(2, dp, 0, 8));
   ASSERT_TRUE(z0.ok()) << z0.status();
@@ -107,10 +109,10 @@ TEST(Zero2, PlanGradientsPerRankAreTheStagesOverDp) {
   for (size_t k = 0; k < z0->stages.size(); ++k) {
     const StageMemory &m0 = z0->stages[k].memory, &m1 = z1.stages[k].memory,
                       &m2 = z2.stages[k].memory;
-    ASSERT_GT(m0.grads, 2 * kDefaultGradBucketBytes) << k;
+    ASSERT_GT(m0.grads, in_flight) << k;
     const int64_t share = (m0.grads + dp - 1) / dp;
-    EXPECT_EQ(m2.grads, share + 2 * kDefaultGradBucketBytes) << k;
-    EXPECT_LE(m2.grads - m0.grads / dp, 2 * kDefaultGradBucketBytes + 1) << k;
+    EXPECT_EQ(m2.grads, share + in_flight) << k;
+    EXPECT_LE(m2.grads - m0.grads / dp, in_flight + 1) << k;
     EXPECT_EQ(m1.grads, m0.grads) << k;
     EXPECT_EQ(m2.optimizer, m1.optimizer) << k;
     EXPECT_EQ(m2.params, m0.params) << k;
@@ -238,10 +240,10 @@ SearchOptions OnePipelineStage(int64_t global_batch) {
   return o;
 }
 
-// 10 M fp32 parameters on each of 2 replicas: ZeRO 0 needs 160 MB, 1 needs 120 MB, 2 needs
-// 100 MB + two 1 MiB buckets; a 110 MB device holds only ZeRO-2.
+// 10 M fp32 parameters (40 layers) on each of 2 replicas: ZeRO 0 needs 160 MB, 1 needs 120 MB,
+// 2 needs 100 MB + two buckets (1 MiB and a 1 MB layer each); a 110 MB device holds only ZeRO-2.
 TEST(SearchZero, PicksZero2WhereOnlyItFits) {
-  const ModelCosts model = BigParamsModel(4, 2500000);
+  const ModelCosts model = BigParamsModel(40, 250000);
   auto r = SearchPlans(model, Devices(2, 110 * kMB), OnePipelineStage(8));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->candidates, 3);  // zero 0, 1 and 2
@@ -255,7 +257,7 @@ TEST(SearchZero, PicksZero2WhereOnlyItFits) {
 
 // A fixed configuration that does not fit names the ZeRO stage that would.
 TEST(SearchZero, NoFitSuggestsTheZeroThatFits) {
-  const ModelCosts model = BigParamsModel(4, 2500000);
+  const ModelCosts model = BigParamsModel(40, 250000);
   for (int zero : {0, 1}) {
     absl::Status s = Partition(model, Devices(2, 110 * kMB), Options(1, 2, zero, 4)).status();
     ASSERT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
@@ -273,7 +275,7 @@ TEST(SearchZero, NoFitSuggestsTheZeroThatFits) {
 // Where everything fits, ZeRO-2's extra reduce-scatters make it slower: it is not chosen, even
 // when ZeRO 0 runs as fast as ZeRO 1 (no optimizer time), and ZeRO 1 wins that tie on memory.
 TEST(SearchZero, DoesNotPickZero2WhereZero0FitsAtEqualSpeed) {
-  const ModelCosts model = BigParamsModel(4, 2500000);
+  const ModelCosts model = BigParamsModel(40, 250000);
   DeviceSpec dev = Devices(2, 80 * kGiB);
   dev.memory_bandwidth = 1e30;
   auto r = SearchPlans(model, dev, OnePipelineStage(8));  // m = 4
@@ -290,7 +292,7 @@ TEST(SearchZero, DoesNotPickZero2WhereZero0FitsAtEqualSpeed) {
 // At one micro-batch per step ZeRO-2 moves what ZeRO-1 does: it costs nothing and holds less,
 // so the rule (fastest, then less memory) picks it.
 TEST(SearchZero, PicksZero2WhenItCostsNothing) {
-  const ModelCosts model = BigParamsModel(4, 2500000);
+  const ModelCosts model = BigParamsModel(40, 250000);
   auto r = SearchPlans(model, Devices(2, 80 * kGiB), OnePipelineStage(2));  // m = 1
   ASSERT_TRUE(r.ok()) << r.status();
   ASSERT_EQ(r->best.size(), 3u);

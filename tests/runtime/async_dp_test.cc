@@ -1,9 +1,9 @@
-// Asynchronous data parallelism (--dp-mode async, Note [Async DP] in runtime/engine/async_dp.cc):
-// the coordinator's bound and tickets on their own, the owners' shard, and engine runs over a
-// local world with a straggler. Async runs are not reproducible, so the engine tests assert
-// properties: every gradient applied exactly once, the bound never exceeded, the loss falls, the
-// replicas end with one model, checkpoints resume.
-#include "runtime/engine/async_dp.h"
+// Asynchronous data parallelism (--dp-mode async, Note [Async DP] in
+// runtime/data_parallel/async_dp.cc): the coordinator's bound and tickets on their own, the owners'
+// shard, and engine runs over a local world with a straggler. Async runs are not reproducible, so
+// the engine tests assert properties: every gradient applied exactly once, the bound never
+// exceeded, the loss falls, the replicas end with one model, checkpoints resume.
+#include "runtime/data_parallel/async_dp.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>

@@ -104,9 +104,12 @@ TEST(GradCompressionBf16, ErrorFeedbackKeepsTheSumOverStepsExact) {
   // One bf16 rounding of a single step's sum is ~2^-9 of it; spread over 64 steps, ~6e-5.
   EXPECT_LT(worst_fed, 1e-4);
   EXPECT_GT(worst_naive, 10 * worst_fed) << "the test's gradients round too exactly to tell";
+  // Wire bytes of two buckets of kN / 2: an fp32 all-reduce would send 2 (dp - 1) / dp of each;
+  // the bf16 all-gather sends each replica's half-size bucket to the dp - 1 others.
   for (const GradSyncBytes& b : bytes) {
-    EXPECT_EQ(b.uncompressed, kN * 4);
-    EXPECT_EQ(b.sent, kN * 2);
+    EXPECT_EQ(b.uncompressed, 2 * internal::RingAllReduceBytes(kN / 2 * 4, kDp));
+    EXPECT_EQ(b.sent, 2 * internal::RingAllGatherBytes(kN / 2 * 2, kDp));
+    EXPECT_EQ(b.sent, (kDp - 1) * kN * 2);
   }
 }
 
@@ -404,9 +407,13 @@ TEST(PowerSgd, RecoversALowRankSumExactlyOnEveryReplica) {
   for (int64_t j = 0; j < kCols; ++j) {
     EXPECT_FLOAT_EQ(run.bias[0][j], GradValue(0, j) + GradValue(1, j) + GradValue(2, j));
   }
+  // Wire bytes: the bias all-reduced, the factors P and Q all-gathered.
   for (const GradSyncBytes& b : run.bytes) {
-    EXPECT_EQ(b.uncompressed, (kRows * kCols + kCols) * 4);
-    EXPECT_EQ(b.sent, (kRank * (kRows + kCols) + kCols) * 4);
+    EXPECT_EQ(b.uncompressed, internal::RingAllReduceBytes(kRows * kCols * 4, kDp) +
+                                  internal::RingAllReduceBytes(kCols * 4, kDp));
+    EXPECT_EQ(b.sent, internal::RingAllReduceBytes(kCols * 4, kDp) +
+                          internal::RingAllGatherBytes(kRank * kRows * 4, kDp) +
+                          internal::RingAllGatherBytes(kRank * kCols * 4, kDp));
   }
 }
 

@@ -137,7 +137,8 @@ TEST(FieldFlags, EveryTrainOptionsCheckNamesItsFieldAndTheCliItsFlag) {
        [](O& o) {
          o.zero = 2;
          o.grad_compression = GradCompression::Bf16();
-       }, 2},
+       },
+       2},
       {"TrainOptions.grad_compression = bf16",
        "--grad-compression bf16 does not support "
        "--precision fp16",

@@ -79,9 +79,9 @@ TEST(CliMpi, MultiProcessCheckpointsResumeUnderAnyLayout) {
       "train --preset gpt-tiny --micro-batch-size 2 --seed 7 --json --timeout 30 --steps 8 "
       "--micro-batches 4 ";
   const std::string dir = TempPath("mpi_ckpt_" + std::to_string(getpid()));
-  // --zero 1: every replica's process writes its share of the optimizer state
-  // (optimizer-p<P>-r<R>.safetensors); the reader merges the shares.
-  for (const std::string extra : {"", "--grad-compression powersgd:2 ", "--zero 1 "}) {
+  // --zero 1 and 2: the shards of the optimizer state are gathered to replica 0, which writes
+  // the whole state (optimizer-p<P>.safetensors) as under --zero 0.
+  for (const std::string extra : {"", "--grad-compression powersgd:2 ", "--zero 1 ", "--zero 2 "}) {
     Result full = RunCli(base + extra + "--pp 2 --dp 2");
     ASSERT_EQ(full.exit_code, 0) << full.err;
     const std::vector<double> want = Losses(full);
@@ -91,9 +91,8 @@ TEST(CliMpi, MultiProcessCheckpointsResumeUnderAnyLayout) {
     Result first = RunMpi(8, base + extra + "--pp 4 --dp 2 --stop-after 4 --save " + dir);
     ASSERT_EQ(first.exit_code, 0) << extra << first.err;
     EXPECT_TRUE(std::filesystem::exists(dir + "/step-000004/model-p3.safetensors"));
-    if (extra == "--zero 1 ") {
-      EXPECT_TRUE(std::filesystem::exists(dir + "/step-000004/optimizer-p3-r1.safetensors"));
-    }
+    EXPECT_TRUE(std::filesystem::exists(dir + "/step-000004/optimizer-p3.safetensors"));
+    EXPECT_FALSE(std::filesystem::exists(dir + "/step-000004/optimizer-p3-r1.safetensors"));
     Result rest = RunCli(base + extra + "--pp 2 --dp 2 --resume " + dir);
     ASSERT_EQ(rest.exit_code, 0) << rest.err;
     std::vector<double> got = Losses(first), tail = Losses(rest);

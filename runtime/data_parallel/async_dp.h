@@ -2,8 +2,8 @@
 // replica owns, the coordinator that grants steps within the staleness bound, and the service
 // thread that answers the other replicas' pulls, pushes and claims over the stage's
 // data-parallel communicator.
-#ifndef PIPEWRIGHT_RUNTIME_ENGINE_ASYNC_DP_H_
-#define PIPEWRIGHT_RUNTIME_ENGINE_ASYNC_DP_H_
+#ifndef PIPEWRIGHT_RUNTIME_DATA_PARALLEL_ASYNC_DP_H_
+#define PIPEWRIGHT_RUNTIME_DATA_PARALLEL_ASYNC_DP_H_
 
 #include <atomic>
 #include <cstdint>
@@ -129,4 +129,4 @@ absl::Status RunAsyncService(const AsyncServiceArgs& args);
 
 }  // namespace pipewright::internal
 
-#endif  // PIPEWRIGHT_RUNTIME_ENGINE_ASYNC_DP_H_
+#endif  // PIPEWRIGHT_RUNTIME_DATA_PARALLEL_ASYNC_DP_H_

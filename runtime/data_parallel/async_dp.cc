@@ -33,7 +33,7 @@
 //    replica has.
 //  - Afterwards the owners broadcast their masters and state to every replica (consolidation),
 //    so checkpoints, weights and a later run see one model with full optimizer state.
-#include "runtime/engine/async_dp.h"
+#include "runtime/data_parallel/async_dp.h"
 
 #include <algorithm>
 #include <chrono>
