@@ -66,18 +66,23 @@ namespace pipewright {
 struct Topology {
   int pp = 1;  // pipeline ranks
   int dp = 1;  // data-parallel replicas
+  // Tensor-parallel ranks: reserved for tensor parallelism (issue 37); 1 today. The fastest
+  // varying (Megatron's order), so that a tensor-parallel group stays on one node.
+  int tp = 1;
 
-  constexpr int world_size() const { return pp * dp; }
-  constexpr int GlobalRank(int pipeline_rank, int replica) const {
-    return replica * pp + pipeline_rank;
+  constexpr int world_size() const { return pp * dp * tp; }
+  constexpr int GlobalRank(int pipeline_rank, int replica, int tensor_rank = 0) const {
+    return (replica * pp + pipeline_rank) * tp + tensor_rank;
   }
-  constexpr int PipelineRank(int global_rank) const { return global_rank % pp; }
-  constexpr int Replica(int global_rank) const { return global_rank / pp; }
-  // Global ranks holding pipeline rank `pipeline_rank` in every replica, in replica order: the
-  // data-parallel group that all-reduces that rank's stages' gradients.
-  std::vector<int> DataParallelGroup(int pipeline_rank) const {
+  constexpr int PipelineRank(int global_rank) const { return global_rank / tp % pp; }
+  constexpr int Replica(int global_rank) const { return global_rank / tp / pp; }
+  constexpr int TensorRank(int global_rank) const { return global_rank % tp; }
+  // Global ranks holding pipeline rank `pipeline_rank` (and tensor rank `tensor_rank`) in every
+  // replica, in replica order: the data-parallel group that reduces that rank's stages'
+  // gradients.
+  std::vector<int> DataParallelGroup(int pipeline_rank, int tensor_rank = 0) const {
     std::vector<int> g;
-    for (int r = 0; r < dp; ++r) g.push_back(GlobalRank(pipeline_rank, r));
+    for (int r = 0; r < dp; ++r) g.push_back(GlobalRank(pipeline_rank, r, tensor_rank));
     return g;
   }
 };

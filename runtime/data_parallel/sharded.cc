@@ -279,7 +279,6 @@ class Sharded final : public DataParallel {
   }
 
   absl::Status Finish() override {
-    const ops::Exec e{ctx_.alloc};
     for (Stage& st : stages_) {
       if (zero_ == 2) {
         for (Slot& slot : st.slots) PW_RETURN_IF_ERROR(Drain(st, slot));

@@ -161,8 +161,7 @@ absl::StatusOr<StageRt> BuildStage(RankExecutor& ex, const Engine::Impl& m, int 
   st.end = run.boundaries[s + 1];
   st.first = s == 0;
   st.last = s == run.num_stages() - 1;
-  st.recompute = run.recompute[s] == Recompute::kFull;
-  st.selective = run.recompute[s] == Recompute::kSelective;
+  st.recompute = run.recompute[s];
   PW_ASSIGN_OR_RETURN(st.stage, m.graph.Instantiate(st.begin, st.end, m.options.seed,
                                                     ex.on_cuda() ? ex.host.get() : ex.alloc.get()));
   if (ex.on_cuda()) {
@@ -202,7 +201,7 @@ absl::StatusOr<std::unique_ptr<RankExecutor>> BuildRank(
   ex->global = endpoint.global_rank;
   ex->pipe = m.ctx.topo.PipelineRank(ex->global);
   ex->replica = m.ctx.topo.Replica(ex->global);
-  ex->world = std::move(endpoint.comm);
+  ex->groups = internal::ProcessGroups(std::move(endpoint.comm));
   ex->pool = std::make_unique<cpu::ThreadPool>(m.threads_per_rank);
   PW_RETURN_IF_ERROR(PlaceOnDevice(*ex, endpoint.cuda_device));
   const int S = m.run.num_stages();
@@ -245,25 +244,20 @@ std::pair<int, int> PipePair(const CrossRankTie& t) {
   return {std::min(t.owner_pipe, t.copy_pipe), std::max(t.owner_pipe, t.copy_pipe)};
 }
 
-// The embedding groups: for each pair of pipeline ranks that share a tied weight, a
-// communicator of the pair within each replica (every world rank takes part in each Split, in
-// the same order), and this rank's end of every tie over it.
-absl::Status ConnectTies(RankExecutor& r, const std::vector<CrossRankTie>& ties,
-                         absl::Duration timeout) {
+// The pairs of pipeline ranks that share a tied weight, each once, in the order of `ties`.
+std::vector<std::pair<int, int>> TiePairs(const std::vector<CrossRankTie>& ties) {
   std::vector<std::pair<int, int>> pairs;
   for (const CrossRankTie& t : ties) {
     if (std::find(pairs.begin(), pairs.end(), PipePair(t)) == pairs.end()) {
       pairs.push_back(PipePair(t));
     }
   }
-  std::vector<Communicator*> group(pairs.size(), nullptr);
-  for (size_t k = 0; k < pairs.size(); ++k) {
-    const bool member = r.pipe == pairs[k].first || r.pipe == pairs[k].second;
-    PW_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> c,
-                        r.world->Split(member ? r.replica : -1, r.pipe, timeout));
-    group[k] = c.get();
-    if (c != nullptr) r.tie_groups.push_back(std::move(c));
-  }
+  return pairs;
+}
+
+// This rank's end of every tie across ranks, over its embedding group (groups.tie).
+absl::Status LinkRemoteTies(RankExecutor& r, const std::vector<CrossRankTie>& ties) {
+  const std::vector<std::pair<int, int>> pairs = TiePairs(ties);
   for (const CrossRankTie& t : ties) {
     if (r.pipe != t.owner_pipe && r.pipe != t.copy_pipe) continue;
     const size_t k = std::find(pairs.begin(), pairs.end(), PipePair(t)) - pairs.begin();
@@ -278,30 +272,27 @@ absl::Status ConnectTies(RankExecutor& r, const std::vector<CrossRankTie>& ties,
       return absl::InternalError(
           absl::StrCat(r.Who(), ": holds no end of the tied weight ", t.owner));
     }
-    r.tied_remote.push_back({mine, group[k]});
+    r.tied_remote.push_back({mine, r.groups.tie(k)});
   }
   return absl::OkStatus();
 }
 
-// Splits every rank's data-parallel group off the world (collective, one thread per rank) and
-// gives each rank its gradient synchronization over it.
+// Splits every rank's groups off the world (ProcessGroups::Connect: collective, one thread per
+// rank) and gives each rank its data-parallel strategy over them.
 absl::Status ConnectReplicas(Engine::Impl& m) {
   const absl::Duration timeout = m.ctx.timeout;
-  const int dp = m.run.data_parallel;
   const int64_t bucket_bytes = m.options.bucket_bytes;
   const GradCompression compression = m.options.grad_compression;
   const bool async = m.options.dp_mode == DpMode::kAsync;
   const int zero = m.options.zero;
-  const int pp = m.ctx.topo.pp;
+  const Topology topo = m.ctx.topo;
   const std::vector<CrossRankTie> ties = CrossRankTies(m.graph, m.run);
+  internal::GroupNeeds needs;
+  needs.tie_pairs = TiePairs(ties);
+  needs.pipeline = async;
   return m.OnEveryRank([=](RankExecutor& r) -> absl::Status {
-    if (dp > 1) {
-      PW_ASSIGN_OR_RETURN(r.dp_comm, r.world->Split(r.pipe, r.replica, timeout));
-    }
-    PW_RETURN_IF_ERROR(ConnectTies(r, ties, timeout));
-    if (async && pp > 1) {
-      PW_ASSIGN_OR_RETURN(r.replica_comm, r.world->Split(r.replica, r.pipe, timeout));
-    }
+    PW_RETURN_IF_ERROR(r.groups.Connect(topo, r.global, needs, timeout));
+    PW_RETURN_IF_ERROR(LinkRemoteTies(r, ties));
     internal::DataParallelParams params;
     for (StageRt& st : r.stages) {
       internal::GradSyncStage gs{st.index, {}};
@@ -360,10 +351,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const LayerGraph& graph, 
   m.ctx.options = &m.options;
   m.ctx.testing = &m.testing;
   m.ctx.topo = Topology{m.run.pipeline_parallel(), m.run.data_parallel};
-  m.ctx.layout = {m.run.micro_batches(), graph.shape().batch, graph.shape().seq_len,
-                  m.run.data_parallel};
   m.ctx.timeout = m.world->options().timeout;
-  m.lr.peak = ScaleLearningRate(options.lr, m.ctx.layout.global_batch(), options.base_batch,
+  m.lr.peak = ScaleLearningRate(options.lr, m.ctx.layout().global_batch(), options.base_batch,
                                 options.lr_scaling);
   m.lr.warmup_steps = options.warmup_steps;
   m.lr.total_steps = std::max<int64_t>(1, options.steps);
@@ -407,10 +396,8 @@ Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Engine::~Engine() {
   // Communicators first: a backend may still hold buffers from any rank's allocator (a
   // receive posted before an abort), and every allocator must outlive them.
-  for (auto& r : impl_->ranks) r->replica_comm.reset();
-  for (auto& r : impl_->ranks) r->tie_groups.clear();
-  for (auto& r : impl_->ranks) r->dp_comm.reset();
-  for (auto& r : impl_->ranks) r->world.reset();
+  for (auto& r : impl_->ranks) r->groups.ResetGroups();
+  for (auto& r : impl_->ranks) r->groups.ResetWorld();
   for (auto& r : impl_->ranks) {
     if (!r->on_cuda()) continue;
     // Device memory is freed on the rank's stream, from this thread: make its GPU current,
@@ -455,7 +442,7 @@ absl::StatusOr<StepReport> Engine::Step() {
   rep.result.lr = lr;
   rep.result.step_time_s = internal::Seconds(t0, Clock::now());
   rep.result.samples_per_s =
-      rep.result.step_time_s > 0 ? m.ctx.layout.global_batch() / rep.result.step_time_s : 0;
+      rep.result.step_time_s > 0 ? m.ctx.layout().global_batch() / rep.result.step_time_s : 0;
   for (auto& r : m.ranks) {
     RankTimes t = r->step_times;
     t.global_rank = r->global;
@@ -527,7 +514,7 @@ absl::Status Engine::SetTestingHooks(const TrainTestingHooks& hooks) {
 }
 
 int64_t Engine::step() const { return impl_->step; }
-int64_t Engine::global_batch() const { return impl_->ctx.layout.global_batch(); }
+int64_t Engine::global_batch() const { return impl_->ctx.layout().global_batch(); }
 int Engine::threads_per_rank() const { return impl_->threads_per_rank; }
 float Engine::PeakLr() const { return impl_->lr.peak; }
 const RunSpec& Engine::run() const { return impl_->run; }
@@ -598,7 +585,7 @@ absl::Status Engine::Save(const std::string& dir) const {
   info.graph = &m.graph;
   info.options = &m.options;
   info.data_source = m.data->Describe();
-  info.layout = m.ctx.layout;
+  info.layout = m.ctx.layout();
   info.pp = m.ctx.topo.pp;
   info.dp = m.ctx.topo.dp;
   info.chunks = m.run.schedule.spec.chunks;
@@ -650,14 +637,14 @@ absl::Status Engine::Resume(const std::string& dir, ResumeInfo* info) {
   settings.lr = m.lr;
   settings.optimizer = m.options.optimizer;
   settings.precision = m.options.precision;
-  settings.layout = m.ctx.layout;
+  settings.layout = m.ctx.layout();
   // Everything a checkpoint must satisfy before any weight or optimizer state is touched, as
   // ReadCheckpoint's test: a checkpoint that fails it (another model, seed, shape) is skipped
   // for an older one that passes, with a warning (Note [Semantic fallback] in docs/checkpoint.md).
   internal::ResumePoint at;
   auto accept = [&](const Checkpoint& ck) -> absl::Status {
     PW_ASSIGN_OR_RETURN(at,
-                        internal::CheckManifest(ck.path, ck.manifest_json, m.graph, m.ctx.layout,
+                        internal::CheckManifest(ck.path, ck.manifest_json, m.graph, m.ctx.layout(),
                                                 m.options.optimizer.kind, &settings));
     PW_RETURN_IF_ERROR(CheckGradSyncResume(ck.path, at, m.options.grad_compression, m.ctx.topo.dp));
     for (auto& r : m.ranks) {

@@ -54,11 +54,11 @@ struct Engine::Impl {
         } catch (const std::exception& e) {
           status[i] = absl::InternalError(absl::StrCat(ranks[i]->Who(), ": exception: ", e.what()));
         }
-        if (!status[i].ok()) ranks[i]->world->Abort(status[i]);
+        if (!status[i].ok()) ranks[i]->groups.world()->Abort(status[i]);
       });
     }
     for (std::thread& t : threads) t.join();
-    absl::Status first = ranks[0]->world->abort_status();
+    absl::Status first = ranks[0]->groups.world()->abort_status();
     if (!first.ok()) return first;
     for (const absl::Status& s : status) {
       if (!s.ok()) return s;

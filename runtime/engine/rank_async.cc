@@ -22,8 +22,8 @@ absl::Status RankExecutor::RunAsync(const AsyncRun& run, int64_t* end) {
   absl::Status service_status;
   std::thread service([&] {
     service_status = RunAsyncService(AsyncServiceArgs{
-        dp_comm.get(), a->shard(), global == 0 ? run.coord : nullptr, ctx->timeout, &cancel});
-    if (!service_status.ok()) world->Abort(service_status);
+        groups.data_parallel(), a->shard(), global == 0 ? run.coord : nullptr, ctx->timeout, &cancel});
+    if (!service_status.ok()) groups.world()->Abort(service_status);
     service_done.store(true);
   });
   absl::Status s = AsyncLoop(run, *a);
@@ -34,14 +34,14 @@ absl::Status RankExecutor::RunAsync(const AsyncRun& run, int64_t* end) {
         PW_RETURN_IF_ERROR(a->SendHeader({double(AsyncRequest::kBye)}, o, kAsyncTagRequest));
     }
   } else {
-    world->Abort(s);
+    groups.world()->Abort(s);
   }
   // A replica that never says goodbye (a dead or stopped process) must not hold this one.
   const Clock::time_point deadline =
       Clock::now() + std::chrono::microseconds(absl::ToInt64Microseconds(ctx->timeout));
   while (!service_done.load()) {
     if (Clock::now() > deadline) {
-      world->Abort(absl::DeadlineExceededError(
+      groups.world()->Abort(absl::DeadlineExceededError(
           absl::StrCat(Who(), ": asynchronous DP: some replica never finished its steps within ",
                        absl::FormatDuration(ctx->timeout), " of this one")));
       cancel.store(true);
@@ -50,7 +50,7 @@ absl::Status RankExecutor::RunAsync(const AsyncRun& run, int64_t* end) {
   }
   service.join();
   PW_RETURN_IF_ERROR(a->FinishSends());
-  if (!s.ok()) return world->abort_status().ok() ? s : world->abort_status();
+  if (!s.ok()) return groups.world()->abort_status().ok() ? s : groups.world()->abort_status();
   if (!service_status.ok()) return service_status;
   PW_RETURN_IF_ERROR(a->Consolidate());
   // Every rank learns where the run ended (the coordinator may have stopped it early).
@@ -69,12 +69,12 @@ absl::StatusOr<AsyncCoordinator::Grant> RankExecutor::ClaimStep(const AsyncRun& 
   if (replica == 0) {
     if (run.coord == nullptr) return absl::InternalError("no asynchronous DP coordinator");
     run.coord->Claim(0, claim);
-    return run.coord->WaitGrant(0, ctx->timeout, [this] { return world->abort_status(); });
+    return run.coord->WaitGrant(0, ctx->timeout, [this] { return groups.world()->abort_status(); });
   }
   PW_RETURN_IF_ERROR(
       a.SendHeader(std::vector<double>(claim, claim + kAsyncHeaderLen), 0, kAsyncTagRequest));
   Tensor g = Tensor::Zeros({kAsyncHeaderLen}, DType::kF64, host.get());
-  std::unique_ptr<Work> w = dp_comm->Recv(g, 0, kAsyncTagGrant);
+  std::unique_ptr<Work> w = groups.data_parallel()->Recv(g, 0, kAsyncTagGrant);
   PW_RETURN_IF_ERROR(WaitOrAbort(*w, "asynchronous DP: step grant from the coordinator"));
   const double* d = g.data<double>();
   return AsyncCoordinator::Grant{d[0] != 0, static_cast<int64_t>(d[1]), static_cast<int64_t>(d[2])};
@@ -108,7 +108,7 @@ absl::Status RankExecutor::AsyncLoop(const AsyncRun& run, AsyncDataParallel& a) 
       gd[2] = static_cast<double>(grant.staleness);
     }
     if (pp > 1) {
-      std::unique_ptr<Work> w = replica_comm->Broadcast(g, 0);
+      std::unique_ptr<Work> w = groups.pipeline()->Broadcast(g, 0);
       PW_RETURN_IF_ERROR(WaitOrAbort(*w, "asynchronous DP: the replica's grant"));
     }
     if (gd[0] == 0) return absl::OkStatus();
@@ -124,7 +124,7 @@ absl::Status RankExecutor::AsyncLoop(const AsyncRun& run, AsyncDataParallel& a) 
     total.all_reduce += pulled.all_reduce;
     total.wall += pulled.all_reduce;
     if (pp > 1) {
-      std::unique_ptr<Work> w = replica_comm->Barrier();
+      std::unique_ptr<Work> w = groups.pipeline()->Barrier();
       PW_RETURN_IF_ERROR(WaitOrAbort(*w, "asynchronous DP: the replica's end of step"));
     }
     last_ticket = ticket;

@@ -52,7 +52,7 @@ absl::Status RankExecutor::WaitOrAbort(Work& w, const std::string& what) {
   absl::Status s = w.Wait(ctx->timeout);
   if (s.ok()) flight.DoneWaiting();
   if (s.ok()) return s;
-  absl::Status first = world->abort_status();
+  absl::Status first = groups.world()->abort_status();
   if (!first.ok()) return first;  // another rank failed first: report that
   return absl::Status(s.code(), absl::StrCat(Who(), " ", what, ": ", s.message()));
 }
@@ -60,7 +60,7 @@ absl::Status RankExecutor::WaitOrAbort(Work& w, const std::string& what) {
 template <typename Op>
 absl::Status RankExecutor::HostCollective(const Tensor& in, Tensor& out, const std::string& what,
                                           Op op) {
-  if (world->capabilities().host_memory) {
+  if (groups.world()->capabilities().host_memory) {
     std::unique_ptr<Work> w = op(in, out);
     return WaitOrAbort(*w, what);
   }
@@ -76,13 +76,13 @@ absl::Status RankExecutor::HostCollective(const Tensor& in, Tensor& out, const s
 
 absl::Status RankExecutor::AllReduceHost(Tensor& v, const std::string& what) {
   return HostCollective(v, v, what,
-                        [this](const Tensor&, Tensor& out) { return world->AllReduce(out); });
+                        [this](const Tensor&, Tensor& out) { return groups.world()->AllReduce(out); });
 }
 
 absl::StatusOr<std::vector<std::string>> RankExecutor::AllGatherBytes(const std::string& mine,
                                                                       const std::string& what) {
-  const int n = world->size();
-  auto gather = [this](const Tensor& in, Tensor& out) { return world->AllGather(in, out); };
+  const int n = groups.world()->size();
+  auto gather = [this](const Tensor& in, Tensor& out) { return groups.world()->AllGather(in, out); };
   Tensor len = Tensor::Empty({1}, DType::kI32, host.get());
   len.data<int32_t>()[0] = static_cast<int32_t>(mine.size());
   Tensor lens = Tensor::Empty({n}, DType::kI32, host.get());
@@ -104,7 +104,7 @@ absl::StatusOr<std::vector<std::string>> RankExecutor::AllGatherBytes(const std:
 
 GradSyncContext RankExecutor::SyncContext() {
   GradSyncContext c;
-  c.dp = dp_comm.get();
+  c.dp = groups.data_parallel();
   c.alloc = alloc.get();
   c.wait = [this](Work& w, const std::string& what) { return WaitOrAbort(w, what); };
   c.sync_device = [this] { return Sync(); };

@@ -25,6 +25,7 @@
 #include "runtime/data_parallel/async_dp.h"
 #include "runtime/data_parallel/data_parallel.h"
 #include "runtime/engine/flight_recorder.h"
+#include "runtime/engine/process_groups.h"
 #include "runtime/grad_sync/grad_sync.h"
 
 namespace pipewright::internal {
@@ -40,8 +41,9 @@ struct StageRt {
   int index = 0;  // virtual stage
   int begin = 0, end = 0;
   bool first = false, last = false;
-  bool recompute = false;  // keep only the stage input; recompute the forward before backward
-  bool selective = false;  // layers keep what the products need (LayerContext::selective_recompute)
+  // kFull: keep only the stage input and recompute the forward before the backward; kSelective:
+  // layers keep what the products need (LayerContext::selective_recompute).
+  Recompute recompute = Recompute::kNone;
   std::unique_ptr<Stage> stage;
   std::vector<int64_t> in_shape, out_shape;
   DType in_dtype = DType::kF32;
@@ -68,8 +70,13 @@ struct RunContext {
   const RunSpec* run = nullptr;
   const TrainOptions* options = nullptr;
   const TrainTestingHooks* testing = nullptr;
+  // The parallel sizes: the only copy in the engine (pp and the micro-batch count are the
+  // RunSpec's schedule's, dp its data_parallel; tp is 1). Everything else derives from it.
   Topology topo;
-  BatchLayout layout;  // per replica
+  // The batch's shape: micro-batches and replicas from `run` and `topo`, sequences from the graph.
+  BatchLayout layout() const {
+    return {run->micro_batches(), graph->shape().batch, graph->shape().seq_len, topo.dp};
+  }
   absl::Duration timeout;
   Clock::time_point epoch;  // time zero of every recorded event
 };
@@ -87,9 +94,8 @@ class RankExecutor {
   std::unique_ptr<Allocator> alloc = std::make_unique<CpuAllocator>();
   // Host memory for the rank's host-side values on CUDA (batches, scalars, staging).
   std::unique_ptr<CpuAllocator> host = std::make_unique<CpuAllocator>();
-  std::unique_ptr<Communicator> world, dp_comm;
-  // The replica's pipeline ranks, ranked by pipeline rank (asynchronous DP with pp > 1 only).
-  std::unique_ptr<Communicator> replica_comm;
+  // The rank's communicators: its world and the groups split off it (process_groups.h).
+  ProcessGroups groups;
   // The threads of the rank's CPU kernels (its own included): current on the thread that drives
   // the rank (Engine::Impl::OnEveryRank), never shared with another rank.
   std::unique_ptr<cpu::ThreadPool> pool;
@@ -103,10 +109,9 @@ class RankExecutor {
   std::vector<TiedLink> tied_local;
   struct RemoteTie {
     Parameter* param = nullptr;     // this rank's owner or copy
-    Communicator* group = nullptr;  // the replica's two ranks holding it (tie_groups)
+    Communicator* group = nullptr;  // the replica's two ranks holding it (groups.tie)
   };
   std::vector<RemoteTie> tied_remote;
-  std::vector<std::unique_ptr<Communicator>> tie_groups;
   // Everything data-parallel: the gradient reduction, the optimizer and where its state lives,
   // the parameter synchronisation (runtime/data_parallel/data_parallel.h).
   std::unique_ptr<DataParallel> dp;

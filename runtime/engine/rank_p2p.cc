@@ -41,7 +41,7 @@ absl::Status RankExecutor::IssueSend(const Action& a) {
   const int64_t tag = MessageTag(ctx->run->num_stages(), mb, to_stage, fwd);
   Clock::time_point c = Clock::now();
   flight.Peer(peer, tag, static_cast<int64_t>(t.nbytes()));
-  sends_.push_back(world->Send(t, peer, tag));
+  sends_.push_back(groups.world()->Send(t, peer, tag));
   Record(EventKind::kSend, a, c, peer, tag);
   t = Tensor();
   return absl::OkStatus();
@@ -58,7 +58,7 @@ absl::Status RankExecutor::PostRecv(const Action& a, PendingRecv* r) {
   r->buf = fwd ? Tensor::Empty(st->in_shape, st->in_dtype, alloc.get())
                : Tensor::Empty(st->out_shape, DType::kF32, alloc.get());
   flight.Peer(r->peer, r->tag, static_cast<int64_t>(r->buf.nbytes()));
-  r->work = world->Recv(r->buf, r->peer, r->tag);
+  r->work = groups.world()->Recv(r->buf, r->peer, r->tag);
   return absl::OkStatus();
 }
 
@@ -81,7 +81,7 @@ absl::Status RankExecutor::FinishRecv(PendingRecv& r) {
 absl::Status RankExecutor::RunP2PGroup(size_t begin, size_t end) {
   const Program& prog = program();
   std::vector<PendingRecv> recvs;
-  world->GroupStart();
+  groups.world()->GroupStart();
   absl::Status posted;
   for (size_t i = begin; i < end && posted.ok(); ++i) {
     const Action& a = prog.actions[i];
@@ -93,7 +93,7 @@ absl::Status RankExecutor::RunP2PGroup(size_t begin, size_t end) {
       if (!posted.ok()) recvs.pop_back();
     }
   }
-  absl::Status grouped = world->GroupEnd();
+  absl::Status grouped = groups.world()->GroupEnd();
   PW_RETURN_IF_ERROR(posted);
   if (!grouped.ok()) {
     return absl::Status(grouped.code(),

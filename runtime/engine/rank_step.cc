@@ -53,7 +53,7 @@ absl::Status RankExecutor::RunStep(int64_t step, float lr, StepOutcome* out) {
     if (loader == nullptr) {
       // Only ranks holding the first or the last stage get here (needs_data): the others
       // neither build batches nor touch the data's pages.
-      loader = std::make_unique<DataLoader>(data, ctx->layout, replica, step, /*prefetch=*/2,
+      loader = std::make_unique<DataLoader>(data, ctx->layout(), replica, step, /*prefetch=*/2,
                                             ctx->options->data_workers);
     }
     Clock::time_point t = Clock::now();
@@ -68,15 +68,15 @@ absl::Status RankExecutor::RunStep(int64_t step, float lr, StepOutcome* out) {
   }
   const Program& prog = program();
   const TrainTestingHooks& hooks = *ctx->testing;
-  const bool group_p2p = world->capabilities().grouped_p2p;
+  const bool group_p2p = groups.world()->capabilities().grouped_p2p;
   for (size_t i = 0; i < prog.actions.size(); ++i) {
     const Action& a = prog.actions[i];
     absl::Status s;
     if (global == hooks.inject_failure_rank && step == hooks.inject_failure_step &&
         (a.kind == ActionKind::kB || a.kind == ActionKind::kI)) {
-      world->Abort(
+      groups.world()->Abort(
           absl::InternalError(absl::StrCat(Who(), " ", a.ToString(), ": injected failure")));
-      return world->abort_status();
+      return groups.world()->abort_status();
     }
     try {
       if (group_p2p && IsComm(a.kind)) {
@@ -98,13 +98,13 @@ absl::Status RankExecutor::RunStep(int64_t step, float lr, StepOutcome* out) {
       s = absl::InternalError(absl::StrCat(Who(), " ", a.ToString(), ": unknown exception"));
     }
     if (!s.ok()) {
-      world->Abort(s);
-      return world->abort_status();
+      groups.world()->Abort(s);
+      return groups.world()->abort_status();
     }
   }
   if (absl::Status s = AwaitAllRecvs(); !s.ok()) {
-    world->Abort(s);
-    return world->abort_status();
+    groups.world()->Abort(s);
+    return groups.world()->abort_status();
   }
   EndStep(t0, start_bytes);
   return absl::OkStatus();
@@ -179,7 +179,7 @@ absl::StatusOr<LayerContext> RankExecutor::ContextFor(const StageRt& st, int mb)
     PW_ASSIGN_OR_RETURN(targets, Targets(mb));
   }
   LayerContext lc{alloc.get(), targets, ComputeDType(ctx->options->precision)};
-  lc.selective_recompute = st.selective;
+  lc.selective_recompute = st.recompute == Recompute::kSelective;
   return lc;
 }
 
@@ -195,7 +195,7 @@ absl::Status RankExecutor::Forward(StageRt& st, int mb) {
   }
   PW_ASSIGN_OR_RETURN(const LayerContext lc, ContextFor(st, mb));
   Tensor y;
-  if (st.recompute) {
+  if (st.recompute == Recompute::kFull) {
     // Keep only the stage input; every layer's saved state is dropped as soon as it is made.
     Tensor h = x;
     for (int i = 0; i < st.stage->size(); ++i) {
@@ -236,7 +236,7 @@ absl::Status RankExecutor::Backward(StageRt& st, const Action& a, int index) {
   PW_ASSIGN_OR_RETURN(const LayerContext lc, ContextFor(st, mb));
   const bool final_w = index == st.last_backward;
   std::vector<Saved>& saved = st.saved[mb];
-  if (st.recompute) {
+  if (st.recompute == Recompute::kFull) {
     Tensor x;
     if (st.first) {
       PW_ASSIGN_OR_RETURN(x, Inputs(mb));
@@ -257,7 +257,7 @@ absl::Status RankExecutor::Backward(StageRt& st, const Action& a, int index) {
   }
   Tensor dy;
   if (st.last) {
-    const BatchLayout& l = ctx->layout;
+    const BatchLayout l = ctx->layout();
     dy = Tensor::Empty({1}, DType::kF32, host.get());  // a host scalar on every device
     // The mean over the batch of the replicas one step's gradient spans: the global batch, or
     // (asynchronous DP: each replica's gradient is an update of its own) the replica's.
@@ -350,7 +350,7 @@ absl::Status RankExecutor::Agree(int64_t step, float lr, StepOutcome* out) {
   PW_RETURN_IF_ERROR(dp->Finish());
   PW_RETURN_IF_ERROR(ReduceTied());
   const bool together = dp->replicas_step_together();
-  const int64_t M = ctx->layout.micro_batches, R = together ? ctx->layout.replicas : 1;
+  const int64_t M = ctx->layout().micro_batches, R = together ? ctx->layout().replicas : 1;
   const int64_t me = together ? replica : 0;
   constexpr int64_t K = ExactSum::kSlots;
   // The last entry counts the ranks whose process was asked to stop (train.h, RequestStop).
@@ -367,8 +367,8 @@ absl::Status RankExecutor::Agree(int64_t step, float lr, StepOutcome* out) {
   d[R * M + K] = StopRequested() ? 1.0 : 0.0;
   if (together) {
     PW_RETURN_IF_ERROR(AllReduceHost(v, "step agreement all-reduce"));
-  } else if (replica_comm != nullptr) {
-    std::unique_ptr<Work> w = replica_comm->AllReduce(v);
+  } else if (groups.pipeline() != nullptr) {
+    std::unique_ptr<Work> w = groups.pipeline()->AllReduce(v);
     PW_RETURN_IF_ERROR(WaitOrAbort(*w, "the replica's step agreement"));
   }
   Record(EventKind::kAllReduce, a, t);
