@@ -66,9 +66,9 @@ class Async final : public AsyncDataParallel {
     ack_waits_.resize(D);
     for (int o = 0; o < D; ++o) {
       if (o == ctx_.replica) continue;
-      PW_RETURN_IF_ERROR(SendHeader({double(AsyncRequest::kPush), double(pushes_), double(lr),
-                                     double(grad_scale)},
-                                    o, kAsyncTagRequest));
+      PW_RETURN_IF_ERROR(
+          SendHeader({double(AsyncRequest::kPush), double(pushes_), double(lr), double(grad_scale)},
+                     o, kAsyncTagRequest));
       sends_.push_back(ctx_.dp->Send(grads[o], o, kAsyncTagGradients));
       bytes_.sent += static_cast<int64_t>(grads[o].nbytes());
       acks_[o] = Tensor::Empty({kAsyncHeaderLen}, DType::kF64, ctx_.alloc);
@@ -86,8 +86,8 @@ class Async final : public AsyncDataParallel {
   absl::Status SyncParameters() override {
     for (int r = 0; r < static_cast<int>(ack_waits_.size()); ++r) {
       if (ack_waits_[r] == nullptr) continue;
-      PW_RETURN_IF_ERROR(ctx_.wait(
-          *ack_waits_[r], absl::StrCat("asynchronous DP: replica ", r, " applying this step's push")));
+      PW_RETURN_IF_ERROR(ctx_.wait(*ack_waits_[r], absl::StrCat("asynchronous DP: replica ", r,
+                                                                " applying this step's push")));
     }
     ack_waits_.clear();
     for (auto it = sends_.begin(); it != sends_.end();) {
@@ -141,8 +141,8 @@ class Async final : public AsyncDataParallel {
       owned_numel_[owner_[i]] += params_.trained[i]->value.numel();
       if (owner_[i] == ctx_.replica) mine.push_back(params_.trained[i]);
     }
-    PW_ASSIGN_OR_RETURN(shard_, AsyncShard::Create(ctx_.optimizer, std::move(mine), *optimizer_,
-                                                   D, ctx_.alloc));
+    PW_ASSIGN_OR_RETURN(
+        shard_, AsyncShard::Create(ctx_.optimizer, std::move(mine), *optimizer_, D, ctx_.alloc));
     pushes_ = 0;
     return absl::OkStatus();
   }

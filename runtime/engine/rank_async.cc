@@ -21,8 +21,9 @@ absl::Status RankExecutor::RunAsync(const AsyncRun& run, int64_t* end) {
   std::atomic<bool> cancel{false}, service_done{false};
   absl::Status service_status;
   std::thread service([&] {
-    service_status = RunAsyncService(AsyncServiceArgs{
-        groups.data_parallel(), a->shard(), global == 0 ? run.coord : nullptr, ctx->timeout, &cancel});
+    service_status =
+        RunAsyncService(AsyncServiceArgs{groups.data_parallel(), a->shard(),
+                                         global == 0 ? run.coord : nullptr, ctx->timeout, &cancel});
     if (!service_status.ok()) groups.world()->Abort(service_status);
     service_done.store(true);
   });

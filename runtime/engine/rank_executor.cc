@@ -75,14 +75,16 @@ absl::Status RankExecutor::HostCollective(const Tensor& in, Tensor& out, const s
 }
 
 absl::Status RankExecutor::AllReduceHost(Tensor& v, const std::string& what) {
-  return HostCollective(v, v, what,
-                        [this](const Tensor&, Tensor& out) { return groups.world()->AllReduce(out); });
+  return HostCollective(
+      v, v, what, [this](const Tensor&, Tensor& out) { return groups.world()->AllReduce(out); });
 }
 
 absl::StatusOr<std::vector<std::string>> RankExecutor::AllGatherBytes(const std::string& mine,
                                                                       const std::string& what) {
   const int n = groups.world()->size();
-  auto gather = [this](const Tensor& in, Tensor& out) { return groups.world()->AllGather(in, out); };
+  auto gather = [this](const Tensor& in, Tensor& out) {
+    return groups.world()->AllGather(in, out);
+  };
   Tensor len = Tensor::Empty({1}, DType::kI32, host.get());
   len.data<int32_t>()[0] = static_cast<int32_t>(mine.size());
   Tensor lens = Tensor::Empty({n}, DType::kI32, host.get());

@@ -1,6 +1,8 @@
 // The data-parallel strategies alone (runtime/data_parallel/): the exact norm accumulator, the
 // flat layout's shard boundaries, and Replicated / Sharded (ZeRO-1, ZeRO-2) driven as the rank
 // executor drives them, with replicas as threads over the local communicator.
+#include "runtime/data_parallel/data_parallel.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -14,7 +16,6 @@
 
 #include "pipewright/comm.h"
 #include "pipewright/ops.h"
-#include "runtime/data_parallel/data_parallel.h"
 #include "runtime/data_parallel/exact_sum.h"
 
 namespace pipewright::internal {
@@ -135,9 +136,16 @@ struct Replica {
   DataParallelParams view;
 
   Replica() {
-    const std::vector<std::pair<std::string, int64_t>> shapes = {
-        {"a", kNormChunk + 17}, {"b", 900},  {"c", 2 * kNormChunk}, {"d", 5000}, {"e", 64},
-        {"f", 3000},            {"g", 3001}, {"h", 2999},           {"i", 3000}, {"j", 3000}};
+    const std::vector<std::pair<std::string, int64_t>> shapes = {{"a", kNormChunk + 17},
+                                                                 {"b", 900},
+                                                                 {"c", 2 * kNormChunk},
+                                                                 {"d", 5000},
+                                                                 {"e", 64},
+                                                                 {"f", 3000},
+                                                                 {"g", 3001},
+                                                                 {"h", 2999},
+                                                                 {"i", 3000},
+                                                                 {"j", 3000}};
     for (const auto& [name, n] : shapes) {
       auto p = std::make_unique<Parameter>();
       p->name = name;
@@ -172,9 +180,9 @@ struct Replica {
 };
 
 struct StrategyRun {
-  std::vector<std::vector<float>> values;  // per parameter, replica 0's after the steps
-  std::vector<double> norms;               // per step
-  std::vector<GradSyncBytes> bytes;        // per replica, last step
+  std::vector<std::vector<float>> values;        // per parameter, replica 0's after the steps
+  std::vector<double> norms;                     // per step
+  std::vector<GradSyncBytes> bytes;              // per replica, last step
   std::vector<int64_t> grad_bytes, state_bytes;  // per replica
   bool replicas_equal = true;
 };
@@ -206,9 +214,9 @@ StrategyRun RunStrategy(int zero, int dp, int micro_batches, int steps) {
       std::unique_ptr<DataParallel> s;
       if (zero == 0) {
         GradSyncContext g{ctx.dp, ctx.alloc, ctx.wait, ctx.sync_device};
-        s = CreateReplicated(ctx, rep.view,
-                             CreateBucketedAllReduce(g, rep.view.stages, ctx.bucket_bytes,
-                                                     GradCompression::None()));
+        s = CreateReplicated(
+            ctx, rep.view,
+            CreateBucketedAllReduce(g, rep.view.stages, ctx.bucket_bytes, GradCompression::None()));
       } else {
         auto created = CreateSharded(ctx, rep.view, zero);
         if (!created.ok()) {
@@ -257,8 +265,8 @@ StrategyRun RunStrategy(int zero, int dp, int micro_batches, int steps) {
   for (auto& p : replicas[0].params) out.values.push_back(p->value.ToVector());
   for (int r = 1; r < dp; ++r) {
     for (size_t i = 0; i < replicas[r].params.size(); ++i) {
-      out.replicas_equal = out.replicas_equal && replicas[r].params[i]->value.ToVector() ==
-                                                     out.values[i];
+      out.replicas_equal =
+          out.replicas_equal && replicas[r].params[i]->value.ToVector() == out.values[i];
     }
   }
   return out;

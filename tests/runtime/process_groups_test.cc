@@ -1,12 +1,13 @@
 // The process groups of a rank (runtime/engine/process_groups.h): every group a pp x dp world
 // needs, made by one collective Connect per rank, with the members and ranks the topology says.
+#include "runtime/engine/process_groups.h"
+
 #include <gtest/gtest.h>
 
 #include <thread>
 #include <vector>
 
 #include "pipewright/comm.h"
-#include "runtime/engine/process_groups.h"
 
 namespace pipewright::internal {
 namespace {
@@ -88,8 +89,9 @@ TEST(ProcessGroups, OneReplicaNeedsNoDataParallelGroup) {
   std::vector<std::thread> threads;
   std::vector<absl::Status> status(2);
   for (int g = 0; g < 2; ++g) {
-    threads.emplace_back(
-        [&, g] { status[g] = groups[g].Connect(Topology{2, 1}, g, {}, absl::Seconds(30)); });
+    threads.emplace_back([&, g] {
+      status[g] = groups[g].Connect(Topology{2, 1}, g, {}, absl::Seconds(30));
+    });
   }
   for (auto& t : threads) t.join();
   for (int g = 0; g < 2; ++g) {

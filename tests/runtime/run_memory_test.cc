@@ -209,8 +209,7 @@ TEST(RunMemory, ZeroTwoShardsTheGradientsWithTwoBucketsInFlight) {
     const StageMemory &m0 = z0.ranks[i].model.memory, &m1 = z1.ranks[i].model.memory,
                       &m2 = z2.ranks[i].model.memory;
     ASSERT_GT(m0.grads, 2 * bucket);
-    EXPECT_EQ(m2.grads, (m0.grads + dp - 1) / dp + std::min(2 * (bucket + largest), m0.grads))
-        << i;
+    EXPECT_EQ(m2.grads, (m0.grads + dp - 1) / dp + std::min(2 * (bucket + largest), m0.grads)) << i;
     EXPECT_EQ(m1.grads, m0.grads) << i;
     EXPECT_EQ(m2.optimizer, m1.optimizer) << i;
   }
