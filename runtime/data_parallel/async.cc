@@ -31,16 +31,7 @@ class Async final : public AsyncDataParallel {
 
   // The replica's own gradient: every rank of the replica counts its own tensors.
   absl::Status AddSquaredNorm(ExactSum* sum) override {
-    const ops::Exec e{ctx_.alloc};
-    for (const GradSyncStage& st : params_.stages) {
-      for (const std::vector<Parameter*>& layer : st.layers) {
-        for (const Parameter* p : layer) {
-          if (!p->tied_to.empty()) continue;
-          PW_RETURN_IF_ERROR(AddChunkSquares(e, p->grad, 0, p->grad.numel(), sum));
-        }
-      }
-    }
-    return absl::OkStatus();
+    return AddWholeSquaredNorm(params_.stages, ctx_.alloc, sum);
   }
   int gradient_replicas() const override { return 1; }
   bool replicas_step_together() const override { return false; }
@@ -114,11 +105,7 @@ class Async final : public AsyncDataParallel {
   // Between runs the whole state is on every replica (Consolidate), as a replicated one's.
   absl::StatusOr<NamedTensors> OptimizerState() override {
     NamedTensors out;
-    if (ctx_.replica != 0) return out;
-    for (auto& [name, t] : optimizer_->State()) {
-      PW_ASSIGN_OR_RETURN(Tensor h, t.CopyTo(nullptr));
-      out.emplace_back(name, std::move(h));
-    }
+    if (ctx_.replica == 0) PW_RETURN_IF_ERROR(AppendHostState(*optimizer_, &out));
     return out;
   }
   absl::Status LoadOptimizerState(const std::map<std::string, Tensor>& state,

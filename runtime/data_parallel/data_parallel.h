@@ -146,6 +146,13 @@ std::unique_ptr<DataParallel> CreateAsync(const DataParallelContext& ctx,
 absl::StatusOr<std::unique_ptr<DataParallel>> CreateSharded(const DataParallelContext& ctx,
                                                             DataParallelParams params, int zero);
 
+// Helpers the strategies share. Appends host copies of `optimizer`'s state tensors to `out`.
+absl::Status AppendHostState(const Optimizer& optimizer, NamedTensors* out);
+// Adds the chunk squares of every gradient of `stages` but tied copies (their owners hold the
+// tie's sum) to `sum`: a rank's whole share of the norm when it holds whole gradients.
+absl::Status AddWholeSquaredNorm(const std::vector<GradSyncStage>& stages, Allocator* exec,
+                                 ExactSum* sum);
+
 // Note [Flat shards]: where a bucket's tensors go in its flat buffer of replicas x shard
 // elements, so that every replica's shard [r shard, (r + 1) shard) cuts a tensor only on a
 // kNormChunk boundary of it. `offsets[i]` is tensor i's first element; the gaps are padding.

@@ -26,17 +26,8 @@ class Replicated final : public DataParallel {
 
   // Replica 0 counts every gradient (every replica holds the same sums).
   absl::Status AddSquaredNorm(ExactSum* sum) override {
-    if (ctx_.replica != 0) return absl::OkStatus();
-    const ops::Exec e{ctx_.alloc};
-    for (const GradSyncStage& st : params_.stages) {
-      for (const std::vector<Parameter*>& layer : st.layers) {
-        for (const Parameter* p : layer) {
-          if (!p->tied_to.empty()) continue;
-          PW_RETURN_IF_ERROR(AddChunkSquares(e, p->grad, 0, p->grad.numel(), sum));
-        }
-      }
-    }
-    return absl::OkStatus();
+    return ctx_.replica != 0 ? absl::OkStatus()
+                             : AddWholeSquaredNorm(params_.stages, ctx_.alloc, sum);
   }
 
   absl::Status Step(float lr, float grad_scale) override {
@@ -59,11 +50,7 @@ class Replicated final : public DataParallel {
 
   absl::StatusOr<NamedTensors> OptimizerState() override {
     NamedTensors out;
-    if (ctx_.replica != 0) return out;
-    for (auto& [name, t] : optimizer_->State()) {
-      PW_ASSIGN_OR_RETURN(Tensor h, t.CopyTo(nullptr));
-      out.emplace_back(name, std::move(h));
-    }
+    if (ctx_.replica == 0) PW_RETURN_IF_ERROR(AppendHostState(*optimizer_, &out));
     return out;
   }
   absl::Status LoadOptimizerState(const std::map<std::string, Tensor>& state,

@@ -404,12 +404,7 @@ class Sharded final : public DataParallel {
         }
       }
     }
-    if (ctx_.replica == 0) {
-      for (auto& [name, t] : whole_opt_->State()) {
-        PW_ASSIGN_OR_RETURN(Tensor h, t.CopyTo(nullptr));
-        out.emplace_back(name, std::move(h));
-      }
-    }
+    if (ctx_.replica == 0) PW_RETURN_IF_ERROR(AppendHostState(*whole_opt_, &out));
     return out;
   }
 
