@@ -281,6 +281,7 @@ const std::set<std::string>& FieldsWithoutAFlag() {
       "LossScaleOptions.growth_factor",   // fixed by the CLI
       "LossScaleOptions.backoff_factor",  // fixed by the CLI
       "DeviceSpec.layer_overhead_s",      // fixed by the CLI
+      "Topology.tp",                      // reserved for tensor parallelism (issue 37): 1
   };
   return kNone;
 }
