@@ -15,12 +15,11 @@
 namespace pipewright::internal {
 namespace {
 
-class Async final : public AsyncDataParallel {
+// Between runs the whole state is on every replica (Consolidate), as a replicated one's.
+class Async final : public WholeOptimizer<AsyncDataParallel> {
  public:
   Async(const DataParallelContext& ctx, DataParallelParams params)
-      : ctx_(ctx), params_(std::move(params)) {
-    optimizer_ = Optimizer::Create(ctx_.optimizer, params_.trained, ctx_.alloc);
-  }
+      : WholeOptimizer(ctx, std::move(params)) {}
 
   // Gradients stay with their replica until the push.
   void BeginStep() override { bytes_ = GradSyncBytes{}; }
@@ -94,23 +93,10 @@ class Async final : public AsyncDataParallel {
   bool syncs_parameters() const override { return true; }
 
   GradSyncBytes StepBytes() const override { return bytes_; }
-  int64_t OptimizerStateBytes() const override { return optimizer_->StateBytes(); }
   int64_t GradientBytes() const override {
     int64_t n = 0;
     for (const Parameter* p : params_.trained) n += static_cast<int64_t>(p->grad.nbytes());
     return n;
-  }
-  int64_t optimizer_steps() const override { return optimizer_->step_count(); }
-
-  // Between runs the whole state is on every replica (Consolidate), as a replicated one's.
-  absl::StatusOr<NamedTensors> OptimizerState() override {
-    NamedTensors out;
-    if (ctx_.replica == 0) PW_RETURN_IF_ERROR(AppendHostState(*optimizer_, &out));
-    return out;
-  }
-  absl::Status LoadOptimizerState(const std::map<std::string, Tensor>& state,
-                                  int64_t step) override {
-    return optimizer_->LoadState(state, step);
   }
   absl::StatusOr<NamedTensors> SyncState() override { return NamedTensors{}; }
   absl::Status LoadSyncState(const std::map<std::string, Tensor>&, const std::string&) override {
@@ -202,9 +188,6 @@ class Async final : public AsyncDataParallel {
   }
 
  private:
-  DataParallelContext ctx_;
-  DataParallelParams params_;
-  std::unique_ptr<Optimizer> optimizer_;
   std::vector<int> owner_;             // per trained parameter
   std::vector<int64_t> owned_numel_;   // per replica
   std::unique_ptr<AsyncShard> shard_;  // this replica's

@@ -31,6 +31,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -152,6 +153,35 @@ absl::Status AppendHostState(const Optimizer& optimizer, NamedTensors* out);
 // tie's sum) to `sum`: a rank's whole share of the norm when it holds whole gradients.
 absl::Status AddWholeSquaredNorm(const std::vector<GradSyncStage>& stages, Allocator* exec,
                                  ExactSum* sum);
+
+// The part of a strategy that keeps the whole optimizer on every replica (Replicated; Async
+// between runs, after Consolidate): one Optimizer over params.trained, its size and step count,
+// and the checkpoint state, which replica 0 writes and every replica loads whole.
+template <typename Base>
+class WholeOptimizer : public Base {
+ public:
+  int64_t OptimizerStateBytes() const override { return optimizer_->StateBytes(); }
+  int64_t optimizer_steps() const override { return optimizer_->step_count(); }
+  absl::StatusOr<NamedTensors> OptimizerState() override {
+    NamedTensors out;
+    if (ctx_.replica == 0) PW_RETURN_IF_ERROR(AppendHostState(*optimizer_, &out));
+    return out;
+  }
+  absl::Status LoadOptimizerState(const std::map<std::string, Tensor>& state,
+                                  int64_t step) override {
+    return optimizer_->LoadState(state, step);
+  }
+
+ protected:
+  WholeOptimizer(const DataParallelContext& ctx, DataParallelParams params)
+      : ctx_(ctx),
+        params_(std::move(params)),
+        optimizer_(Optimizer::Create(ctx_.optimizer, params_.trained, ctx_.alloc)) {}
+
+  DataParallelContext ctx_;
+  DataParallelParams params_;
+  std::unique_ptr<Optimizer> optimizer_;
+};
 
 // Note [Flat shards]: where a bucket's tensors go in its flat buffer of replicas x shard
 // elements, so that every replica's shard [r shard, (r + 1) shard) cuts a tensor only on a

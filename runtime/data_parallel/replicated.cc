@@ -8,13 +8,11 @@
 namespace pipewright::internal {
 namespace {
 
-class Replicated final : public DataParallel {
+class Replicated final : public WholeOptimizer<DataParallel> {
  public:
   Replicated(const DataParallelContext& ctx, DataParallelParams params,
              std::unique_ptr<GradSync> sync)
-      : ctx_(ctx), params_(std::move(params)), sync_(std::move(sync)) {
-    optimizer_ = Optimizer::Create(ctx_.optimizer, params_.trained, ctx_.alloc);
-  }
+      : WholeOptimizer(ctx, std::move(params)), sync_(std::move(sync)) {}
 
   void BeginStep() override { sync_->BeginStep(); }
   absl::Status BeginBackward(int) override { return absl::OkStatus(); }
@@ -36,7 +34,6 @@ class Replicated final : public DataParallel {
   absl::Status SyncParameters() override { return absl::OkStatus(); }
   bool syncs_parameters() const override { return false; }
   GradSyncBytes StepBytes() const override { return sync_->StepBytes(); }
-  int64_t OptimizerStateBytes() const override { return optimizer_->StateBytes(); }
   int64_t GradientBytes() const override {
     int64_t n = 0;
     for (const GradSyncStage& st : params_.stages) {
@@ -45,17 +42,6 @@ class Replicated final : public DataParallel {
       }
     }
     return n;
-  }
-  int64_t optimizer_steps() const override { return optimizer_->step_count(); }
-
-  absl::StatusOr<NamedTensors> OptimizerState() override {
-    NamedTensors out;
-    if (ctx_.replica == 0) PW_RETURN_IF_ERROR(AppendHostState(*optimizer_, &out));
-    return out;
-  }
-  absl::Status LoadOptimizerState(const std::map<std::string, Tensor>& state,
-                                  int64_t step) override {
-    return optimizer_->LoadState(state, step);
   }
   absl::StatusOr<NamedTensors> SyncState() override { return sync_->SaveState(); }
   absl::Status LoadSyncState(const std::map<std::string, Tensor>& state,
@@ -66,10 +52,7 @@ class Replicated final : public DataParallel {
  private:
   int gradient_replicas() const override { return ctx_.replicas; }
 
-  DataParallelContext ctx_;
-  DataParallelParams params_;
   std::unique_ptr<GradSync> sync_;
-  std::unique_ptr<Optimizer> optimizer_;
 };
 
 }  // namespace

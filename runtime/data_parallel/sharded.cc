@@ -5,12 +5,13 @@
 // parameters live in two flat buffers of the same layout (LayOutFlat): one of values and one of
 // gradients, every Parameter's value and grad a view of its range. The buffer is replicas x
 // shard elements; replica r owns [r shard, (r + 1) shard). A bucket is reduced by one
-// reduce-scatter (each replica receives its shard's sum over the replicas, the bits an
-// all-reduce gives those elements), the owner updates its shard — the optimizer holds one piece
-// (a Parameter viewing the owned range of a tensor) per tensor the shard touches, and AdamW and
-// SGD are elementwise, so a piece gets exactly the update the whole tensor would — and one
-// all-gather per bucket gives every replica the new values. Per step and rank that is
-// (r - 1) shard bytes each way: the wire bytes of the all-reduce it replaces, plus the padding.
+// reduce-scatter, in place (each replica receives its shard's sum over the replicas into its
+// own range of the gradient buffer, the bits an all-reduce gives those elements), the owner updates
+// its shard — the optimizer holds one piece (a Parameter viewing the owned range of a tensor) per
+// tensor the shard touches, and AdamW and SGD are elementwise, so a piece gets exactly the update
+// the whole tensor would — and one all-gather per bucket gives every replica the new values. Per
+// step and rank that is (replicas - 1) x shard elements each way: the wire bytes of the all-reduce
+// it replaces, plus the padding.
 //
 // The padding: a shard boundary may cut a tensor only where one of its kNormChunk chunks begins
 // (Note [Exact norm] in exact_sum.cc), so LayOutFlat moves a tensor that would be cut elsewhere
