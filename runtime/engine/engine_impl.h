@@ -47,18 +47,18 @@ struct Engine::Impl {
     std::vector<std::thread> threads;
     for (size_t i = 0; i < ranks.size(); ++i) {
       threads.emplace_back([&, i] {
-        cpu::ScopedCurrentPool pool(ranks[i]->pool.get());
+        cpu::ScopedCurrentPool pool(ranks[i]->pool());
         try {
           status[i] = ranks[i]->BindDevice();
           if (status[i].ok()) status[i] = fn(*ranks[i]);
         } catch (const std::exception& e) {
           status[i] = absl::InternalError(absl::StrCat(ranks[i]->Who(), ": exception: ", e.what()));
         }
-        if (!status[i].ok()) ranks[i]->groups.world()->Abort(status[i]);
+        if (!status[i].ok()) ranks[i]->world()->Abort(status[i]);
       });
     }
     for (std::thread& t : threads) t.join();
-    absl::Status first = ranks[0]->groups.world()->abort_status();
+    absl::Status first = ranks[0]->world()->abort_status();
     if (!first.ok()) return first;
     for (const absl::Status& s : status) {
       if (!s.ok()) return s;

@@ -11,48 +11,48 @@
 namespace pipewright::internal {
 
 bool RankExecutor::needs_data() const {
-  for (const StageRt& s : stages) {
+  for (const StageRt& s : stages_) {
     if (s.first || s.last) return true;
   }
   return false;
 }
 
 std::string RankExecutor::Who() const {
-  return absl::StrFormat("rank %d (pipeline rank %d, replica %d)", global, pipe, replica);
+  return absl::StrFormat("rank %d (pipeline rank %d, replica %d)", global_, pipe_, replica_);
 }
 
 int RankExecutor::PeerOf(int stage) const {
-  return ctx->topo.GlobalRank(ctx->run->schedule.stage_rank[stage], replica);
+  return ctx_->topo.GlobalRank(ctx_->run->schedule.stage_rank[stage], replica_);
 }
 
 StageRt* RankExecutor::Local(int stage) {
-  if (stage < 0 || stage >= static_cast<int>(local.size()) || local[stage] < 0) return nullptr;
-  return &stages[local[stage]];
+  if (stage < 0 || stage >= static_cast<int>(local_.size()) || local_[stage] < 0) return nullptr;
+  return &stages_[local_[stage]];
 }
 
 absl::Status RankExecutor::BindDevice() const {
-  return on_cuda() ? SetCudaDevice(cuda_device) : absl::OkStatus();
+  return on_cuda() ? SetCudaDevice(cuda_device_) : absl::OkStatus();
 }
 
 absl::Status RankExecutor::Sync() const {
-  return on_cuda() ? SynchronizeStream(alloc->stream()) : absl::OkStatus();
+  return on_cuda() ? SynchronizeStream(alloc_->stream()) : absl::OkStatus();
 }
 
 absl::StatusOr<Tensor> RankExecutor::ToHost(const Tensor& t) const {
   if (t.device().is_cpu()) return t;
   Tensor h = Tensor::Empty(t.shape(), t.dtype(), DefaultCpuAllocator());
-  PW_RETURN_IF_ERROR(ops::Copy(ops::Exec{alloc.get()}, t, h));
+  PW_RETURN_IF_ERROR(ops::Copy(ops::Exec{alloc_.get()}, t, h));
   return h;
 }
 
-double RankExecutor::Now() const { return Seconds(ctx->epoch, Clock::now()); }
+double RankExecutor::Now() const { return Seconds(ctx_->epoch, Clock::now()); }
 
 absl::Status RankExecutor::WaitOrAbort(Work& w, const std::string& what) {
-  flight.Waiting(what, Now());
-  absl::Status s = w.Wait(ctx->timeout);
-  if (s.ok()) flight.DoneWaiting();
+  flight_.Waiting(what, Now());
+  absl::Status s = w.Wait(ctx_->timeout);
+  if (s.ok()) flight_.DoneWaiting();
   if (s.ok()) return s;
-  absl::Status first = groups.world()->abort_status();
+  absl::Status first = groups_.world()->abort_status();
   if (!first.ok()) return first;  // another rank failed first: report that
   return absl::Status(s.code(), absl::StrCat(Who(), " ", what, ": ", s.message()));
 }
@@ -60,14 +60,14 @@ absl::Status RankExecutor::WaitOrAbort(Work& w, const std::string& what) {
 template <typename Op>
 absl::Status RankExecutor::HostCollective(const Tensor& in, Tensor& out, const std::string& what,
                                           Op op) {
-  if (groups.world()->capabilities().host_memory) {
+  if (groups_.world()->capabilities().host_memory) {
     std::unique_ptr<Work> w = op(in, out);
     return WaitOrAbort(*w, what);
   }
   // A device-only backend (NCCL): stage through the rank's GPU (one buffer when in place).
-  const ops::Exec e{alloc.get()};
-  Tensor din = Tensor::Empty(in.shape(), in.dtype(), alloc.get());
-  Tensor dout = &in == &out ? din : Tensor::Empty(out.shape(), out.dtype(), alloc.get());
+  const ops::Exec e{alloc_.get()};
+  Tensor din = Tensor::Empty(in.shape(), in.dtype(), alloc_.get());
+  Tensor dout = &in == &out ? din : Tensor::Empty(out.shape(), out.dtype(), alloc_.get());
   PW_RETURN_IF_ERROR(ops::Copy(e, in, din));
   std::unique_ptr<Work> w = op(din, dout);
   PW_RETURN_IF_ERROR(WaitOrAbort(*w, what));
@@ -76,25 +76,25 @@ absl::Status RankExecutor::HostCollective(const Tensor& in, Tensor& out, const s
 
 absl::Status RankExecutor::AllReduceHost(Tensor& v, const std::string& what) {
   return HostCollective(
-      v, v, what, [this](const Tensor&, Tensor& out) { return groups.world()->AllReduce(out); });
+      v, v, what, [this](const Tensor&, Tensor& out) { return groups_.world()->AllReduce(out); });
 }
 
 absl::StatusOr<std::vector<std::string>> RankExecutor::AllGatherBytes(const std::string& mine,
                                                                       const std::string& what) {
-  const int n = groups.world()->size();
+  const int n = groups_.world()->size();
   auto gather = [this](const Tensor& in, Tensor& out) {
-    return groups.world()->AllGather(in, out);
+    return groups_.world()->AllGather(in, out);
   };
-  Tensor len = Tensor::Empty({1}, DType::kI32, host.get());
+  Tensor len = Tensor::Empty({1}, DType::kI32, host_.get());
   len.data<int32_t>()[0] = static_cast<int32_t>(mine.size());
-  Tensor lens = Tensor::Empty({n}, DType::kI32, host.get());
+  Tensor lens = Tensor::Empty({n}, DType::kI32, host_.get());
   PW_RETURN_IF_ERROR(HostCollective(len, lens, what, gather));
   int64_t longest = 0;
   for (int i = 0; i < n; ++i) longest = std::max<int64_t>(longest, lens.data<int32_t>()[i]);
   const int64_t words = std::max<int64_t>(1, (longest + 3) / 4);  // bytes packed in i32 words
-  Tensor bytes = Tensor::Zeros({words}, DType::kI32, host.get());
+  Tensor bytes = Tensor::Zeros({words}, DType::kI32, host_.get());
   std::memcpy(bytes.raw(), mine.data(), mine.size());
-  Tensor all = Tensor::Empty({n * words}, DType::kI32, host.get());
+  Tensor all = Tensor::Empty({n * words}, DType::kI32, host_.get());
   PW_RETURN_IF_ERROR(HostCollective(bytes, all, what, gather));
   std::vector<std::string> out(n);
   for (int i = 0; i < n; ++i) {
@@ -106,8 +106,8 @@ absl::StatusOr<std::vector<std::string>> RankExecutor::AllGatherBytes(const std:
 
 GradSyncContext RankExecutor::SyncContext() {
   GradSyncContext c;
-  c.dp = groups.data_parallel();
-  c.alloc = alloc.get();
+  c.dp = groups_.data_parallel();
+  c.alloc = alloc_.get();
   c.wait = [this](Work& w, const std::string& what) { return WaitOrAbort(w, what); };
   c.sync_device = [this] { return Sync(); };
   return c;
@@ -117,13 +117,13 @@ DataParallelContext RankExecutor::DpContext() {
   const GradSyncContext g = SyncContext();
   DataParallelContext c;
   c.dp = g.dp;
-  c.replica = replica;
-  c.replicas = ctx->topo.dp;
+  c.replica = replica_;
+  c.replicas = ctx_->topo.dp;
   c.alloc = g.alloc;
   c.wait = g.wait;
   c.sync_device = g.sync_device;
-  c.optimizer = ctx->options->optimizer;
-  c.bucket_bytes = ctx->options->bucket_bytes;
+  c.optimizer = ctx_->options->optimizer;
+  c.bucket_bytes = ctx_->options->bucket_bytes;
   return c;
 }
 
@@ -135,41 +135,41 @@ void RankExecutor::Record(EventKind kind, const Action& a, Clock::time_point sta
   e.peer = peer;
   e.tag = tag;
   e.step = step_;
-  e.start = Seconds(ctx->epoch, start);
-  const TrainTestingHooks& h = *ctx->testing;
-  if ((kind == EventKind::kCompute || kind == EventKind::kRecompute) && replica == h.slow_replica &&
-      h.slow_factor > 1) {
+  e.start = Seconds(ctx_->epoch, start);
+  const TrainTestingHooks& h = *ctx_->testing;
+  if ((kind == EventKind::kCompute || kind == EventKind::kRecompute) &&
+      replica_ == h.slow_replica && h.slow_factor > 1) {
     // A straggler (TrainTestingHooks): this replica computes slow_factor times slower.
     std::this_thread::sleep_for((Clock::now() - start) * (h.slow_factor - 1));
   }
-  e.end = Seconds(ctx->epoch, Clock::now());
-  events.push_back(e);
+  e.end = Seconds(ctx_->epoch, Clock::now());
+  events_.push_back(e);
   const double d = e.end - e.start;
   switch (kind) {
     case EventKind::kCompute:
-      step_times.compute += d;
+      step_times_.compute += d;
       break;
     case EventKind::kRecompute:
-      step_times.recompute += d;
+      step_times_.recompute += d;
       break;
     case EventKind::kSend:
     case EventKind::kRecvWait:
-      step_times.p2p_wait += d;
+      step_times_.p2p_wait += d;
       break;
     case EventKind::kAllReduce:
-      step_times.all_reduce += d;
+      step_times_.all_reduce += d;
       break;
     case EventKind::kOptimizer:
-      step_times.optimizer += d;
+      step_times_.optimizer += d;
       break;
     case EventKind::kDataWait:
-      step_times.data_wait += d;
+      step_times_.data_wait += d;
       break;
   }
 }
 
 void RankExecutor::EndStep(Clock::time_point t0, int64_t start_bytes) {
-  for (StageRt& st : stages) {  // release the step's buffers
+  for (StageRt& st : stages_) {  // release the step's buffers
     st.saved.clear();
     st.input.clear();
     st.output.clear();
@@ -179,42 +179,52 @@ void RankExecutor::EndStep(Clock::time_point t0, int64_t start_bytes) {
   batch_ = StepBatch{};
   dev_inputs_.clear();
   dev_targets_.clear();
-  RankTimes& t = step_times;
+  RankTimes& t = step_times_;
   t.wall = Seconds(t0, Clock::now());
-  t.peak_memory_bytes = alloc->peak_bytes();
-  t.peak_activation_bytes = alloc->peak_bytes() - start_bytes;
-  t.static_memory_bytes = static_bytes;
-  t.optimizer_state_bytes = dp->OptimizerStateBytes();
-  t.gradient_bytes = dp->GradientBytes();
-  const GradSyncBytes bytes = dp->StepBytes();
+  t.peak_memory_bytes = alloc_->peak_bytes();
+  t.peak_activation_bytes = alloc_->peak_bytes() - start_bytes;
+  t.static_memory_bytes = static_bytes_;
+  t.optimizer_state_bytes = dp_->OptimizerStateBytes();
+  t.gradient_bytes = dp_->GradientBytes();
+  const GradSyncBytes bytes = dp_->StepBytes();
   t.grad_bytes_sent += bytes.sent;
   t.grad_bytes_uncompressed += bytes.uncompressed;
   const double used =
       t.compute + t.recompute + t.p2p_wait + t.all_reduce + t.optimizer + t.data_wait;
   t.idle = std::max(0.0, t.wall - used);
-  total.compute += t.compute;
-  total.recompute += t.recompute;
-  total.p2p_wait += t.p2p_wait;
-  total.all_reduce += t.all_reduce;
-  total.optimizer += t.optimizer;
-  total.data_wait += t.data_wait;
-  total.idle += t.idle;
-  total.wall += t.wall;
-  total.grad_bytes_sent += t.grad_bytes_sent;
-  total.grad_bytes_uncompressed += t.grad_bytes_uncompressed;
-  total.peak_memory_bytes = std::max(total.peak_memory_bytes, t.peak_memory_bytes);
-  total.peak_activation_bytes = std::max(total.peak_activation_bytes, t.peak_activation_bytes);
+  total_.compute += t.compute;
+  total_.recompute += t.recompute;
+  total_.p2p_wait += t.p2p_wait;
+  total_.all_reduce += t.all_reduce;
+  total_.optimizer += t.optimizer;
+  total_.data_wait += t.data_wait;
+  total_.idle += t.idle;
+  total_.wall += t.wall;
+  total_.grad_bytes_sent += t.grad_bytes_sent;
+  total_.grad_bytes_uncompressed += t.grad_bytes_uncompressed;
+  total_.peak_memory_bytes = std::max(total_.peak_memory_bytes, t.peak_memory_bytes);
+  total_.peak_activation_bytes = std::max(total_.peak_activation_bytes, t.peak_activation_bytes);
+}
+
+RankTimes RankExecutor::StepTimes() const {
+  RankTimes t = step_times_;
+  t.global_rank = global_;
+  t.pipeline_rank = pipe_;
+  t.replica = replica_;
+  t.threads = total_.threads;
+  for (const StageRt& st : stages_) t.stages.push_back(st.index);
+  return t;
 }
 
 RankTimes RankExecutor::Totals() const {
-  RankTimes t = total;
-  t.global_rank = global;
-  t.pipeline_rank = pipe;
-  t.replica = replica;
-  t.static_memory_bytes = static_bytes;
-  t.optimizer_state_bytes = dp->OptimizerStateBytes();
-  t.gradient_bytes = dp->GradientBytes();
-  for (const StageRt& st : stages) {
+  RankTimes t = total_;
+  t.global_rank = global_;
+  t.pipeline_rank = pipe_;
+  t.replica = replica_;
+  t.static_memory_bytes = static_bytes_;
+  t.optimizer_state_bytes = dp_->OptimizerStateBytes();
+  t.gradient_bytes = dp_->GradientBytes();
+  for (const StageRt& st : stages_) {
     t.stages.push_back(st.index);
     auto mean = [](double v, int64_t k) { return k > 0 ? v / k : 0.0; };
     t.stage_f.push_back(mean(st.f_s, st.f_n));

@@ -16,9 +16,11 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/cpu/parallel.h"
+#include "pipewright/checkpoint.h"
 #include "pipewright/comm.h"
 #include "pipewright/data.h"
 #include "pipewright/engine.h"
+#include "pipewright/launch.h"
 #include "pipewright/ops.h"
 #include "pipewright/optimizer.h"
 #include "pipewright/train_testing.h"
@@ -26,7 +28,9 @@
 #include "runtime/data_parallel/data_parallel.h"
 #include "runtime/engine/flight_recorder.h"
 #include "runtime/engine/process_groups.h"
+#include "runtime/engine/tied_weights.h"
 #include "runtime/grad_sync/grad_sync.h"
+#include "runtime/train_state.h"
 
 namespace pipewright::internal {
 
@@ -81,84 +85,42 @@ struct RunContext {
   Clock::time_point epoch;  // time zero of every recorded event
 };
 
+// One rank: made by Create and Connect (rank_setup.cc), then driven by the engine through the
+// methods below; everything it holds is its own (Note [Who touches a rank]).
 class RankExecutor {
  public:
-  int global = 0, pipe = 0, replica = 0;
-  int slot = 0;  // index among this process's ranks
-  const RunContext* ctx = nullptr;
-  std::shared_ptr<const Dataset> data;
+  // One rank of this process (`slot`: its index among them): its device, its stages (only their
+  // layers, initialised on the host from the seed and their global names, then moved to the
+  // device), its tied links and loss scaler. `shape_at`: the activation shape at every layer
+  // boundary of one micro-batch.
+  static absl::StatusOr<std::unique_ptr<RankExecutor>> Create(
+      const RunContext* ctx, std::shared_ptr<const Dataset> data, RankEndpoint endpoint, int slot,
+      int threads, const std::vector<std::vector<int64_t>>& shape_at);
+  // Collective over the world, one thread per rank (Note [Process groups]): splits the rank's
+  // groups off the world, links its ends of the ties across ranks and creates its data-parallel
+  // strategy (and with it the optimizer) over them.
+  absl::Status Connect(const GroupNeeds& needs, const std::vector<CrossRankTie>& ties);
 
-  // Device memory and its stream (CUDA) — declared before everything allocated from them.
-  int cuda_device = -1;  // >= 0 on CUDA
-  std::unique_ptr<CudaStream> stream;
-  std::unique_ptr<Allocator> alloc = std::make_unique<CpuAllocator>();
-  // Host memory for the rank's host-side values on CUDA (batches, scalars, staging).
-  std::unique_ptr<CpuAllocator> host = std::make_unique<CpuAllocator>();
-  // The rank's communicators: its world and the groups split off it (process_groups.h).
-  ProcessGroups groups;
+  int global() const { return global_; }
+  int pipe() const { return pipe_; }
+  int replica() const { return replica_; }
+  int slot() const { return slot_; }
+  std::string Who() const;
+  double Now() const;  // seconds since the engine's epoch
   // The threads of the rank's CPU kernels (its own included): current on the thread that drives
   // the rank (Engine::Impl::OnEveryRank), never shared with another rank.
-  std::unique_ptr<cpu::ThreadPool> pool;
-  std::vector<StageRt> stages;
-  std::vector<int> local;  // virtual stage -> index in stages, or -1
-  // What this rank trains: its stages' parameters, less tied copies linked to an owner here.
-  std::vector<Parameter*> params;
-  // Tied parameters (Note [Tied parameters] in runtime/model.cc): copies linked to an owner on
-  // this rank (within a stage or across two of its stages), and the tied weights whose other
-  // end is on another rank of the replica, each reduced over its embedding group.
-  std::vector<TiedLink> tied_local;
-  struct RemoteTie {
-    Parameter* param = nullptr;     // this rank's owner or copy
-    Communicator* group = nullptr;  // the replica's two ranks holding it (groups.tie)
-  };
-  std::vector<RemoteTie> tied_remote;
-  // Everything data-parallel: the gradient reduction, the optimizer and where its state lives,
-  // the parameter synchronisation (runtime/data_parallel/data_parallel.h).
-  std::unique_ptr<DataParallel> dp;
-  std::unique_ptr<DataLoader> loader;
-  // fp16 dynamic loss scaling; every rank keeps an identical copy, updated from the agreed
-  // outcome of each step.
-  LossScaler scaler;
-  int64_t static_bytes = 0;
-
-  std::vector<RankEvent> events;
-  RankTimes step_times, total;
-  FlightRecorder flight;
-  double Now() const;  // seconds since the engine's epoch
-
-  const Program& program() const { return ctx->run->schedule.programs[pipe]; }
-  bool needs_data() const;
-  std::string Who() const;
-  // Global rank of the rank running virtual stage `stage` in this replica.
-  int PeerOf(int stage) const;
-  StageRt* Local(int stage);
-  bool on_cuda() const { return cuda_device >= 0; }
+  cpu::ThreadPool* pool() const { return pool_.get(); }
+  Communicator* world() const { return groups_.world(); }
   // Makes this rank's GPU current on the calling thread (CUDA state is per thread).
   absl::Status BindDevice() const;
-  // Waits until the rank's queued device work is done (no-op on the CPU), so that host clocks
-  // time it and other threads may read what it wrote.
-  absl::Status Sync() const;
-  // A host copy of a tensor of this rank (a shared reference when it is already on the host).
-  absl::StatusOr<Tensor> ToHost(const Tensor& t) const;
-  // Waits for `w` with the run's timeout; returns the world's first error when another rank
-  // aborted, else an error naming this rank and `what`.
-  absl::Status WaitOrAbort(Work& w, const std::string& what);
-  // In-place sum of a host tensor over the world (staged through the device when the backend
-  // takes device memory only).
-  absl::Status AllReduceHost(Tensor& v, const std::string& what);
-  // Every world rank's `mine`, in rank order (two AllGathers: lengths, then the bytes padded to
-  // the longest), staged through the device like AllReduceHost.
-  absl::StatusOr<std::vector<std::string>> AllGatherBytes(const std::string& mine,
-                                                          const std::string& what);
-  // The data-parallel strategy's view of this rank (rank_executor.cc); a GradSync's is the same
-  // with the group, allocator and waits only.
-  DataParallelContext DpContext();
-  GradSyncContext SyncContext();
 
   // One step of the rank's program (rank_step.cc).
   absl::Status RunStep(int64_t step, float lr, StepOutcome* out);
-  // The rank's totals over the steps so far, with per-stage mean times.
+  // The last step's times, and the totals over the steps so far with per-stage mean times.
+  RankTimes StepTimes() const;
   RankTimes Totals() const;
+  const std::vector<RankEvent>& events() const { return events_; }
+  const FlightRecorder& flight() const { return flight_; }
 
   // Asynchronous data parallelism (rank_async.cc, Note [Async DP] in async_dp.cc): replica
   // steps for tickets [first_ticket, end_ticket) as the coordinator grants them, then the
@@ -172,15 +134,68 @@ class RankExecutor {
   // What this rank's shard applied, per replica (after RunAsync).
   std::vector<int64_t> AsyncApplied();
 
+  // What this rank trains: its stages' parameters, less tied copies linked to an owner here.
+  const std::vector<Parameter*>& params() const { return params_; }
+  int64_t memory_bytes() const { return alloc_->current_bytes(); }
+  int64_t peak_memory_bytes() const { return alloc_->peak_bytes(); }
+
+  // Checkpoints (rank_setup.cc). Host copies of virtual stage `stage`'s weights (tied copies are
+  // stored as their owner), appended to `out`.
+  absl::Status AppendWeights(int stage, NamedTensors* out) const;
+  // Collective: the optimizer state this rank contributes (a sharded strategy gathers it to
+  // replica 0) and its gradient-compression state under "replica<R>/".
+  absl::Status CollectState(NamedTensors* optimizer, NamedTensors* sync);
+  int64_t optimizer_steps() const { return dp_->optimizer_steps(); }
+  const LossScaler& scaler() const { return scaler_; }
+  // Loads a checkpoint that passed CheckManifest (`at`): optimizer and compression state,
+  // weights, the loss scaler; the data restarts at the checkpoint's position.
+  absl::Status Restore(const Checkpoint& ck, const ResumePoint& at);
+  // Every world rank's `mine`, in rank order (two AllGathers: lengths, then the bytes padded to
+  // the longest), staged through the device when the backend takes device memory only.
+  absl::StatusOr<std::vector<std::string>> AllGatherBytes(const std::string& mine,
+                                                          const std::string& what);
+
+  // Tear-down, in the engine's order across its ranks (Engine::~Engine): every rank's groups,
+  // then every world communicator (a backend may still hold buffers from any rank's allocator),
+  // then each rank's device tensors and stream.
+  void ReleaseGroups() { groups_.ResetGroups(); }
+  void ReleaseWorld() { groups_.ResetWorld(); }
+  void ReleaseDevice();
+
  private:
+  RankExecutor() = default;
+  const Program& program() const { return ctx_->run->schedule.programs[pipe_]; }
+  bool needs_data() const;
+  // Global rank of the rank running virtual stage `stage` in this replica.
+  int PeerOf(int stage) const;
+  StageRt* Local(int stage);
+  bool on_cuda() const { return cuda_device_ >= 0; }
+  // Waits until the rank's queued device work is done (no-op on the CPU), so that host clocks
+  // time it and other threads may read what it wrote.
+  absl::Status Sync() const;
+  // A host copy of a tensor of this rank (a shared reference when it is already on the host).
+  absl::StatusOr<Tensor> ToHost(const Tensor& t) const;
+  // Waits for `w` with the run's timeout; returns the world's first error when another rank
+  // aborted, else an error naming this rank and `what`.
+  absl::Status WaitOrAbort(Work& w, const std::string& what);
+  // In-place sum of a host tensor over the world (staged through the device when the backend
+  // takes device memory only).
+  absl::Status AllReduceHost(Tensor& v, const std::string& what);
+  // The data-parallel strategy's view of this rank (rank_executor.cc); a GradSync's is the same
+  // with the group, allocator and waits only.
+  DataParallelContext DpContext();
+  GradSyncContext SyncContext();
+  // Set-up (rank_setup.cc): the rank's GPU, a stream and a stream-ordered allocator; virtual
+  // stage `s`.
+  absl::Status PlaceOnDevice(int cuda_device);
+  absl::StatusOr<StageRt> BuildStage(int s, const std::vector<std::vector<int64_t>>& shape_at,
+                                     DType input_dtype);
+
   absl::Status RunAction(const Action& a, int index, int64_t step, float lr, StepOutcome* out);
   absl::Status Forward(StageRt& st, int mb);
   absl::Status Backward(StageRt& st, const Action& a, int index);
   absl::Status WeightBackward(StageRt& st, const Action& a, int index);
   absl::Status Agree(int64_t step, float lr, StepOutcome* out);
-  // The tie reduction, after the data-parallel one: every tied weight's gradient becomes owner +
-  // copy (AddTiedGradients here, an all-reduce over the embedding group across ranks).
-  absl::Status ReduceTied();
   // Asynchronous DP (rank_async.cc).
   absl::Status AsyncLoop(const AsyncRun& run, AsyncDataParallel& a);
   absl::StatusOr<AsyncCoordinator::Grant> ClaimStep(const AsyncRun& run, AsyncDataParallel& a,
@@ -222,6 +237,41 @@ class RankExecutor {
   // backend takes device memory only); `in` and `out` may be the same tensor (in place).
   template <typename Op>
   absl::Status HostCollective(const Tensor& in, Tensor& out, const std::string& what, Op op);
+
+  // Where the rank sits, and the run it belongs to.
+  int global_ = 0, pipe_ = 0, replica_ = 0;
+  int slot_ = 0;  // index among this process's ranks
+  const RunContext* ctx_ = nullptr;
+  std::shared_ptr<const Dataset> data_;
+
+  // Device memory and its stream (CUDA) — declared before everything allocated from them.
+  int cuda_device_ = -1;  // >= 0 on CUDA
+  std::unique_ptr<CudaStream> stream_;
+  std::unique_ptr<Allocator> alloc_ = std::make_unique<CpuAllocator>();
+  // Host memory for the rank's host-side values on CUDA (batches, scalars, staging).
+  std::unique_ptr<CpuAllocator> host_ = std::make_unique<CpuAllocator>();
+  // The rank's communicators: its world and the groups split off it (process_groups.h).
+  ProcessGroups groups_;
+  std::unique_ptr<cpu::ThreadPool> pool_;
+
+  // The model part: the rank's virtual stages, and what it trains.
+  std::vector<StageRt> stages_;
+  std::vector<int> local_;  // virtual stage -> index in stages_, or -1
+  std::vector<Parameter*> params_;
+  TiedWeights ties_;  // Note [Tied parameters] in runtime/model.cc
+  // Everything data-parallel: the gradient reduction, the optimizer and where its state lives,
+  // the parameter synchronisation (runtime/data_parallel/data_parallel.h).
+  std::unique_ptr<DataParallel> dp_;
+  std::unique_ptr<DataLoader> loader_;
+  // fp16 dynamic loss scaling; every rank keeps an identical copy, updated from the agreed
+  // outcome of each step.
+  LossScaler scaler_;
+  int64_t static_bytes_ = 0;
+
+  // What the rank's time went to.
+  std::vector<RankEvent> events_;
+  RankTimes step_times_, total_;
+  FlightRecorder flight_;
 
   StepBatch batch_;
   std::vector<Tensor> dev_inputs_, dev_targets_;  // CUDA copies of batch_, per micro-batch

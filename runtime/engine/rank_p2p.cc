@@ -12,14 +12,14 @@ namespace pipewright::internal {
 absl::StatusOr<std::pair<StageRt*, int>> RankExecutor::P2PEnds(const Action& a) {
   const int mb = a.micro_batch;
   StageRt* st = Local(a.virtual_stage);
-  if (st == nullptr || mb < 0 || mb >= ctx->run->micro_batches()) {
+  if (st == nullptr || mb < 0 || mb >= ctx_->run->micro_batches()) {
     return absl::InvalidArgumentError(
         absl::StrCat(Who(), " ", a.ToString(), ": stage or micro-batch not on this rank"));
   }
   const bool send = a.kind == ActionKind::kSendF || a.kind == ActionKind::kSendB;
   const bool fwd = a.kind == ActionKind::kSendF || a.kind == ActionKind::kRecvF;
   const int other = a.virtual_stage + ((send == fwd) ? 1 : -1);
-  if (other < 0 || other >= ctx->run->num_stages()) {
+  if (other < 0 || other >= ctx_->run->num_stages()) {
     return absl::InvalidArgumentError(absl::StrCat(Who(), " ", a.ToString(), ": no stage ", other,
                                                    send ? " to send to" : " to receive from"));
   }
@@ -38,10 +38,10 @@ absl::Status RankExecutor::IssueSend(const Action& a) {
                      " of this micro-batch has not run)"));
   }
   const int peer = PeerOf(to_stage);
-  const int64_t tag = MessageTag(ctx->run->num_stages(), mb, to_stage, fwd);
+  const int64_t tag = MessageTag(ctx_->run->num_stages(), mb, to_stage, fwd);
   Clock::time_point c = Clock::now();
-  flight.Peer(peer, tag, static_cast<int64_t>(t.nbytes()));
-  sends_.push_back(groups.world()->Send(t, peer, tag));
+  flight_.Peer(peer, tag, static_cast<int64_t>(t.nbytes()));
+  sends_.push_back(groups_.world()->Send(t, peer, tag));
   Record(EventKind::kSend, a, c, peer, tag);
   t = Tensor();
   return absl::OkStatus();
@@ -54,18 +54,18 @@ absl::Status RankExecutor::PostRecv(const Action& a, PendingRecv* r) {
   r->action = a;
   r->stage = st;
   r->peer = PeerOf(from_stage);
-  r->tag = MessageTag(ctx->run->num_stages(), a.micro_batch, a.virtual_stage, fwd);
-  r->buf = fwd ? Tensor::Empty(st->in_shape, st->in_dtype, alloc.get())
-               : Tensor::Empty(st->out_shape, DType::kF32, alloc.get());
-  flight.Peer(r->peer, r->tag, static_cast<int64_t>(r->buf.nbytes()));
-  r->work = groups.world()->Recv(r->buf, r->peer, r->tag);
+  r->tag = MessageTag(ctx_->run->num_stages(), a.micro_batch, a.virtual_stage, fwd);
+  r->buf = fwd ? Tensor::Empty(st->in_shape, st->in_dtype, alloc_.get())
+               : Tensor::Empty(st->out_shape, DType::kF32, alloc_.get());
+  flight_.Peer(r->peer, r->tag, static_cast<int64_t>(r->buf.nbytes()));
+  r->work = groups_.world()->Recv(r->buf, r->peer, r->tag);
   return absl::OkStatus();
 }
 
 absl::Status RankExecutor::FinishRecv(PendingRecv& r) {
   // The flight recorder's current entry is the action that needs the buffer: a hang there
   // names the peer it waits for.
-  flight.Peer(r.peer, r.tag, static_cast<int64_t>(r.buf.nbytes()));
+  flight_.Peer(r.peer, r.tag, static_cast<int64_t>(r.buf.nbytes()));
   const Clock::time_point t = Clock::now();
   absl::Status s = WaitOrAbort(*r.work, absl::StrCat(r.action.ToString(), " from rank ", r.peer));
   Record(EventKind::kRecvWait, r.action, t, r.peer, r.tag);
@@ -81,7 +81,7 @@ absl::Status RankExecutor::FinishRecv(PendingRecv& r) {
 absl::Status RankExecutor::RunP2PGroup(size_t begin, size_t end) {
   const Program& prog = program();
   std::vector<PendingRecv> recvs;
-  groups.world()->GroupStart();
+  groups_.world()->GroupStart();
   absl::Status posted;
   for (size_t i = begin; i < end && posted.ok(); ++i) {
     const Action& a = prog.actions[i];
@@ -93,7 +93,7 @@ absl::Status RankExecutor::RunP2PGroup(size_t begin, size_t end) {
       if (!posted.ok()) recvs.pop_back();
     }
   }
-  absl::Status grouped = groups.world()->GroupEnd();
+  absl::Status grouped = groups_.world()->GroupEnd();
   PW_RETURN_IF_ERROR(posted);
   if (!grouped.ok()) {
     return absl::Status(grouped.code(),

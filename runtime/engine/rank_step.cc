@@ -26,17 +26,17 @@ absl::Status InLayer(const absl::Status& s, const StageRt& st, int i, const char
 
 void RankExecutor::BeginStep(int64_t step) {
   step_ = step;
-  step_times = RankTimes{};
-  const int M = ctx->run->micro_batches();
-  ZeroGrads(params);
-  for (StageRt& st : stages) {
+  step_times_ = RankTimes{};
+  const int M = ctx_->run->micro_batches();
+  ZeroGrads(params_);
+  for (StageRt& st : stages_) {
     st.saved.assign(M, {});
     st.input.assign(M, Tensor());
     st.output.assign(M, Tensor());
     st.grad_out.assign(M, Tensor());
     st.grad_in.assign(M, Tensor());
   }
-  dp->BeginStep();
+  dp_->BeginStep();
   recvs_.clear();
   losses_.assign(M, 0.0);
   dev_inputs_.assign(M, Tensor());
@@ -46,20 +46,20 @@ void RankExecutor::BeginStep(int64_t step) {
 
 absl::Status RankExecutor::RunStep(int64_t step, float lr, StepOutcome* out) {
   const Clock::time_point t0 = Clock::now();
-  alloc->ResetPeak();
-  const int64_t start_bytes = alloc->current_bytes();
+  alloc_->ResetPeak();
+  const int64_t start_bytes = alloc_->current_bytes();
   BeginStep(step);
   if (needs_data()) {
-    if (loader == nullptr) {
+    if (loader_ == nullptr) {
       // Only ranks holding the first or the last stage get here (needs_data): the others
       // neither build batches nor touch the data's pages.
-      loader = std::make_unique<DataLoader>(data, ctx->layout(), replica, step, /*prefetch=*/2,
-                                            ctx->options->data_workers);
+      loader_ = std::make_unique<DataLoader>(data_, ctx_->layout(), replica_, step, /*prefetch=*/2,
+                                             ctx_->options->data_workers);
     }
     Clock::time_point t = Clock::now();
-    flight.Begin(step, "DATA (the step's batch from the loader)", Now());
-    batch_ = loader->Next();
-    flight.End(Now());
+    flight_.Begin(step, "DATA (the step's batch from the loader)", Now());
+    batch_ = loader_->Next();
+    flight_.End(Now());
     Record(EventKind::kDataWait, Action{ActionKind::kF, -1, -1}, t);
     if (batch_.step != step) {
       return absl::InternalError(
@@ -67,16 +67,16 @@ absl::Status RankExecutor::RunStep(int64_t step, float lr, StepOutcome* out) {
     }
   }
   const Program& prog = program();
-  const TrainTestingHooks& hooks = *ctx->testing;
-  const bool group_p2p = groups.world()->capabilities().grouped_p2p;
+  const TrainTestingHooks& hooks = *ctx_->testing;
+  const bool group_p2p = groups_.world()->capabilities().grouped_p2p;
   for (size_t i = 0; i < prog.actions.size(); ++i) {
     const Action& a = prog.actions[i];
     absl::Status s;
-    if (global == hooks.inject_failure_rank && step == hooks.inject_failure_step &&
+    if (global_ == hooks.inject_failure_rank && step == hooks.inject_failure_step &&
         (a.kind == ActionKind::kB || a.kind == ActionKind::kI)) {
-      groups.world()->Abort(
+      groups_.world()->Abort(
           absl::InternalError(absl::StrCat(Who(), " ", a.ToString(), ": injected failure")));
-      return groups.world()->abort_status();
+      return groups_.world()->abort_status();
     }
     try {
       if (group_p2p && IsComm(a.kind)) {
@@ -84,27 +84,27 @@ absl::Status RankExecutor::RunStep(int64_t step, float lr, StepOutcome* out) {
         while (end < prog.actions.size() && IsComm(prog.actions[end].kind)) ++end;
         std::string label = "P2P group";
         for (size_t j = i; j < end; ++j) absl::StrAppend(&label, " ", prog.actions[j].ToString());
-        flight.Begin(step, std::move(label), Now());
+        flight_.Begin(step, std::move(label), Now());
         s = RunP2PGroup(i, end);
         i = end - 1;
       } else {
-        flight.Begin(step, a.ToString(), Now());
+        flight_.Begin(step, a.ToString(), Now());
         s = RunAction(a, static_cast<int>(i), step, lr, out);
       }
-      if (s.ok()) flight.End(Now());
+      if (s.ok()) flight_.End(Now());
     } catch (const std::exception& e) {
       s = absl::InternalError(absl::StrCat(Who(), " ", a.ToString(), ": exception: ", e.what()));
     } catch (...) {
       s = absl::InternalError(absl::StrCat(Who(), " ", a.ToString(), ": unknown exception"));
     }
     if (!s.ok()) {
-      groups.world()->Abort(s);
-      return groups.world()->abort_status();
+      groups_.world()->Abort(s);
+      return groups_.world()->abort_status();
     }
   }
   if (absl::Status s = AwaitAllRecvs(); !s.ok()) {
-    groups.world()->Abort(s);
-    return groups.world()->abort_status();
+    groups_.world()->Abort(s);
+    return groups_.world()->abort_status();
   }
   EndStep(t0, start_bytes);
   return absl::OkStatus();
@@ -125,8 +125,8 @@ absl::Status RankExecutor::RunAction(const Action& a, int index, int64_t step, f
     return absl::InvalidArgumentError(absl::StrCat(Who(), " ", a.ToString(), ": stage ",
                                                    a.virtual_stage, " is not on this rank"));
   }
-  if (a.kind == ActionKind::kReduceGrads) return dp->StageReady(local[a.virtual_stage]);
-  if (a.micro_batch < 0 || a.micro_batch >= ctx->run->micro_batches()) {
+  if (a.kind == ActionKind::kReduceGrads) return dp_->StageReady(local_[a.virtual_stage]);
+  if (a.micro_batch < 0 || a.micro_batch >= ctx_->run->micro_batches()) {
     return absl::InvalidArgumentError(
         absl::StrCat(Who(), " ", a.ToString(), ": micro-batch out of range"));
   }
@@ -136,7 +136,7 @@ absl::Status RankExecutor::RunAction(const Action& a, int index, int64_t step, f
       Clock::time_point t = Clock::now();
       absl::Status s = Forward(*st, a.micro_batch);
       Record(EventKind::kCompute, a, t);
-      st->f_s += events.back().end - events.back().start;
+      st->f_s += events_.back().end - events_.back().start;
       ++st->f_n;
       return Named(s, Who(), a);
     }
@@ -155,8 +155,8 @@ absl::StatusOr<Tensor> RankExecutor::Inputs(int mb) {
   if (!on_cuda()) return batch_.inputs[mb];
   if (!dev_inputs_[mb].defined()) {
     const Tensor& h = batch_.inputs[mb];
-    Tensor d = Tensor::Empty(h.shape(), h.dtype(), alloc.get());
-    PW_RETURN_IF_ERROR(ops::Copy(ops::Exec{alloc.get()}, h, d));
+    Tensor d = Tensor::Empty(h.shape(), h.dtype(), alloc_.get());
+    PW_RETURN_IF_ERROR(ops::Copy(ops::Exec{alloc_.get()}, h, d));
     dev_inputs_[mb] = std::move(d);
   }
   return dev_inputs_[mb];
@@ -166,8 +166,8 @@ absl::StatusOr<const Tensor*> RankExecutor::Targets(int mb) {
   if (!on_cuda()) return &batch_.targets[mb];
   if (!dev_targets_[mb].defined()) {
     const Tensor& h = batch_.targets[mb];
-    Tensor d = Tensor::Empty(h.shape(), h.dtype(), alloc.get());
-    PW_RETURN_IF_ERROR(ops::Copy(ops::Exec{alloc.get()}, h, d));
+    Tensor d = Tensor::Empty(h.shape(), h.dtype(), alloc_.get());
+    PW_RETURN_IF_ERROR(ops::Copy(ops::Exec{alloc_.get()}, h, d));
     dev_targets_[mb] = std::move(d);
   }
   return &dev_targets_[mb];
@@ -178,7 +178,7 @@ absl::StatusOr<LayerContext> RankExecutor::ContextFor(const StageRt& st, int mb)
   if (st.last) {
     PW_ASSIGN_OR_RETURN(targets, Targets(mb));
   }
-  LayerContext lc{alloc.get(), targets, ComputeDType(ctx->options->precision)};
+  LayerContext lc{alloc_.get(), targets, ComputeDType(ctx_->options->precision)};
   lc.selective_recompute = st.recompute == Recompute::kSelective;
   return lc;
 }
@@ -215,7 +215,7 @@ absl::Status RankExecutor::Forward(StageRt& st, int mb) {
     const float l = y.data<float>()[0];
     // With loss scaling a non-finite loss skips the step everywhere (see Agree); otherwise it
     // is an error.
-    if (!std::isfinite(l) && !scaler.enabled()) {
+    if (!std::isfinite(l) && !scaler_.enabled()) {
       return absl::InternalError(absl::StrCat("non-finite loss ", l, " at step ", step_,
                                               "; weights not updated on any rank"));
     }
@@ -248,7 +248,7 @@ absl::Status RankExecutor::Backward(StageRt& st, const Action& a, int index) {
     absl::StatusOr<Tensor> y = st.stage->Forward(x, lc, &saved);
     if (y.ok()) PW_RETURN_IF_ERROR(Sync());
     Record(EventKind::kRecompute, a, t);
-    st.rc_s += events.back().end - events.back().start;
+    st.rc_s += events_.back().end - events_.back().start;
     PW_RETURN_IF_ERROR(y.status());
     st.input[mb] = Tensor();
   }
@@ -257,12 +257,12 @@ absl::Status RankExecutor::Backward(StageRt& st, const Action& a, int index) {
   }
   Tensor dy;
   if (st.last) {
-    const BatchLayout l = ctx->layout();
-    dy = Tensor::Empty({1}, DType::kF32, host.get());  // a host scalar on every device
+    const BatchLayout l = ctx_->layout();
+    dy = Tensor::Empty({1}, DType::kF32, host_.get());  // a host scalar on every device
     // The mean over the batch of the replicas one step's gradient spans: the global batch, or
     // (asynchronous DP: each replica's gradient is an update of its own) the replica's.
     dy.data<float>()[0] =
-        scaler.scale() / static_cast<float>(l.micro_batches * dp->gradient_replicas());
+        scaler_.scale() / static_cast<float>(l.micro_batches * dp_->gradient_replicas());
   } else {
     dy = st.grad_out[mb];
     if (!dy.defined()) {
@@ -271,7 +271,7 @@ absl::Status RankExecutor::Backward(StageRt& st, const Action& a, int index) {
   }
   Clock::time_point t = Clock::now();
   const bool whole = a.kind == ActionKind::kB;
-  if (whole) PW_RETURN_IF_ERROR(dp->BeginBackward(local[st.index]));
+  if (whole) PW_RETURN_IF_ERROR(dp_->BeginBackward(local_[st.index]));
   Tensor g = dy;
   for (int i = st.stage->size(); i-- > 0;) {
     Layer& layer = st.stage->layer(i);
@@ -282,11 +282,11 @@ absl::Status RankExecutor::Backward(StageRt& st, const Action& a, int index) {
         whole ? layer.Backward(g, lc, &saved[i]) : layer.BackwardInput(g, lc, &saved[i]);
     PW_RETURN_IF_ERROR(InLayer(r.status(), st, i, "backward"));
     g = *std::move(r);
-    if (whole) PW_RETURN_IF_ERROR(dp->GradReady(local[st.index], i, final_w));
+    if (whole) PW_RETURN_IF_ERROR(dp_->GradReady(local_[st.index], i, final_w));
   }
   PW_RETURN_IF_ERROR(Sync());
   Record(EventKind::kCompute, a, t);
-  st.b_s += events.back().end - events.back().start;
+  st.b_s += events_.back().end - events_.back().start;
   ++st.b_n;
   if (a.kind == ActionKind::kB) saved.clear();
   st.grad_out[mb] = Tensor();
@@ -310,27 +310,17 @@ absl::Status RankExecutor::WeightBackward(StageRt& st, const Action& a, int inde
   }
   const bool final_w = index == st.last_backward;
   Clock::time_point t = Clock::now();
-  PW_RETURN_IF_ERROR(dp->BeginBackward(local[st.index]));
+  PW_RETURN_IF_ERROR(dp_->BeginBackward(local_[st.index]));
   for (int i = st.stage->size(); i-- > 0;) {
     PW_RETURN_IF_ERROR(
         InLayer(st.stage->layer(i).BackwardWeight(lc, &saved[i]), st, i, "weight backward"));
-    PW_RETURN_IF_ERROR(dp->GradReady(local[st.index], i, final_w));
+    PW_RETURN_IF_ERROR(dp_->GradReady(local_[st.index], i, final_w));
   }
   saved.clear();
   PW_RETURN_IF_ERROR(Sync());
   Record(EventKind::kCompute, a, t);
-  st.w_s += events.back().end - events.back().start;
+  st.w_s += events_.back().end - events_.back().start;
   ++st.w_n;
-  return absl::OkStatus();
-}
-
-absl::Status RankExecutor::ReduceTied() {
-  PW_RETURN_IF_ERROR(AddTiedGradients(tied_local, alloc.get()));
-  for (const RemoteTie& t : tied_remote) {
-    std::unique_ptr<Work> w = t.group->AllReduce(t.param->grad);
-    PW_RETURN_IF_ERROR(
-        WaitOrAbort(*w, absl::StrCat("the tied-weight all-reduce of ", t.param->name)));
-  }
   return absl::OkStatus();
 }
 
@@ -347,28 +337,30 @@ absl::Status RankExecutor::Agree(int64_t step, float lr, StepOutcome* out) {
   const Action a{ActionKind::kOptimizerStep, 0, 0};
   Clock::time_point t = Clock::now();
   PW_RETURN_IF_ERROR(WaitSends());
-  PW_RETURN_IF_ERROR(dp->Finish());
-  PW_RETURN_IF_ERROR(ReduceTied());
-  const bool together = dp->replicas_step_together();
-  const int64_t M = ctx->layout().micro_batches, R = together ? ctx->layout().replicas : 1;
-  const int64_t me = together ? replica : 0;
+  PW_RETURN_IF_ERROR(dp_->Finish());
+  // The tie reduction, after the data-parallel one: every tied gradient becomes owner + copy.
+  PW_RETURN_IF_ERROR(ties_.Reduce(
+      alloc_.get(), [this](Work& w, const std::string& what) { return WaitOrAbort(w, what); }));
+  const bool together = dp_->replicas_step_together();
+  const int64_t M = ctx_->layout().micro_batches, R = together ? ctx_->layout().replicas : 1;
+  const int64_t me = together ? replica_ : 0;
   constexpr int64_t K = ExactSum::kSlots;
   // The last entry counts the ranks whose process was asked to stop (train.h, RequestStop).
-  Tensor v = Tensor::Zeros({R * M + K + 1}, DType::kF64, host.get());
+  Tensor v = Tensor::Zeros({R * M + K + 1}, DType::kF64, host_.get());
   double* d = v.data<double>();
-  for (StageRt& st : stages) {
+  for (StageRt& st : stages_) {
     if (st.last) {
       for (int64_t j = 0; j < M; ++j) d[me * M + j] = losses_[j];
     }
   }
   ExactSum norm;
-  PW_RETURN_IF_ERROR(dp->AddSquaredNorm(&norm));
+  PW_RETURN_IF_ERROR(dp_->AddSquaredNorm(&norm));
   norm.ToSlots(d + R * M);
   d[R * M + K] = StopRequested() ? 1.0 : 0.0;
   if (together) {
     PW_RETURN_IF_ERROR(AllReduceHost(v, "step agreement all-reduce"));
-  } else if (groups.pipeline() != nullptr) {
-    std::unique_ptr<Work> w = groups.pipeline()->AllReduce(v);
+  } else if (groups_.pipeline() != nullptr) {
+    std::unique_ptr<Work> w = groups_.pipeline()->AllReduce(v);
     PW_RETURN_IF_ERROR(WaitOrAbort(*w, "the replica's step agreement"));
   }
   Record(EventKind::kAllReduce, a, t);
@@ -376,12 +368,12 @@ absl::Status RankExecutor::Agree(int64_t step, float lr, StepOutcome* out) {
   double loss = 0;
   for (int64_t i = 0; i < R * M; ++i) loss += d[i];
   const double norm2 = ExactSum::FromSlots(d + R * M).Round();
-  const float scale = scaler.scale();
+  const float scale = scaler_.scale();
   out->loss = loss / static_cast<double>(R * M);
   out->grad_norm = std::sqrt(norm2) / scale;
   out->loss_scale = scale;
   const bool finite = std::isfinite(out->loss) && std::isfinite(out->grad_norm);
-  if (!scaler.Update(finite)) {
+  if (!scaler_.Update(finite)) {
     out->skipped = true;  // fp16 overflow: nothing applied anywhere, the scale backed off
     return absl::OkStatus();
   }
@@ -391,12 +383,12 @@ absl::Status RankExecutor::Agree(int64_t step, float lr, StepOutcome* out) {
   }
   Clock::time_point o = Clock::now();
   // Clipping (and fp16's unscaling) as the optimizer reads the gradients.
-  PW_RETURN_IF_ERROR(dp->Step(lr, ClipScale(out->grad_norm, ctx->options->clip_norm) / scale));
+  PW_RETURN_IF_ERROR(dp_->Step(lr, ClipScale(out->grad_norm, ctx_->options->clip_norm) / scale));
   PW_RETURN_IF_ERROR(Sync());
   Record(EventKind::kOptimizer, a, o);
-  if (dp->syncs_parameters()) {
+  if (dp_->syncs_parameters()) {
     Clock::time_point b = Clock::now();
-    PW_RETURN_IF_ERROR(dp->SyncParameters());
+    PW_RETURN_IF_ERROR(dp_->SyncParameters());
     Record(EventKind::kAllReduce, a, b);
   }
   return absl::OkStatus();

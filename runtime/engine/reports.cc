@@ -118,7 +118,7 @@ absl::Status Engine::GatherReports() {
   internal::RankExecutor& r = *m.ranks[0];
   PW_RETURN_IF_ERROR(r.BindDevice());
   json mine = {{"times", TimesToJson(r.Totals())}, {"events", json::array()}};
-  for (const RankEvent& e : r.events) mine["events"].push_back(EventToJson(e));
+  for (const RankEvent& e : r.events()) mine["events"].push_back(EventToJson(e));
   PW_ASSIGN_OR_RETURN(std::vector<std::string> all,
                       r.AllGatherBytes(mine.dump(), "gathering rank reports"));
   m.gathered_times.clear();
@@ -142,7 +142,7 @@ absl::Status Engine::GatherReports() {
 std::vector<std::vector<RankEvent>> Engine::Events() const {
   if (impl_->gathered) return impl_->gathered_events;
   std::vector<std::vector<RankEvent>> out;
-  for (const auto& r : impl_->ranks) out.push_back(r->events);
+  for (const auto& r : impl_->ranks) out.push_back(r->events());
   return out;
 }
 
@@ -214,8 +214,8 @@ namespace {
 // One line for stderr: where the rank is now, from its flight record.
 std::string FlightLine(const internal::RankExecutor& r,
                        const std::vector<internal::FlightEntry>& entries, double now) {
-  std::string who = absl::StrCat("flight: rank ", r.global, " (pipeline rank ", r.pipe,
-                                 ", replica ", r.replica, "): ");
+  std::string who = absl::StrCat("flight: rank ", r.global(), " (pipeline rank ", r.pipe(),
+                                 ", replica ", r.replica(), "): ");
   if (entries.empty()) return who + "no action begun yet";
   const internal::FlightEntry& e = entries.back();
   if (e.end_s >= 0) {
@@ -251,9 +251,10 @@ absl::Status Engine::DumpFlightRecords(const std::string& dir) const {
   for (const auto& rp : m.ranks) {
     const internal::RankExecutor& r = *rp;
     const double now = r.Now();
-    const std::vector<internal::FlightEntry> entries = r.flight.Snapshot();
-    json j = {{"rank", r.global}, {"pipeline_rank", r.pipe},           {"replica", r.replica},
-              {"now_s", now},     {"actions_begun", r.flight.count()}, {"entries", json::array()}};
+    const std::vector<internal::FlightEntry> entries = r.flight().Snapshot();
+    json j = {
+        {"rank", r.global()}, {"pipeline_rank", r.pipe()},           {"replica", r.replica()},
+        {"now_s", now},       {"actions_begun", r.flight().count()}, {"entries", json::array()}};
     for (const internal::FlightEntry& e : entries) {
       json x = {{"step", e.step}, {"action", e.action}, {"start_s", e.start_s}};
       x["end_s"] = e.end_s >= 0 ? json(e.end_s) : json(nullptr);
@@ -266,7 +267,7 @@ absl::Status Engine::DumpFlightRecords(const std::string& dir) const {
       }
       j["entries"].push_back(std::move(x));
     }
-    const std::string path = absl::StrCat(dir, "/flight-rank-", r.global, ".json");
+    const std::string path = absl::StrCat(dir, "/flight-rank-", r.global(), ".json");
     std::ofstream out(path, std::ios::trunc);
     out << j.dump(1) << "\n";
     out.close();
