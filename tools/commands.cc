@@ -2,9 +2,12 @@
 // code of an error.
 #include "tools/commands.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "tools/flags.h"
 
 namespace pipewright::tools {
@@ -23,6 +26,77 @@ void RegisterCommands(CLI::App& app, int* exit_code) {
   // No option of any subcommand takes an empty value ("--save ''"); each numeric option's range
   // was attached where it was registered (tools/flags.h).
   RequireValues(app);
+}
+
+namespace {
+
+// Edit distance (insertions, deletions, substitutions) between two short option names.
+size_t EditDistance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// The subcommand of `app` named `name`, or null.
+const CLI::App* Subcommand(const CLI::App& app, const std::string& name) {
+  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) {
+    if (sub->get_name() == name) return sub;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+std::string UsageHint(const CLI::App& app, int argc, const char* const* argv) {
+  // The deepest subcommand the words name ("data prepare"), and its path.
+  const CLI::App* cmd = &app;
+  std::string path = "pipewright";
+  int i = 1;
+  for (; i < argc; ++i) {
+    const std::string word = argv[i];
+    if (word.rfind("-", 0) == 0) break;
+    const CLI::App* sub = Subcommand(*cmd, word);
+    if (sub == nullptr) break;
+    cmd = sub;
+    path += " " + word;
+  }
+  std::string out;
+  if (cmd != &app) {
+    std::vector<std::string> known;  // "--steps", "-h"
+    for (const CLI::Option* opt : cmd->get_options()) {
+      for (const std::string& n : opt->get_lnames()) known.push_back("--" + n);
+      for (const std::string& n : opt->get_snames()) known.push_back("-" + n);
+    }
+    for (int k = i; k < argc; ++k) {
+      std::string word = argv[k];
+      if (word.rfind("--", 0) != 0 || word.size() == 2) continue;
+      word = word.substr(0, word.find('='));
+      if (std::find(known.begin(), known.end(), word) != known.end()) continue;
+      std::string best;
+      size_t best_d = std::max<size_t>(2, word.size() / 3) + 1;  // farther is no suggestion
+      for (const std::string& n : known) {
+        const size_t d = EditDistance(word, n);
+        if (d < best_d) {
+          best_d = d;
+          best = n;
+        }
+      }
+      absl::StrAppend(&out, "unknown option ", word, " for '", path, "'",
+                      best.empty() ? "" : absl::StrCat("; did you mean ", best, "?"), "\n");
+    }
+  }
+  absl::StrAppend(&out, "run '", path, " --help' for ",
+                  cmd == &app ? "usage" : "its options and their defaults", "\n");
+  return out;
 }
 
 int ReportError(const absl::Status& status) {

@@ -9,6 +9,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "pipewright/input.h"
 
 namespace pipewright::tools {
@@ -25,6 +27,12 @@ void RegisterExport(CLI::App& app, int* exit_code);
 void RegisterImport(CLI::App& app, int* exit_code);
 // Every subcommand above, then RequireValues (tools/flags.h): the whole command tree.
 void RegisterCommands(CLI::App& app, int* exit_code);
+
+// What to tell a user whose command line did not parse, after CLI11's message: for each option
+// the subcommand does not have, the nearest one it does ("unknown option --step for 'pipewright
+// train'; did you mean --steps?"), then which help to read ("run 'pipewright train --help' for
+// its options"; the top-level help when no subcommand was named). Lines end in '\n'.
+std::string UsageHint(const CLI::App& app, int argc, const char* const* argv);
 
 // Prints "pipewright: <message>" on stderr and returns the exit code for `status`:
 // 2 for InvalidArgument / NotFound / FailedPrecondition / OutOfRange / Unimplemented, 1 otherwise.
@@ -52,16 +60,29 @@ absl::Status WriteFile(const std::string& path, const std::string& text,
 // "80GiB", "512 MiB", "1.5GB", "4096" (bytes): binary and decimal units, case-insensitive.
 absl::StatusOr<int64_t> ParseByteSize(const std::string& text);
 
-// Terminal progress bar ("[#####.....] 12/60 ..."), drawn only when stdout is a terminal.
-class ProgressBar {
+// Whether a launcher (mpirun, srun) started this process: its stdout is forwarded, and may be a
+// terminal (Open MPI gives rank 0 a pseudo-terminal) when the launcher's own output is a file.
+bool UnderLauncher();
+
+// What `train` prints per step on the root process (issue 36). On a terminal, and not under a
+// launcher, a progress bar redrawn in place with the elapsed time and an ETA; anywhere else (a
+// file, a pipe, any launcher), or when `every` > 0 (--log-every), one plain line without control
+// codes every `every` steps (kDefaultEvery when 0), plus the first and the last step:
+//   step 10/60  loss 4.1234  lr 3.00e-03  812 samples/s  (2.1s elapsed, eta 10.4s)
+class StepLog {
  public:
-  ProgressBar(int64_t total, bool enabled);
+  static constexpr int64_t kDefaultEvery = 10;
+  // Steps first+1 .. total will be reported (done counts steps, as StepResult::step + 1).
+  StepLog(int64_t first, int64_t total, int64_t every, bool enabled);
   void Update(int64_t done, const std::string& text);
   void Finish();
 
  private:
-  int64_t total_;
-  bool enabled_;
+  std::string Eta(int64_t done) const;
+  int64_t first_, total_;
+  absl::Time start_;
+  bool bar_ = false, drawn_ = false;
+  int64_t every_ = 0;  // 0: nothing printed
 };
 
 }  // namespace pipewright::tools

@@ -22,7 +22,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     // Among them a refused option value (tools/flags.h), whose message names the option.
     std::fprintf(stderr, "pipewright: %s\n", e.what());
-    std::fprintf(stderr, "run 'pipewright --help' for usage\n");
+    std::fprintf(stderr, "%s", pipewright::tools::UsageHint(app, argc, argv).c_str());
     return 2;
   }
   // Under mpirun a failed process must not wait for its peers without bound at exit (a stopped

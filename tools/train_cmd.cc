@@ -55,6 +55,7 @@ struct TrainFlags {
   double timeout_s = 60, bucket_mb = 1;
   int64_t micro_batches = 4, micro_batch_size = 0, steps = 60, warmup = 5, base_batch = 32;
   int64_t stop_after = 0;
+  int64_t log_every = 0;
   int64_t save_every = 0;  // steps between periodic checkpoints (0: only at the end)
   int keep = 0;            // step checkpoints kept (0: all)
   std::string flight_dir;  // where flight records go (default: --save DIR, else .)
@@ -392,7 +393,7 @@ RunRecord RunSteps(Engine& t, const TrainFlags& f, bool root, const TrainOptions
   RunRecord rec;
   rec.first_step = t.step();
   rec.last_loss_scale = options.loss_scale.initial_scale;
-  ProgressBar bar(f.steps, !f.json && root);
+  StepLog log(rec.first_step, f.steps, f.log_every, !f.json && root);
   const absl::Time start = absl::Now();
   while (t.step() < f.steps && (f.stop_after == 0 || t.step() - rec.first_step < f.stop_after)) {
     absl::StatusOr<StepReport> r = t.Step();
@@ -420,12 +421,12 @@ RunRecord RunSteps(Engine& t, const TrainFlags& f, bool root, const TrainOptions
     if (f.json) {
       PrintStepJson(res, precision);
     } else {
-      bar.Update(res.step + 1, absl::StrFormat("loss %.4f lr %.2e %.0f samples/s", res.loss, res.lr,
-                                               res.samples_per_s));
+      log.Update(res.step + 1, absl::StrFormat("loss %.4f  lr %.2e  %.0f samples/s", res.loss,
+                                               res.lr, res.samples_per_s));
     }
     if (rec.stopped) break;
   }
-  bar.Finish();
+  log.Finish();
   rec.wall_s = absl::ToDoubleSeconds(absl::Now() - start);
   return rec;
 }
@@ -544,17 +545,45 @@ absl::StatusOr<std::optional<ResumeInfo>> ResumeFromFlags(Engine& t, const Train
 bool root_process = true;
 
 // The flags with what a resumed run takes from its checkpoint when not given: the seed (every
-// sample depends on it; a different one is refused by the resume).
+// sample depends on it; a different one is refused by the resume), and the model when no
+// --preset, --plan or --program names one (the preset, its head's tying and its micro-batch
+// size, as the manifest records them; said on stderr).
 absl::StatusOr<TrainFlags> WithCheckpointDefaults(const TrainFlags& given) {
   TrainFlags f = given;
   const std::string from = f.resume == "auto" ? f.save : f.resume;
-  if (from.empty() || f.given.count("--seed") > 0 || !HoldsCheckpoints(from)) return f;
+  if (from.empty() || !HoldsCheckpoints(from)) return f;
   absl::StatusOr<std::string> manifest = ReadCheckpointManifest(from);
   if (!manifest.ok()) return f;  // the resume itself reports what is wrong
   json m = json::parse(*manifest, nullptr, false);
-  if (m.is_object() && m.contains("rng") && m["rng"].is_object() && m["rng"].contains("seed") &&
-      m["rng"]["seed"].is_number_unsigned()) {
+  if (!m.is_object()) return f;
+  if (f.given.count("--seed") == 0 && m.contains("rng") && m["rng"].is_object() &&
+      m["rng"].contains("seed") && m["rng"]["seed"].is_number_unsigned()) {
     f.seed = m["rng"]["seed"].get<uint64_t>();
+  }
+  const bool model_given = f.given.count("--preset") > 0 || !f.plan.empty() || !f.program.empty();
+  if (model_given || !m.contains("model") || !m["model"].is_object()) return f;
+  const json& model = m["model"];
+  if (!model.contains("name") || !model["name"].is_string()) return f;
+  const std::string name = model["name"].get<std::string>();
+  const std::vector<std::string>& presets = TrainablePresets();
+  if (std::find(presets.begin(), presets.end(), name) == presets.end()) return f;
+  f.preset = name;
+  if (f.given.count("--tied") == 0 && PresetGptConfig(name).ok() && model.contains("layers") &&
+      model["layers"].is_array()) {
+    for (const json& l : model["layers"]) {
+      if (l.is_object() && l.value("kind", "") == "lm_head") {
+        f.tied = l.value("config", "").find("tied_to=") != std::string::npos ? 1 : 0;
+      }
+    }
+  }
+  if (f.given.count("--micro-batch-size") == 0 && model.contains("micro_batch_size") &&
+      model["micro_batch_size"].is_number_unsigned()) {
+    f.micro_batch_size =
+        std::min<int64_t>(model["micro_batch_size"].get<int64_t>(), kMaxMicroBatchSize);
+  }
+  if (root_process) {
+    std::fprintf(stderr, "model %s%s from the checkpoint's manifest (no --preset given)\n",
+                 name.c_str(), f.tied == 1 ? " (tied head)" : "");
   }
   return f;
 }
@@ -688,6 +717,9 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
   AddInt(cmd, "--stop-after", &f->stop_after, {0, kMaxSteps, "0: no limit"},
          "Stop after this many steps in this run (the LR schedule still spans --steps; 0: no "
          "limit)");
+  AddInt(cmd, "--log-every", &f->log_every, {0, kMaxSteps, "0: automatic"},
+         "Print a plain line every N steps (0: a progress bar with an ETA on a terminal, else a "
+         "line every 10 steps; never control codes under a launcher or into a file or pipe)");
   cmd->add_option("--data", f->data,
                   "synthetic, a token file ('pipewright data prepare'), or a text file "
                   "(byte-level tokens); files are memory-mapped");

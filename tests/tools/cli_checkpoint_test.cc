@@ -67,6 +67,35 @@ TEST_F(CliCheckpoint, SaveEveryKeepsTheNewestAndResumeAutoContinues) {
   EXPECT_NE(fresh.err.find("starting at step 0"), std::string::npos) << fresh.err;
 }
 
+TEST_F(CliCheckpoint, AResumeWithoutAModelFlagTakesTheModelFromTheManifest) {
+  // Was (issue 36): "model.fingerprint does not match this model (gpt-tiny)".
+  const std::string tied = Path("tied"), small = Path("small");
+  const std::string common = "train --micro-batches 2 --seed 5 --json ";
+  ASSERT_EQ(
+      RunCli(common + "--preset gpt-tiny --tied 1 --micro-batch-size 2 --steps 2 --save " + tied)
+          .exit_code,
+      0);
+  Result r = RunCli(common + "--steps 3 --resume " + tied);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("model gpt-tiny (tied head) from the checkpoint's manifest"),
+            std::string::npos)
+      << r.err;
+  // The same losses as the run that names its model.
+  Result named =
+      RunCli(common + "--preset gpt-tiny --tied 1 --micro-batch-size 2 --steps 3 --resume " + tied);
+  ASSERT_EQ(named.exit_code, 0) << named.err;
+  ASSERT_EQ(StepLosses(r.out).size(), 1u) << r.out;
+  EXPECT_EQ(StepLosses(r.out), StepLosses(named.out));
+  // Another preset, untied: no "(tied head)"; a model flag given wins (and then must match).
+  ASSERT_EQ(RunCli(common + "--preset mlp --steps 1 --save " + small).exit_code, 0);
+  r = RunCli(common + "--steps 2 --resume " + small);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("model mlp from the checkpoint's manifest"), std::string::npos) << r.err;
+  r = RunCli(common + "--preset gpt-tiny --steps 2 --resume " + small);
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("does not match this model (gpt-tiny)"), std::string::npos) << r.err;
+}
+
 TEST_F(CliCheckpoint, FlagsThatNeedSaveAreUsageErrors) {
   for (const char* flags : {"--save-every 2", "--keep 3", "--resume auto"}) {
     Result r = RunCli(kTrain + "--steps 1 " + flags);

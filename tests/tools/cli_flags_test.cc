@@ -506,3 +506,29 @@ TEST(CliFlags, RefusedValuesExitTwoNamingTheOptionInEverySubcommand) {
 }
 
 }  // namespace
+
+// --- A mistyped option (issue 36, item 4) --------------------------------------------------------
+
+TEST(CliFlags, AMistypedOptionNamesTheNearestOneAndTheSubcommandsHelp) {
+  Result r = RunCli("train --step 5");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("unknown option --step for 'pipewright train'; did you mean --steps?"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("run 'pipewright train --help' for its options"), std::string::npos)
+      << r.err;
+  EXPECT_TRUE(r.out.empty()) << r.out;
+  // A nested subcommand, a value given with '=', and a name far from every option.
+  r = RunCli("plan --preset gpt-tiny --devics=2");
+  EXPECT_NE(r.err.find("unknown option --devics for 'pipewright plan'; did you mean --devices?"),
+            std::string::npos)
+      << r.err;
+  r = RunCli("data prepare --input x --output y --zzzzzzzz");
+  EXPECT_NE(r.err.find("unknown option --zzzzzzzz for 'pipewright data prepare'\n"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("run 'pipewright data prepare --help'"), std::string::npos) << r.err;
+  // No subcommand: the top-level help.
+  r = RunCli("--bogus");
+  EXPECT_NE(r.err.find("run 'pipewright --help' for usage"), std::string::npos) << r.err;
+}

@@ -415,3 +415,71 @@ TEST(CliSimulate, HandWrittenDeadlockNamesRanks) {
 }
 
 }  // namespace
+
+// --- Per-step output (issue 36, item 2) ----------------------------------------------------------
+
+// The lines of `text` that start with "step ".
+std::vector<std::string> StepLines(const std::string& text) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start < text.size()) {
+    size_t end = text.find('\n', start);
+    if (end == std::string::npos) end = text.size();
+    const std::string line = text.substr(start, end - start);
+    if (line.rfind("step ", 0) == 0) out.push_back(line);
+    start = end + 1;
+  }
+  return out;
+}
+
+const std::string kTinyRun = "train --preset gpt-tiny --micro-batches 2 --micro-batch-size 2 ";
+
+TEST(CliLog, IntoAPipeEveryTenthStepIsAPlainLine) {
+  Result r = RunCli(kTinyRun + "--steps 23");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::vector<std::string> lines = StepLines(r.out);
+  ASSERT_EQ(lines.size(), 4u) << r.out;  // the first, 10, 20 and the last
+  EXPECT_EQ(lines[0].rfind("step 1/23  loss ", 0), 0u) << lines[0];
+  EXPECT_EQ(lines[1].rfind("step 10/23  loss ", 0), 0u) << lines[1];
+  EXPECT_EQ(lines[2].rfind("step 20/23  loss ", 0), 0u) << lines[2];
+  EXPECT_EQ(lines[3].rfind("step 23/23  loss ", 0), 0u) << lines[3];
+  EXPECT_NE(lines[1].find(" elapsed, eta "), std::string::npos) << lines[1];
+  EXPECT_EQ(r.out.find('\r'), std::string::npos) << "no control codes into a pipe";
+  EXPECT_EQ(r.out.find('\033'), std::string::npos) << "no control codes into a pipe";
+}
+
+TEST(CliLog, LogEverySetsTheInterval) {
+  Result r = RunCli(kTinyRun + "--steps 7 --log-every 3");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::vector<std::string> lines = StepLines(r.out);
+  ASSERT_EQ(lines.size(), 4u) << r.out;  // 1, 3, 6, 7
+  EXPECT_EQ(lines[1].rfind("step 3/7 ", 0), 0u) << lines[1];
+  EXPECT_EQ(lines[2].rfind("step 6/7 ", 0), 0u) << lines[2];
+  // A resumed run counts from where it starts.
+  const std::string dir = TempPath("log_every_ckpt");
+  ASSERT_EQ(RunCli(kTinyRun + "--steps 4 --save " + dir).exit_code, 0);
+  r = RunCli(kTinyRun + "--steps 9 --log-every 5 --resume " + dir);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::vector<std::string> resumed = StepLines(r.out);
+  ASSERT_EQ(resumed.size(), 2u) << r.out;  // 5 (its first, and the interval's), then 9
+  EXPECT_EQ(resumed[0].rfind("step 5/9 ", 0), 0u) << resumed[0];
+  EXPECT_EQ(resumed[1].rfind("step 9/9 ", 0), 0u) << resumed[1];
+}
+
+TEST(CliLog, OnATerminalABarWithAnEtaUnlessALauncherForwardsTheOutput) {
+  if (std::system("command -v script >/dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "no 'script' to give the CLI a terminal";
+  }
+  const std::string run = Bin() + " " + kTinyRun + "--steps 3";
+  // script(1) runs the CLI on a pseudo-terminal and copies what it drew to our pipe.
+  Result r = RunCliWith("script -qec '" + run + "' /dev/null", "");
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  EXPECT_NE(r.out.find("\r[##########....................] 1/3 loss "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("3/3 loss "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(" elapsed, eta "), std::string::npos) << r.out;
+  // Under a launcher (Slurm's environment here) the same terminal gets plain lines.
+  r = RunCliWith("SLURM_PROCID=0 script -qec '" + run + "' /dev/null", "");
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  EXPECT_EQ(r.out.find('\033'), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("step 3/3  loss "), std::string::npos) << r.out;
+}
