@@ -254,8 +254,11 @@ absl::StatusOr<RunSpec> RunFromFlags(const TrainFlags& f, const LoadedModel& mod
     schedule = *std::move(parsed);
   } else {
     PW_ASSIGN_OR_RETURN(ScheduleKind kind, ParseScheduleKind(f.schedule));
-    PW_ASSIGN_OR_RETURN(
-        schedule, GenerateSchedule({kind, f.pp, static_cast<int>(f.micro_batches), f.chunks}));
+    // Interleaved with one chunk would be plain 1F1B: without --chunks it takes 2, as `plan`.
+    const int chunks =
+        kind == ScheduleKind::kInterleaved && f.given.count("--chunks") == 0 ? 2 : f.chunks;
+    PW_ASSIGN_OR_RETURN(schedule,
+                        GenerateSchedule({kind, f.pp, static_cast<int>(f.micro_batches), chunks}));
   }
   absl::StatusOr<RunSpec> run =
       RunSpecFromSchedule(model.graph, std::move(schedule), f.dp, recompute);
@@ -631,7 +634,7 @@ absl::Status RunTrain(const TrainFlags& given) {
     return absl::OkStatus();
   }
   InstallStopSignals();
-  if (!f.json && root) PrintHeader(model.graph, t, data->Describe());
+  if (!f.json && root) PrintHeader(model.graph, t, options, data->Describe());
   RunRecord rec;
   AsyncReport async_report;
   {
@@ -700,7 +703,8 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
   AddInt(cmd, "--dp", &f->dp, {1, kMaxParallel}, "Data-parallel replicas");
   cmd->add_option("--schedule", f->schedule, "Pipeline schedule")
       ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"}));
-  AddInt(cmd, "--chunks", &f->chunks, {1, kMaxParallel}, "Model chunks per rank (interleaved)");
+  AddInt(cmd, "--chunks", &f->chunks, {1, kMaxParallel},
+         "Model chunks per rank (interleaved: 2 when not given, as in `plan`)");
   AddInt(cmd, "--micro-batches", &f->micro_batches, {1, kMaxMicroBatches},
          "Micro-batches per step (per replica)");
   AddInt(cmd, "--micro-batch-size", &f->micro_batch_size,

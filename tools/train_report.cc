@@ -121,11 +121,21 @@ std::string StageSplit(const std::vector<int>& bounds) {
 
 }  // namespace
 
-void PrintHeader(const LayerGraph& graph, const Engine& t, const std::string& data) {
+std::string ParameterCount(const LayerGraph& graph) {
+  const ModelCosts costs = ToModelCosts(graph);
+  const int64_t unique = costs.UniqueParams();
+  int64_t stored = 0;
+  for (const LayerCost& l : costs.layers) stored += l.params;
+  return absl::StrFormat("%.2fM parameters%s", static_cast<double>(unique) / 1e6,
+                         stored != unique ? " (tied)" : "");
+}
+
+void PrintHeader(const LayerGraph& graph, const Engine& t, const TrainOptions& o,
+                 const std::string& data) {
   const RunSpec& run = t.run();
-  std::printf("pipewright train: %s (%lld layers, %.2fM parameters), data %s\n",
-              graph.name().c_str(), static_cast<long long>(graph.num_layers()),
-              graph.TotalCost().params / 1e6, data.c_str());
+  std::printf("pipewright train: %s (%lld layers, %s), data %s\n", graph.name().c_str(),
+              static_cast<long long>(graph.num_layers()), ParameterCount(graph).c_str(),
+              data.c_str());
   std::printf(
       "  pp=%d dp=%d %s chunks=%d recompute=%s; stages %s\n  %lld micro-batches x %lld "
       "sequences x %lld tokens per replica, global batch %lld, peak lr %.3g\n",
@@ -134,6 +144,21 @@ void PrintHeader(const LayerGraph& graph, const Engine& t, const std::string& da
       static_cast<long long>(run.micro_batches()), static_cast<long long>(graph.shape().batch),
       static_cast<long long>(graph.shape().seq_len), static_cast<long long>(t.global_batch()),
       t.PeakLr());
+  std::string precision = PrecisionName(o.precision);
+  if (o.precision == Precision::kFp16) {
+    absl::StrAppend(&precision,
+                    absl::StrFormat(" (dynamic loss scale from %g)", o.loss_scale.initial_scale));
+  }
+  std::string dp = "none (dp=1)";
+  if (run.data_parallel > 1) {
+    dp = o.dp_mode == DpMode::kAsync
+             ? absl::StrCat("async, staleness ", o.staleness)
+             : absl::StrCat("sync, ZeRO-", o.zero, ", gradients ",
+                            o.grad_compression.kind == GradCompression::Kind::kNone
+                                ? "fp32"
+                                : GradCompressionName(o.grad_compression));
+  }
+  std::printf("  precision %s; data parallelism %s\n", precision.c_str(), dp.c_str());
 }
 
 void PrintSummary(const ReportInput& in, bool as_json) {

@@ -29,7 +29,10 @@ struct RunRecord {
   }
 };
 
-void PrintHeader(const LayerGraph& graph, const Engine& engine, const std::string& data);
+// "gpt2-124m (16 layers, 124.48M parameters (tied)), data …", the layout, the batch, then the
+// precision and the data-parallel mode. Parameters are counted once where tied (as `model`).
+void PrintHeader(const LayerGraph& graph, const Engine& engine, const TrainOptions& options,
+                 const std::string& data);
 
 struct ReportInput {
   const LayerGraph* graph = nullptr;
