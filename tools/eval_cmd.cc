@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
+#include "pipewright/checkpoint.h"
 #include "pipewright/cpu.h"
 #include "pipewright/input.h"
 #include "pipewright/train.h"
@@ -13,6 +14,33 @@ namespace pipewright::tools {
 
 using json = nlohmann::json;
 
+namespace {
+
+// The data a checkpoint was trained on, as --data would name it: its manifest's data.source
+// ("text:PATH (N bytes)", "tokens:PATH (…)", "synthetic (…)"). Empty when the manifest cannot be
+// read or names no data (eval then reports the checkpoint's own error, or falls back).
+std::string TrainingData(const std::string& dir) {
+  absl::StatusOr<std::string> text = ReadCheckpointManifest(dir);
+  if (!text.ok()) return "";
+  json m = json::parse(*text, nullptr, false);
+  if (!m.is_object() || !m.contains("data") || !m["data"].is_object() ||
+      !m["data"].contains("source") || !m["data"]["source"].is_string()) {
+    return "";
+  }
+  const std::string source = m["data"]["source"].get<std::string>();
+  if (source.rfind("synthetic", 0) == 0) return "synthetic";
+  for (const char* prefix : {"text:", "tokens:"}) {
+    const std::string p = prefix;
+    if (source.rfind(p, 0) != 0) continue;
+    const size_t end = source.rfind(" (");
+    return source.substr(
+        p.size(), end == std::string::npos || end < p.size() ? std::string::npos : end - p.size());
+  }
+  return "";
+}
+
+}  // namespace
+
 void RegisterEval(CLI::App& app, int* exit_code) {
   struct EvalFlags {
     std::string checkpoint, data = "synthetic", dump;
@@ -22,14 +50,22 @@ void RegisterEval(CLI::App& app, int* exit_code) {
   auto f = std::make_shared<EvalFlags>();
   CLI::App* cmd = app.add_subcommand("eval", "Evaluate a checkpoint's loss on data");
   cmd->add_option("--checkpoint", f->checkpoint, "Checkpoint directory")->required();
-  cmd->add_option("--data", f->data, "synthetic, a token file, or a text file");
+  CLI::Option* data = cmd->add_option(
+      "--data", f->data,
+      "synthetic, a token file, or a text file (default: the data the checkpoint was trained "
+      "on, as its manifest records it)");
   AddInt(cmd, "--batches", &f->batches, {1, 65536}, "Held-out batches to evaluate");
   cmd->add_flag("--json", f->json, "Print JSON");
   cmd->add_option("--dump", f->dump,
                   "Also write the evaluated tokens and targets as JSON to FILE (scripts/hf-check "
                   "runs the same tokens through transformers)");
-  cmd->callback([f, exit_code] {
+  cmd->callback([f, data, exit_code] {
     SetCpuKernelThreads(1);
+    const bool own_data = data->count() == 0;
+    if (own_data) {
+      const std::string recorded = TrainingData(f->checkpoint);
+      if (!recorded.empty()) f->data = recorded;
+    }
     if (!f->dump.empty()) {
       if (absl::Status s = CheckOutputPath(f->dump, "--dump"); !s.ok()) {
         *exit_code = ReportError(s);
@@ -60,13 +96,22 @@ void RegisterEval(CLI::App& app, int* exit_code) {
       }
     }
     if (f->json) {
-      json j = {{"model", r->model}, {"checkpoint", r->path},       {"step", r->step},
-                {"loss", r->loss},   {"perplexity", r->perplexity}, {"tokens", r->tokens}};
+      json j = {{"model", r->model},
+                {"checkpoint", r->path},
+                {"step", r->step},
+                {"loss", r->loss},
+                {"perplexity", r->perplexity},
+                {"tokens", r->tokens},
+                {"data", f->data},
+                {"data_is_the_training_data", own_data}};
       std::printf("%s\n", j.dump().c_str());
     } else {
-      std::printf("eval: %s at step %lld (%s): loss %.4f, perplexity %.3f over %lld tokens\n",
-                  r->model.c_str(), static_cast<long long>(r->step), r->path.c_str(), r->loss,
-                  r->perplexity, static_cast<long long>(r->tokens));
+      std::printf(
+          "eval: %s at step %lld (%s): loss %.4f, perplexity %.3f over %lld tokens of %s (%s; "
+          "held-out windows: sample indices from 2^40, never a training step's)\n",
+          r->model.c_str(), static_cast<long long>(r->step), r->path.c_str(), r->loss,
+          r->perplexity, static_cast<long long>(r->tokens), f->data.c_str(),
+          own_data ? "the checkpoint's training data" : "--data");
     }
     *exit_code = 0;
   });

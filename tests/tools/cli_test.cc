@@ -523,3 +523,37 @@ TEST(CliGenerate, BadInputIsAUsageErrorNamingIt) {
   EXPECT_EQ(r.exit_code, 2) << r.err;
   EXPECT_NE(r.err.find("--temperature"), std::string::npos) << r.err;
 }
+
+// --- eval names its data (issue 36, item 3) ------------------------------------------------------
+
+TEST(CliEval, WithoutDataItEvaluatesTheCheckpointsTrainingDataAndSaysSo) {
+  const std::string text = TempPath("eval_corpus.txt"), dir = TempPath("eval_default_ckpt");
+  {
+    std::ofstream out(text);
+    for (int i = 0; i < 400; ++i) out << "To be, or not to be: that is the question. " << i << "\n";
+  }
+  ASSERT_EQ(RunCli(kTinyRun + "--steps 2 --data " + text + " --save " + dir).exit_code, 0);
+  Result own = RunCli("eval --batches 2 --json --checkpoint " + dir);
+  ASSERT_EQ(own.exit_code, 0) << own.err;
+  nlohmann::json j = nlohmann::json::parse(own.out);
+  EXPECT_EQ(j["data"], text);
+  EXPECT_EQ(j["data_is_the_training_data"], true);
+  Result named = RunCli("eval --batches 2 --json --checkpoint " + dir + " --data " + text);
+  ASSERT_EQ(named.exit_code, 0) << named.err;
+  nlohmann::json n = nlohmann::json::parse(named.out);
+  EXPECT_EQ(n["loss"], j["loss"]) << "the default is exactly --data <the training file>";
+  EXPECT_EQ(n["data_is_the_training_data"], false);
+  Result synthetic = RunCli("eval --batches 2 --json --checkpoint " + dir + " --data synthetic");
+  ASSERT_EQ(synthetic.exit_code, 0) << synthetic.err;
+  EXPECT_NE(nlohmann::json::parse(synthetic.out)["loss"], j["loss"]);
+  // The text line names the data and where it came from.
+  Result line = RunCli("eval --batches 1 --checkpoint " + dir);
+  EXPECT_NE(line.out.find("tokens of " + text + " (the checkpoint's training data; held-out"),
+            std::string::npos)
+      << line.out;
+  // The training data gone: an error naming it, not a silent switch to synthetic data.
+  std::filesystem::remove(text);
+  Result gone = RunCli("eval --batches 1 --checkpoint " + dir);
+  EXPECT_EQ(gone.exit_code, 2) << gone.err;
+  EXPECT_NE(gone.err.find(text), std::string::npos) << gone.err;
+}
