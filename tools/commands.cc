@@ -3,11 +3,13 @@
 #include "tools/commands.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "tools/flags.h"
 
 namespace pipewright::tools {
@@ -98,6 +100,31 @@ std::string UsageHint(const CLI::App& app, int argc, const char* const* argv) {
   absl::StrAppend(&out, "run '", path, " --help' for ",
                   cmd == &app ? "usage" : "its options and their defaults", "\n");
   return out;
+}
+
+std::string HumanBytes(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  int u = 0;
+  while (std::abs(b) >= 1024 && u < 5) {
+    b /= 1024;
+    ++u;
+  }
+  return u == 0 ? absl::StrFormat("%.0f B", b) : absl::StrFormat("%.2f %s", b, units[u]);
+}
+
+std::string HumanCount(double n) {
+  if (n >= 1e12) return absl::StrFormat("%.2fT", n / 1e12);
+  if (n >= 1e9) return absl::StrFormat("%.2fB", n / 1e9);
+  if (n >= 1e6) return absl::StrFormat("%.2fM", n / 1e6);
+  if (n >= 1e3) return absl::StrFormat("%.2fK", n / 1e3);
+  return absl::StrFormat("%.0f", n);
+}
+
+std::string HumanSeconds(double s) {
+  if (s < 1e-6) return absl::StrFormat("%.3g ns", s * 1e9);
+  if (s < 1e-3) return absl::StrFormat("%.3g us", s * 1e6);
+  if (s < 1) return absl::StrFormat("%.3g ms", s * 1e3);
+  return absl::StrFormat("%.4g s", s);
 }
 
 int ReportError(const absl::Status& status) {

@@ -58,6 +58,12 @@ absl::StatusOr<std::string> ReadJsonFile(const std::string& path, absl::string_v
 absl::Status WriteFile(const std::string& path, const std::string& text,
                        absl::string_view what = "output file");
 
+// Human units for printed tables: "41.25 MiB" (B, KiB, MiB, GiB, TiB with two decimals),
+// "124.48M" (K, M, B, T), "0.41 ms" (ns to s with three significant digits, then s).
+std::string HumanBytes(double bytes);
+std::string HumanCount(double n);
+std::string HumanSeconds(double s);
+
 // "80GiB", "512 MiB", "1.5GB", "4096" (bytes): binary and decimal units, case-insensitive.
 absl::StatusOr<int64_t> ParseByteSize(const std::string& text);
 

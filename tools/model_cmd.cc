@@ -88,14 +88,7 @@ double FormulaForwardFlops(const GptConfig& c) {
   return 24 * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h));
 }
 
-// "174.59B": parameters in K / M / B / T with two decimals.
-std::string Count(double n) {
-  if (n >= 1e12) return absl::StrFormat("%.2fT", n / 1e12);
-  if (n >= 1e9) return absl::StrFormat("%.2fB", n / 1e9);
-  if (n >= 1e6) return absl::StrFormat("%.2fM", n / 1e6);
-  if (n >= 1e3) return absl::StrFormat("%.2fK", n / 1e3);
-  return absl::StrFormat("%.0f", n);
-}
+std::string Count(double n) { return HumanCount(n); }
 
 // "1.0645e+15 (1064.5 TFLOP)"
 std::string Flops(double f) {

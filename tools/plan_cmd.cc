@@ -36,8 +36,6 @@ struct PlanFlags {
   bool no_recompute = false, json = false;
 };
 
-std::string GiB(int64_t b) { return absl::StrFormat("%.2f", b / static_cast<double>(kGiB)); }
-
 absl::StatusOr<ModelCosts> LoadModel(const PlanFlags& f) {
   if (f.model.empty() == f.preset.empty()) {
     return absl::InvalidArgumentError("give exactly one of --model FILE and --preset NAME");
@@ -70,16 +68,16 @@ json PlanRow(const Plan& p) {
 
 void PrintTable(const std::vector<Plan>& plans) {
   std::printf(
-      "  #   pp  dp zero  schedule     v     b      m     step s   bubble  peak GiB  "
+      "  #   pp  dp zero  schedule     v     b      m    step time   bubble   peak memory  "
       "bottleneck  gap to bound\n");
   for (size_t i = 0; i < plans.size(); ++i) {
     const Plan& p = plans[i];
-    std::printf("  %-3zu %3d %3d %4d  %-11s %2d %5lld %6d %10.4g %7.1f%% %9s  stage %-4d %8.1f%%\n",
+    std::printf("  %-3zu %3d %3d %4d  %-11s %2d %5lld %6d %12s %7.1f%% %13s  stage %-4d %8.1f%%\n",
                 i + 1, p.pipeline_parallel, p.data_parallel, p.zero,
                 ScheduleKindName(p.schedule.kind), p.schedule.chunks,
                 static_cast<long long>(p.micro_batch_size), p.schedule.micro_batches,
-                p.predicted.step_time_s, 100 * p.predicted.bubble_fraction,
-                GiB(p.predicted.peak_memory_bytes).c_str(), p.predicted.bottleneck_stage,
+                HumanSeconds(p.predicted.step_time_s).c_str(), 100 * p.predicted.bubble_fraction,
+                HumanBytes(p.predicted.peak_memory_bytes).c_str(), p.predicted.bottleneck_stage,
                 100 * p.predicted.lower_bound_gap);
   }
 }
@@ -87,14 +85,14 @@ void PrintTable(const std::vector<Plan>& plans) {
 void PrintStages(const Plan& p, const ModelCosts& m) {
   std::printf(
       "  stage rank  layers        first .. last             recompute  fwd ms    bwd ms"
-      "   params GiB  act GiB  total GiB\n");
+      "  weights+state   activations         total\n");
   for (const PlanStage& s : p.stages) {
     std::string names = absl::StrCat(m.layers[s.begin].name, " .. ", m.layers[s.end - 1].name);
-    std::printf("  %5d %4d  [%4d, %4d)  %-24s %-9s %8.3f  %8.3f  %10s %8s %10s%s\n", s.index,
+    std::printf("  %5d %4d  [%4d, %4d)  %-24s %-9s %8.3f  %8.3f  %13s %13s %13s%s\n", s.index,
                 s.rank, s.begin, s.end, names.c_str(), RecomputeName(s.recompute),
                 1e3 * s.forward_s, 1e3 * s.backward_s,
-                GiB(s.memory.params + s.memory.grads + s.memory.optimizer).c_str(),
-                GiB(s.memory.activations).c_str(), GiB(s.memory.total).c_str(),
+                HumanBytes(s.memory.params + s.memory.grads + s.memory.optimizer).c_str(),
+                HumanBytes(s.memory.activations).c_str(), HumanBytes(s.memory.total).c_str(),
                 s.index == p.predicted.bottleneck_stage ? "  <- bottleneck" : "");
   }
 }
@@ -190,20 +188,21 @@ int RunPlan(const PlanFlags& f) {
     return 0;
   }
   std::printf(
-      "pipewright plan: %s (%d layers, %.4gB parameters) on %d devices of %s GiB, %s, global "
+      "pipewright plan: %s (%d layers, %s parameters) on %d devices of %s, %s, global "
       "batch %lld\n  %d configurations tried, %d fit in memory; the best %zu:\n",
-      model->name.c_str(), model->num_layers(), model->UniqueParams() / 1e9, f.devices,
-      GiB(dev.memory_bytes).c_str(), PrecisionName(o.precision),
+      model->name.c_str(), model->num_layers(), HumanCount(model->UniqueParams()).c_str(),
+      f.devices, HumanBytes(dev.memory_bytes).c_str(), PrecisionName(o.precision),
       static_cast<long long>(best.global_batch()), r->candidates, r->feasible, r->best.size());
   PrintTable(r->best);
   const std::string zero = best.zero ? absl::StrCat(" zero=", best.zero) : "";
   std::printf(
-      "best: pp=%d dp=%d%s %s, %d x %lld per replica: %.4g s/step, %.4g samples/s, "
-      "lower bound %.4g s (gap %.1f%%)\n",
+      "best: pp=%d dp=%d%s %s, %d x %lld per replica: %s per step, %.4g samples/s, "
+      "lower bound %s (gap %.1f%%)\n",
       best.pipeline_parallel, best.data_parallel, zero.c_str(),
       ScheduleKindName(best.schedule.kind), best.schedule.micro_batches,
-      static_cast<long long>(best.micro_batch_size), best.predicted.step_time_s,
-      best.predicted.samples_per_s, best.predicted.lower_bound_step_time_s,
+      static_cast<long long>(best.micro_batch_size),
+      HumanSeconds(best.predicted.step_time_s).c_str(), best.predicted.samples_per_s,
+      HumanSeconds(best.predicted.lower_bound_step_time_s).c_str(),
       100 * best.predicted.lower_bound_gap);
   PrintStages(best, model->WithMicroBatchSize(best.micro_batch_size));
   if (!f.out.empty()) std::printf("plan written to %s\n", f.out.c_str());

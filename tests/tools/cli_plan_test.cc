@@ -261,3 +261,20 @@ TEST(CliPlanInput, OutputReplacesTheFileWholeAndKeepsLinks) {
 }
 
 }  // namespace
+
+namespace {
+
+// Issue 36, item 5: a small model's plan reads in its own units, never "0.00 GiB".
+TEST(CliPlanText, SmallModelsPrintInHumanUnits) {
+  pipewright::cli_test::Result r =
+      pipewright::cli_test::RunCli("plan --preset gpt-tiny --devices 2");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("(8 layers, 234.88K parameters) on 2 devices of 80.00 GiB"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find(" MiB "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(" us per step"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find(" 0.00 "), std::string::npos) << r.out;
+}
+
+}  // namespace
