@@ -56,6 +56,7 @@ struct TrainFlags {
   int64_t micro_batches = 4, micro_batch_size = 0, steps = 60, warmup = 5, base_batch = 32;
   int64_t stop_after = 0;
   int64_t log_every = 0;
+  std::string split;       // --split 3,6: the first layer of every stage but the first
   int64_t save_every = 0;  // steps between periodic checkpoints (0: only at the end)
   int keep = 0;            // step checkpoints kept (0: all)
   std::string flight_dir;  // where flight records go (default: --save DIR, else .)
@@ -119,8 +120,9 @@ absl::Status CheckFlags(const TrainFlags& f) {
   if (!f.plan.empty()) {
     PW_RETURN_IF_ERROR(conflicts("--plan",
                                  {"--pp", "--dp", "--schedule", "--chunks", "--micro-batches",
-                                  "--micro-batch-size", "--recompute", "--program"},
-                                 "pp, dp, the schedule, the micro-batching and recomputation"));
+                                  "--micro-batch-size", "--recompute", "--program", "--split"},
+                                 "pp, dp, the schedule, the stages' layers, the micro-batching "
+                                 "and recomputation"));
   }
   if (!f.program.empty()) {
     PW_RETURN_IF_ERROR(conflicts("--program", {"--pp", "--schedule", "--chunks", "--micro-batches"},
@@ -213,6 +215,35 @@ absl::StatusOr<LayerGraph> PresetGraph(const std::string& preset, int64_t micro_
   return GptModel(preset, *c, graph.shape().batch);
 }
 
+// --split "3,6": the first layer of every stage but the first, so stage s runs layers
+// [b_s, b_{s+1}) with b_0 = 0 and a last boundary at the layer count; empty: balanced by FLOPs
+// (RunSpecFromSchedule). The stages are the schedule's virtual stages in order (pp x chunks).
+absl::StatusOr<std::vector<int>> SplitBoundaries(const std::string& split, int stages, int layers) {
+  if (split.empty()) return std::vector<int>{};
+  std::vector<int> b = {0};
+  for (absl::string_view part : absl::StrSplit(split, ',')) {
+    int v = 0;
+    if (!absl::SimpleAtoi(part, &v) || part.empty() || part[0] == '+' || part[0] == '-') {
+      return absl::InvalidArgumentError(absl::StrCat("--split ", split, ": '", part,
+                                                     "' is not a layer index (a decimal number)"));
+    }
+    if (v <= b.back() || v >= layers) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--split ", split, ": ", v, " must be greater than ", b.back(),
+          " and less than the model's ", layers,
+          " layers (each number is the first layer of the next stage, in increasing order)"));
+    }
+    b.push_back(v);
+  }
+  b.push_back(layers);
+  if (static_cast<int>(b.size()) - 1 != stages) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--split ", split, " makes ", b.size() - 1, " stages; the schedule has ",
+                     stages, " (pp x chunks): give ", stages - 1, " layer indices"));
+  }
+  return b;
+}
+
 absl::StatusOr<LoadedModel> LoadModel(const TrainFlags& f) {
   if (f.plan.empty()) {
     PW_ASSIGN_OR_RETURN(LayerGraph graph, PresetGraph(f.preset, f.micro_batch_size, f.tied));
@@ -260,8 +291,10 @@ absl::StatusOr<RunSpec> RunFromFlags(const TrainFlags& f, const LoadedModel& mod
     PW_ASSIGN_OR_RETURN(schedule,
                         GenerateSchedule({kind, f.pp, static_cast<int>(f.micro_batches), chunks}));
   }
+  PW_ASSIGN_OR_RETURN(std::vector<int> boundaries,
+                      SplitBoundaries(f.split, schedule.num_stages, model.graph.num_layers()));
   absl::StatusOr<RunSpec> run =
-      RunSpecFromSchedule(model.graph, std::move(schedule), f.dp, recompute);
+      RunSpecFromSchedule(model.graph, std::move(schedule), f.dp, recompute, boundaries);
   if (!run.ok() && !f.program.empty()) {
     return absl::Status(run.status().code(), absl::StrCat(f.program, ": ", run.status().message()));
   }
@@ -703,6 +736,10 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
   AddInt(cmd, "--dp", &f->dp, {1, kMaxParallel}, "Data-parallel replicas");
   cmd->add_option("--schedule", f->schedule, "Pipeline schedule")
       ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"}));
+  cmd->add_option("--split", f->split,
+                  "The stages' layers by hand: the first layer of every stage but the first, "
+                  "e.g. 3,6 for [0,3) [3,6) [6,L) (default: balanced by FLOPs; `model` lists the "
+                  "layers)");
   AddInt(cmd, "--chunks", &f->chunks, {1, kMaxParallel},
          "Model chunks per rank (interleaved: 2 when not given, as in `plan`)");
   AddInt(cmd, "--micro-batches", &f->micro_batches, {1, kMaxMicroBatches},

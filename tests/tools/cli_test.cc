@@ -557,3 +557,28 @@ TEST(CliEval, WithoutDataItEvaluatesTheCheckpointsTrainingDataAndSaysSo) {
   EXPECT_EQ(gone.exit_code, 2) << gone.err;
   EXPECT_NE(gone.err.find(text), std::string::npos) << gone.err;
 }
+
+// --- Hand-written splits (issue 36, item 7) ------------------------------------------------------
+
+TEST(CliSplit, LayersByHandRunWhereTheySayAndLoseNothing) {
+  // "layers 0-2 on the first rank, 3-5 on the second, 6-7 on the third".
+  Result split = RunCli(kTinyRun + "--steps 3 --pp 3 --split 3,6");
+  ASSERT_EQ(split.exit_code, 0) << split.err;
+  EXPECT_NE(split.out.find("stages [0,3) [3,6) [6,8)"), std::string::npos) << split.out;
+  // Any split gives one stage's losses, bit for bit (the pipeline promise).
+  Result one = RunCli(kTinyRun + "--steps 3 --json");
+  Result json = RunCli(kTinyRun + "--steps 3 --pp 3 --split 1,7 --json");
+  ASSERT_EQ(json.exit_code, 0) << json.err;
+  EXPECT_EQ(StepLosses(json.out), StepLosses(one.out));
+  // Wrong splits name the flag and what is wrong.
+  for (const auto& [args, message] : std::vector<std::pair<std::string, std::string>>{
+           {"--pp 3 --split 3", "--split 3 makes 2 stages; the schedule has 3"},
+           {"--pp 3 --split 6,3", "--split 6,3: 3 must be greater than 6"},
+           {"--pp 2 --split 8", "less than the model's 8 layers"},
+           {"--pp 2 --split x", "--split x: 'x' is not a layer index"},
+       }) {
+    Result r = RunCli(kTinyRun + "--steps 1 " + args);
+    EXPECT_EQ(r.exit_code, 2) << args << ": " << r.err;
+    EXPECT_NE(r.err.find(message), std::string::npos) << args << ": " << r.err;
+  }
+}
