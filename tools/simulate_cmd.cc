@@ -29,10 +29,28 @@ absl::StatusOr<Schedule> BuildSchedule(const SimulateFlags& f) {
   spec.micro_batches = f.micro_batches;
   if (!f.program.empty()) {
     PW_ASSIGN_OR_RETURN(std::string text, ReadFile(f.program, "--program"));
+    // Without --stages and --micro-batches the text's own shape (ParseProgram): its "rank R:"
+    // lines, the stages and micro-batches it names; with them, the placement they give.
+    if (f.stages == 0 && f.micro_batches == 0 && f.chunks == 0) {
+      absl::StatusOr<Schedule> s = ParseProgram(text);
+      if (!s.ok()) {
+        return absl::Status(s.status().code(), absl::StrCat(f.program, ": ", s.status().message()));
+      }
+      return s;
+    }
+    if (f.stages == 0 || f.micro_batches == 0) {
+      return absl::InvalidArgumentError(
+          "--program with --stages or --micro-batches needs both (or neither: the program's "
+          "own shape)");
+    }
     spec.kind = ScheduleKind::kCustom;
     spec.chunks = f.chunks > 0 ? f.chunks : 1;
     // ParseSchedule marks a text that spells out its communication as lowered.
     return ParseSchedule(text, spec);
+  }
+  if (f.stages == 0 || f.micro_batches == 0) {
+    return absl::InvalidArgumentError(
+        "simulate needs --stages and --micro-batches (or --program FILE, whose shape is its own)");
   }
   auto kind = ParseScheduleKind(f.schedule);
   if (!kind.ok()) return kind.status();
@@ -119,10 +137,10 @@ void RegisterSimulate(CLI::App& app, int* exit_code) {
       "simulate", "Predict a pipeline schedule's makespan, bubble and peak memory");
   cmd->add_option("--schedule", f->schedule,
                   "gpipe | 1f1b | interleaved | zb-h1 | zb-v | dualpipev");
-  AddInt(cmd, "--stages", &f->stages, {1, kMaxParallel}, "Pipeline ranks p")->required();
+  AddInt(cmd, "--stages", &f->stages, {1, kMaxParallel},
+         "Pipeline ranks p (needed unless --program gives them)");
   AddInt(cmd, "--micro-batches", &f->micro_batches, {1, kMaxMicroBatches},
-         "Micro-batches per step m")
-      ->required();
+         "Micro-batches per step m (needed unless --program gives them)");
   AddInt(cmd, "--chunks", &f->chunks, {1, 4096},
          "Model chunks per rank v (default 1; zb-v, dualpipev: 2)");
   // Times in any one unit; a whole run's sums stay finite.

@@ -582,3 +582,27 @@ TEST(CliSplit, LayersByHandRunWhereTheySayAndLoseNothing) {
     EXPECT_NE(r.err.find(message), std::string::npos) << args << ": " << r.err;
   }
 }
+
+// --- simulate --program takes the program's own shape (issue 36, item 5) ------------------------
+
+TEST(CliSimulate, AProgramNeedsNoStagesOrMicroBatches) {
+  const std::string program = TempPath("simulate_program.txt");
+  {
+    std::ofstream out(program);
+    out << "rank 0: F0@s0 F1@s0 B0@s0 B1@s0\nrank 1: F0@s1 B0@s1 F1@s1 B1@s1\n";
+  }
+  Result r = RunCli("simulate --program " + program + " --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  nlohmann::json j = nlohmann::json::parse(r.out);
+  // The same figures as when the shape is spelled out.
+  Result spelled = RunCli("simulate --program " + program + " --stages 2 --micro-batches 2 --json");
+  ASSERT_EQ(spelled.exit_code, 0) << spelled.err;
+  EXPECT_EQ(j, nlohmann::json::parse(spelled.out));
+  Result half = RunCli("simulate --program " + program + " --stages 2");
+  EXPECT_EQ(half.exit_code, 2);
+  EXPECT_NE(half.err.find("needs both (or neither"), std::string::npos) << half.err;
+  Result none = RunCli("simulate");
+  EXPECT_EQ(none.exit_code, 2);
+  EXPECT_NE(none.err.find("simulate needs --stages and --micro-batches"), std::string::npos)
+      << none.err;
+}
