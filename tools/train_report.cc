@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "tools/commands.h"
 
 namespace pipewright::tools {
 namespace {
@@ -130,6 +131,16 @@ std::string ParameterCount(const LayerGraph& graph) {
                          stored != unique ? " (tied)" : "");
 }
 
+// How many of the last losses the summary's mean covers: a tenth of the run, 1 to 10 steps.
+size_t TailSteps(size_t n) { return std::clamp<size_t>(n / 10, 1, 10); }
+double TailMean(const std::vector<double>& losses) {
+  if (losses.empty()) return 0;
+  const size_t k = std::min(losses.size(), TailSteps(losses.size()));
+  double sum = 0;
+  for (size_t i = losses.size() - k; i < losses.size(); ++i) sum += losses[i];
+  return sum / static_cast<double>(k);
+}
+
 void PrintHeader(const LayerGraph& graph, const Engine& t, const TrainOptions& o,
                  const std::string& data) {
   const RunSpec& run = t.run();
@@ -206,6 +217,7 @@ void PrintSummary(const ReportInput& in, bool as_json) {
                   {"global_batch", t.global_batch()},
                   {"first_loss", rec.losses.empty() ? 0.0 : rec.losses.front()},
                   {"final_loss", rec.losses.empty() ? 0.0 : rec.losses.back()},
+                  {"final_loss_mean", TailMean(rec.losses)},
                   {"mean_step_time_s", steps_run ? rec.total_time / steps_run : 0.0},
                   {"samples_per_s", per_s * t.global_batch()},
                   {"tokens_per_s", per_s * t.global_batch() * graph.shape().seq_len},
@@ -245,17 +257,33 @@ void PrintSummary(const ReportInput& in, bool as_json) {
                        {"measured_step_s", rs.measured_step_s},
                        {"stages", plan_rows}};
   }
+  // A plan promises each device fits in its memory: say where the run did not.
+  if (in.plan != nullptr && in.plan->device_memory_bytes > 0 && steps_run > 0) {
+    json over = json::array();
+    for (const RankTimes& rt : rs.ranks) {
+      if (rt.peak_memory_bytes <= in.plan->device_memory_bytes) continue;
+      over.push_back(rt.global_rank);
+      std::fprintf(stderr,
+                   "warning: rank %d's measured peak memory %s exceeds the plan's device memory "
+                   "%s (%s)\n",
+                   rt.global_rank, HumanBytes(rt.peak_memory_bytes).c_str(),
+                   HumanBytes(in.plan->device_memory_bytes).c_str(), in.plan_file.c_str());
+    }
+    summary["plan"]["ranks_over_device_memory"] = over;
+  }
   if (as_json) {
     std::printf("%s\n", json{{"summary", summary}}.dump().c_str());
     return;
   }
   std::printf(
-      "summary: %lld steps in %.2f s, loss %.4f -> %.4f, %.1f samples/s, %.2f GFLOP/s, "
-      "%d thread%s per rank, peak memory %.1f MiB, data wait %.3f s%s\n",
+      "summary: %lld steps in %.2f s, loss %.4f -> %.4f (mean of the last %zu step%s %.4f), "
+      "%.1f samples/s, %.2f GFLOP/s, %d thread%s per rank, peak memory %.1f MiB, data wait "
+      "%.3f s%s\n",
       static_cast<long long>(steps_run), rec.wall_s, summary["first_loss"].get<double>(),
-      summary["final_loss"].get<double>(), summary["samples_per_s"].get<double>(),
-      summary["model_gflops_per_s"].get<double>(), t.threads_per_rank(),
-      t.threads_per_rank() == 1 ? "" : "s", peak / 1048576.0, rec.data_wait,
+      summary["final_loss"].get<double>(), TailSteps(rec.losses.size()),
+      TailSteps(rec.losses.size()) == 1 ? "" : "s", summary["final_loss_mean"].get<double>(),
+      summary["samples_per_s"].get<double>(), summary["model_gflops_per_s"].get<double>(),
+      t.threads_per_rank(), t.threads_per_rank() == 1 ? "" : "s", peak / 1048576.0, rec.data_wait,
       in.checkpoint.empty() ? "" : absl::StrCat(", saved to ", in.checkpoint).c_str());
   if (steps_run > 0) PrintRankTable(rs);
   if (steps_run > 0 && grad_sent > 0) {

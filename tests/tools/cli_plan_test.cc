@@ -278,3 +278,30 @@ TEST(CliPlanText, SmallModelsPrintInHumanUnits) {
 }
 
 }  // namespace
+
+namespace {
+
+// Issue 36, item 6: a run whose measured peak exceeds its plan's device memory says so.
+TEST(CliPlanText, ARunOverThePlansDeviceMemoryIsWarnedAbout) {
+  using namespace pipewright::cli_test;
+  const std::string plan = TempPath("tight_plan.json");
+  ASSERT_EQ(RunCli("plan --preset gpt-tiny --devices 2 --device-memory 4MiB -o " + plan).exit_code,
+            0);
+  Result r = RunCli("train --plan " + plan + " --steps 2 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const json s = Summary(r);
+  const int64_t device = json::parse(ReadAll(plan))["devices"]["memory_bytes"].get<int64_t>();
+  std::vector<int> over;
+  for (const json& rank : s["ranks"]) {
+    if (rank["peak_memory_bytes"].get<int64_t>() > device) over.push_back(rank["rank"].get<int>());
+  }
+  EXPECT_EQ(s["plan"]["ranks_over_device_memory"].get<std::vector<int>>(), over);
+  // gpt-tiny's 4 MiB plan predicts 3.80 MiB for rank 1's stage and runs rank 0 at 4.20 MiB.
+  ASSERT_FALSE(over.empty()) << "no rank exceeds 4 MiB any more: pick a tighter plan";
+  EXPECT_NE(r.err.find("warning: rank " + std::to_string(over[0]) + "'s measured peak memory"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("exceeds the plan's device memory 4.00 MiB"), std::string::npos) << r.err;
+}
+
+}  // namespace
