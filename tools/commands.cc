@@ -18,6 +18,7 @@ void RegisterCommands(CLI::App& app, int* exit_code) {
   RegisterTrain(app, exit_code);
   RegisterEval(app, exit_code);
   RegisterGenerate(app, exit_code);
+  RegisterPlot(app, exit_code);
   RegisterBench(app, exit_code);
   RegisterSimulate(app, exit_code);
   RegisterModel(app, exit_code);

@@ -18,6 +18,7 @@ namespace pipewright::tools {
 void RegisterTrain(CLI::App& app, int* exit_code);
 void RegisterEval(CLI::App& app, int* exit_code);
 void RegisterGenerate(CLI::App& app, int* exit_code);
+void RegisterPlot(CLI::App& app, int* exit_code);
 void RegisterBench(CLI::App& app, int* exit_code);
 void RegisterSimulate(CLI::App& app, int* exit_code);
 void RegisterModel(CLI::App& app, int* exit_code);

@@ -31,6 +31,7 @@
 #include "pipewright/train_testing.h"
 #include "tools/commands.h"
 #include "tools/flags.h"
+#include "tools/metrics.h"
 #include "tools/train_report.h"
 
 namespace pipewright::tools {
@@ -56,6 +57,7 @@ struct TrainFlags {
   int64_t micro_batches = 4, micro_batch_size = 0, steps = 60, warmup = 5, base_batch = 32;
   int64_t stop_after = 0;
   int64_t log_every = 0;
+  std::string metrics;     // --metrics FILE.csv
   std::string split;       // --split 3,6: the first layer of every stage but the first
   int64_t save_every = 0;  // steps between periodic checkpoints (0: only at the end)
   int keep = 0;            // step checkpoints kept (0: all)
@@ -392,7 +394,7 @@ int64_t LastStep(const Engine& t, const TrainFlags& f) {
 // on the root process, one line per engine step with the mean of its dp updates (in the order
 // they were granted: the loss and norm of replica steps, not of one global batch).
 RunRecord RunAsyncSteps(Engine& t, const TrainFlags& f, bool root, Precision precision,
-                        AsyncReport* report) {
+                        MetricsCsv* metrics, int64_t seq_len, AsyncReport* report) {
   RunRecord rec;
   rec.first_step = t.step();
   const absl::Time start = absl::Now();
@@ -417,6 +419,7 @@ RunRecord RunAsyncSteps(Engine& t, const TrainFlags& f, bool root, Precision pre
     res.samples_per_s = static_cast<double>(t.global_batch()) / res.step_time_s;
     rec.Add(res);
     if (root && f.json) PrintStepJson(res, precision);
+    if (metrics != nullptr) metrics->Add(res, seq_len, 0);
   }
   if (r->steps > 0 && rec.losses.empty()) rec.total_time = r->wall_s;  // non-root processes
   return rec;
@@ -424,7 +427,8 @@ RunRecord RunAsyncSteps(Engine& t, const TrainFlags& f, bool root, Precision pre
 
 // Steps until --steps (or --stop-after more, or a stop request), printing one line per step on
 // the root process; saves every --save-every steps and when stopped.
-RunRecord RunSteps(Engine& t, const TrainFlags& f, bool root, const TrainOptions& options) {
+RunRecord RunSteps(Engine& t, const TrainFlags& f, bool root, const TrainOptions& options,
+                   MetricsCsv* metrics, int64_t seq_len) {
   const Precision precision = options.precision;
   RunRecord rec;
   rec.first_step = t.step();
@@ -439,6 +443,11 @@ RunRecord RunSteps(Engine& t, const TrainFlags& f, bool root, const TrainOptions
     }
     const StepResult& res = r->result;
     rec.Add(res);
+    if (metrics != nullptr) {
+      int64_t peak = 0;
+      for (const RankTimes& rt : r->ranks) peak = std::max(peak, rt.peak_memory_bytes);
+      metrics->Add(res, seq_len, peak);
+    }
     const bool periodic = f.save_every > 0 && t.step() % f.save_every == 0;
     if (!f.save.empty() && (periodic || res.stop_requested)) {
       if (absl::Status s = SaveStep(t, f); !s.ok()) {
@@ -666,15 +675,20 @@ absl::Status RunTrain(const TrainFlags& given) {
     }
     return absl::OkStatus();
   }
+  std::unique_ptr<MetricsCsv> metrics;
+  if (root && !f.metrics.empty()) {
+    PW_ASSIGN_OR_RETURN(metrics, MetricsCsv::Open(f.metrics));
+  }
   InstallStopSignals();
   if (!f.json && root) PrintHeader(model.graph, t, options, data->Describe());
   RunRecord rec;
   AsyncReport async_report;
   {
     FlightWatcher flight(t, !f.flight_dir.empty() ? f.flight_dir : !f.save.empty() ? f.save : ".");
+    const int64_t seq_len = model.graph.shape().seq_len;
     rec = options.dp_mode == DpMode::kAsync
-              ? RunAsyncSteps(t, f, root, options.precision, &async_report)
-              : RunSteps(t, f, root, options);
+              ? RunAsyncSteps(t, f, root, options.precision, metrics.get(), seq_len, &async_report)
+              : RunSteps(t, f, root, options, metrics.get(), seq_len);
     // What this run resumed from inside --save DIR is saved there already.
     if (rec.saved_step < 0 && resumed && ResumesFromSaveDir(f)) rec.saved_step = resumed->step;
     // A failed step (an error, a timeout, another rank's abort): every rank's last actions.
@@ -841,6 +855,10 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
   cmd->add_option("--resume", f->resume,
                   "Continue from a checkpoint (or a checkpoint directory's newest verified one); "
                   "'auto': from --save DIR when it holds one");
+  cmd->add_option("--metrics", f->metrics,
+                  "Write one CSV row per step here (step, loss, lr, grad norm, step time, "
+                  "samples/s, tokens/s, peak memory, loss scale, skipped); `pipewright plot` "
+                  "draws it");
   cmd->add_flag("--json", f->json, "One JSON object per step and a final summary");
   cmd->callback([f, cmd, exit_code] {
     for (const CLI::Option* opt : cmd->get_options()) {

@@ -224,6 +224,7 @@ const std::vector<Command>& Commands() {
        {}},
       {{"eval"}, {{"--checkpoint", "no-such-checkpoint"}, {"--batches", "1"}}, {}},
       {{"generate"}, {{"--checkpoint", "no-such-checkpoint"}, {"--tokens", "1"}}, {}},
+      {{"plot"}, {{"-o", "out.svg"}}, {"no-such-metrics.csv"}},
       {{"bench"}, {{"--suite", "overhead"}, {"--steps", "1"}, {"--stage-ms", "0.01"}}, {}},
       {{"simulate"}, {{"--stages", "2"}, {"--micro-batches", "2"}}, {}},
       {{"model"}, {{"--preset", "gpt-tiny"}}, {}},

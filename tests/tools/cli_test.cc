@@ -3,6 +3,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -605,4 +606,59 @@ TEST(CliSimulate, AProgramNeedsNoStagesOrMicroBatches) {
   EXPECT_EQ(none.exit_code, 2);
   EXPECT_NE(none.err.find("simulate needs --stages and --micro-batches"), std::string::npos)
       << none.err;
+}
+
+// --- Metrics file and its plot (issue 36, item 2) ------------------------------------------------
+
+TEST(CliMetrics, ARowPerStepAndAPlotOfThem) {
+  const std::string csv = TempPath("metrics.csv"), svg = TempPath("metrics.svg");
+  Result r = RunCli(kTinyRun + "--steps 6 --json --metrics " + csv);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string text = ReadAll(csv);
+  std::vector<std::string> lines;
+  for (size_t at = 0; at < text.size();) {
+    size_t end = text.find('\n', at);
+    if (end == std::string::npos) end = text.size();
+    lines.push_back(text.substr(at, end - at));
+    at = end + 1;
+  }
+  ASSERT_EQ(lines.size(), 7u) << text;
+  EXPECT_EQ(lines[0],
+            "step,loss,lr,grad_norm,step_time_s,samples_per_s,tokens_per_s,peak_memory_bytes,"
+            "loss_scale,skipped");
+  // The same losses as the JSON lines, to the printed digits.
+  const auto steps = StepLosses(r.out);
+  ASSERT_EQ(steps.size(), 6u);
+  for (size_t i = 0; i < 6; ++i) {
+    EXPECT_EQ(lines[i + 1].rfind(std::to_string(i) + ",", 0), 0u) << lines[i + 1];
+    const double loss = std::stod(lines[i + 1].substr(lines[i + 1].find(',') + 1));
+    EXPECT_EQ(loss, steps[i].second) << lines[i + 1];
+  }
+  Result p = RunCli("plot " + csv + " -o " + svg);
+  ASSERT_EQ(p.exit_code, 0) << p.err;
+  const std::string picture = ReadAll(svg);
+  EXPECT_EQ(picture.rfind("<svg xmlns='http://www.w3.org/2000/svg'", 0), 0u);
+  for (const char* label : {">loss<", ">learning rate<", ">samples/s<", ">step<"}) {
+    EXPECT_NE(picture.find(label), std::string::npos) << label;
+  }
+  EXPECT_EQ(std::count(picture.begin(), picture.end(), '\n') > 20, true);
+  // Looked at in a real browser when one is installed: it renders to a PNG without complaint.
+  if (std::system("command -v chromium >/dev/null 2>&1") == 0) {
+    const std::string png = TempPath("metrics.png");
+    const std::string cmd =
+        "timeout 120 chromium --headless --no-sandbox --disable-gpu "
+        "--screenshot=" +
+        png + " --window-size=940,760 file://" + svg + " >/dev/null 2>&1";
+    EXPECT_EQ(std::system(cmd.c_str()), 0);
+    EXPECT_GT(std::filesystem::file_size(png), 1000u);
+  }
+  // A file that is not a metrics table is refused by name.
+  {
+    std::ofstream bad(csv);
+    bad << "step,loss\n0,1.5\n1,oops\n";
+  }
+  Result b = RunCli("plot " + csv + " -o " + svg);
+  EXPECT_EQ(b.exit_code, 2);
+  EXPECT_NE(b.err.find("line 3, column loss: 'oops' is not a finite number"), std::string::npos)
+      << b.err;
 }
