@@ -192,6 +192,41 @@ absl::StatusOr<LayerGraph> CheckpointPresetModel(const std::string& dir) {
   return std::move(read.second);
 }
 
+absl::StatusOr<EvalResult> EvaluateWeights(
+    const LayerGraph& graph, const std::vector<std::pair<std::string, Tensor>>& weights,
+    const Dataset& data, int64_t batches, std::unique_ptr<Stage>* stage) {
+  if (batches < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("EvaluateWeights: batches = ", batches, ": must be >= 1"));
+  }
+  const SampleSpec spec = data.Spec();
+  if (spec.input_shape.empty() || spec.input_shape[0] != graph.shape().seq_len) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "EvaluateWeights: the data (", data.Describe(), ") does not give sequences of ",
+        graph.shape().seq_len, ", the length ", graph.name(), " was staged for"));
+  }
+  std::unique_ptr<Stage> local;
+  if (stage == nullptr) stage = &local;
+  if (*stage == nullptr) {
+    PW_ASSIGN_OR_RETURN(*stage, graph.Instantiate(0, graph.num_layers(), 0));
+  }
+  for (Parameter* p : (*stage)->Parameters()) {
+    const Tensor* w = nullptr;
+    for (const auto& [name, t] : weights) {
+      if (name == p->name) w = &t;
+    }
+    if (w == nullptr || w->shape() != p->value.shape() || w->dtype() != DType::kF32 ||
+        !w->device().is_cpu()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "EvaluateWeights: weight '", p->name, "' missing, misshapen or not an f32 host tensor"));
+    }
+    std::copy_n(w->data<float>(), w->numel(), p->value.data<float>());
+  }
+  Checkpoint none;
+  none.manifest_json = "{}";
+  return Evaluate(graph, **stage, none, data, batches);
+}
+
 absl::StatusOr<EvalResult> EvaluateCheckpoint(const LayerGraph& graph, const std::string& dir,
                                               const Dataset& data, int64_t batches) {
   if (batches < 1) {

@@ -29,12 +29,14 @@ absl::StatusOr<std::unique_ptr<MetricsCsv>> MetricsCsv::Open(const std::string& 
   return m;
 }
 
-void MetricsCsv::Add(const StepResult& r, int64_t tokens_per_sample, int64_t peak_memory_bytes) {
+void MetricsCsv::Add(const StepResult& r, int64_t tokens_per_sample, int64_t peak_memory_bytes,
+                     double eval_loss) {
   if (failed_) return;
-  out_ << absl::StrFormat("%d,%.17g,%.9g,%.17g,%.9g,%.9g,%.9g,%d,%.9g,%d\n", r.step, r.loss, r.lr,
-                          r.grad_norm, r.step_time_s, r.samples_per_s,
+  out_ << absl::StrFormat("%d,%.17g,%.9g,%.17g,%.9g,%.9g,%.9g,%d,%.9g,%d,%s\n", r.step, r.loss,
+                          r.lr, r.grad_norm, r.step_time_s, r.samples_per_s,
                           r.samples_per_s * static_cast<double>(tokens_per_sample),
-                          peak_memory_bytes, r.loss_scale, r.skipped ? 1 : 0)
+                          peak_memory_bytes, r.loss_scale, r.skipped ? 1 : 0,
+                          std::isfinite(eval_loss) ? absl::StrFormat("%.17g", eval_loss) : "")
        << std::flush;
   if (!out_) {
     failed_ = true;
@@ -169,6 +171,7 @@ std::string PlotMetricsSvg(const MetricsTable& table, const std::string& title) 
     const char* colour;
   };
   const Series series[] = {{"loss", "loss", "#c0392b"},
+                           {"eval_loss", "eval loss (held-out data)", "#7d3c98"},
                            {"lr", "learning rate", "#2471a3"},
                            {"samples_per_s", "samples/s", "#1e8449"}};
   std::vector<double> steps;

@@ -16,7 +16,7 @@ namespace pipewright::tools {
 // The columns, in order.
 inline constexpr const char* kMetricsHeader =
     "step,loss,lr,grad_norm,step_time_s,samples_per_s,tokens_per_s,peak_memory_bytes,loss_scale,"
-    "skipped";
+    "skipped,eval_loss";
 
 // Writes FILE.csv as the run goes: the header, then a row per step, flushed at once so a killed
 // run keeps every finished step. A failed write is reported once on stderr and ends the file's
@@ -25,7 +25,9 @@ class MetricsCsv {
  public:
   // Replaces `path` (refused like any output: a FIFO, a directory; CheckOutputPath).
   static absl::StatusOr<std::unique_ptr<MetricsCsv>> Open(const std::string& path);
-  void Add(const StepResult& r, int64_t tokens_per_sample, int64_t peak_memory_bytes);
+  // eval_loss: NaN (an empty field) unless the step was evaluated (--eval-every).
+  void Add(const StepResult& r, int64_t tokens_per_sample, int64_t peak_memory_bytes,
+           double eval_loss);
 
  private:
   std::string path_;

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -58,6 +59,8 @@ struct TrainFlags {
   int64_t stop_after = 0;
   int64_t log_every = 0;
   std::string metrics;     // --metrics FILE.csv
+  std::string valid_data;  // --valid-data: held-out data evaluated during the run
+  int64_t eval_every = 0, eval_batches = 4;
   std::string split;       // --split 3,6: the first layer of every stage but the first
   int64_t save_every = 0;  // steps between periodic checkpoints (0: only at the end)
   int keep = 0;            // step checkpoints kept (0: all)
@@ -419,16 +422,44 @@ RunRecord RunAsyncSteps(Engine& t, const TrainFlags& f, bool root, Precision pre
     res.samples_per_s = static_cast<double>(t.global_batch()) / res.step_time_s;
     rec.Add(res);
     if (root && f.json) PrintStepJson(res, precision);
-    if (metrics != nullptr) metrics->Add(res, seq_len, 0);
+    if (metrics != nullptr) metrics->Add(res, seq_len, 0, NAN);
   }
   if (r->steps > 0 && rec.losses.empty()) rec.total_time = r->wall_s;  // non-root processes
   return rec;
 }
 
+// --valid-data / --eval-every: the held-out loss of the run's current weights (EvaluateWeights
+// over Engine::Weights(), so in one process only), printed as its own line.
+struct Validation {
+  const LayerGraph* graph = nullptr;
+  std::shared_ptr<const TokenDataset> data;
+  int64_t batches = 4;
+  std::unique_ptr<Stage> stage;  // the model instantiated once, its weights refreshed each time
+  absl::StatusOr<double> Evaluate(const Engine& t, bool json_lines, StepLog* log) {
+    PW_ASSIGN_OR_RETURN(EvalResult r, EvaluateWeights(*graph, t.Weights(), *data, batches, &stage));
+    if (json_lines) {
+      json line = {{"eval",
+                    {{"step", t.step()},
+                     {"loss", r.loss},
+                     {"perplexity", r.perplexity},
+                     {"tokens", r.tokens},
+                     {"data", data->Describe()}}}};
+      std::printf("%s\n", line.dump().c_str());
+    } else {
+      log->Finish();  // a bar on a terminal ends its line first
+      std::printf("eval at step %lld: loss %.4f, perplexity %.3f over %lld held-out tokens of %s\n",
+                  static_cast<long long>(t.step()), r.loss, r.perplexity,
+                  static_cast<long long>(r.tokens), data->Describe().c_str());
+    }
+    std::fflush(stdout);
+    return r.loss;
+  }
+};
+
 // Steps until --steps (or --stop-after more, or a stop request), printing one line per step on
 // the root process; saves every --save-every steps and when stopped.
 RunRecord RunSteps(Engine& t, const TrainFlags& f, bool root, const TrainOptions& options,
-                   MetricsCsv* metrics, int64_t seq_len) {
+                   MetricsCsv* metrics, int64_t seq_len, Validation* valid) {
   const Precision precision = options.precision;
   RunRecord rec;
   rec.first_step = t.step();
@@ -443,10 +474,21 @@ RunRecord RunSteps(Engine& t, const TrainFlags& f, bool root, const TrainOptions
     }
     const StepResult& res = r->result;
     rec.Add(res);
+    double eval_loss = NAN;
+    const bool last = t.step() >= f.steps || res.stop_requested ||
+                      (f.stop_after > 0 && t.step() - rec.first_step >= f.stop_after);
+    if (valid != nullptr && ((f.eval_every > 0 && t.step() % f.eval_every == 0) || last)) {
+      absl::StatusOr<double> loss = valid->Evaluate(t, f.json, &log);
+      if (!loss.ok()) {
+        rec.failure = loss.status();
+        break;
+      }
+      eval_loss = *loss;
+    }
     if (metrics != nullptr) {
       int64_t peak = 0;
       for (const RankTimes& rt : r->ranks) peak = std::max(peak, rt.peak_memory_bytes);
-      metrics->Add(res, seq_len, peak);
+      metrics->Add(res, seq_len, peak, eval_loss);
     }
     const bool periodic = f.save_every > 0 && t.step() % f.save_every == 0;
     if (!f.save.empty() && (periodic || res.stop_requested)) {
@@ -675,6 +717,25 @@ absl::Status RunTrain(const TrainFlags& given) {
     }
     return absl::OkStatus();
   }
+  std::unique_ptr<Validation> valid;
+  if (!f.valid_data.empty() || f.eval_every > 0) {
+    if (t.multi_process()) {
+      return absl::InvalidArgumentError(
+          "--valid-data and --eval-every evaluate in one process (every rank's weights are "
+          "there); under a launcher, evaluate the run's checkpoints with `pipewright eval`");
+    }
+    if (options.dp_mode == DpMode::kAsync) {
+      return absl::InvalidArgumentError(
+          "--valid-data and --eval-every need --dp-mode sync (asynchronous replicas have no "
+          "single set of weights between steps)");
+    }
+    valid = std::make_unique<Validation>();
+    valid->graph = &model.graph;
+    valid->batches = f.eval_batches;
+    PW_ASSIGN_OR_RETURN(valid->data, OpenDataset(f.valid_data.empty() ? f.data : f.valid_data,
+                                                 model.graph.shape().seq_len, f.seed));
+    PW_RETURN_IF_ERROR(CheckVocabulary(*valid->data, kByteVocabulary));
+  }
   std::unique_ptr<MetricsCsv> metrics;
   if (root && !f.metrics.empty()) {
     PW_ASSIGN_OR_RETURN(metrics, MetricsCsv::Open(f.metrics));
@@ -688,7 +749,7 @@ absl::Status RunTrain(const TrainFlags& given) {
     const int64_t seq_len = model.graph.shape().seq_len;
     rec = options.dp_mode == DpMode::kAsync
               ? RunAsyncSteps(t, f, root, options.precision, metrics.get(), seq_len, &async_report)
-              : RunSteps(t, f, root, options, metrics.get(), seq_len);
+              : RunSteps(t, f, root, options, metrics.get(), seq_len, valid.get());
     // What this run resumed from inside --save DIR is saved there already.
     if (rec.saved_step < 0 && resumed && ResumesFromSaveDir(f)) rec.saved_step = resumed->step;
     // A failed step (an error, a timeout, another rank's abort): every rank's last actions.
@@ -855,6 +916,15 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
   cmd->add_option("--resume", f->resume,
                   "Continue from a checkpoint (or a checkpoint directory's newest verified one); "
                   "'auto': from --save DIR when it holds one");
+  cmd->add_option("--valid-data", f->valid_data,
+                  "Held-out data evaluated during the run (a text or token file, or synthetic; "
+                  "default with --eval-every: held-out windows of --data); at the end, and "
+                  "every --eval-every steps");
+  AddInt(cmd, "--eval-every", &f->eval_every, {0, kMaxSteps, "0: only at the end"},
+         "Evaluate the held-out loss every N steps (0: only at the end, when --valid-data is "
+         "given)");
+  AddInt(cmd, "--eval-batches", &f->eval_batches, {1, 65536},
+         "Micro-batches of held-out data per evaluation");
   cmd->add_option("--metrics", f->metrics,
                   "Write one CSV row per step here (step, loss, lr, grad norm, step time, "
                   "samples/s, tokens/s, peak memory, loss scale, skipped); `pipewright plot` "

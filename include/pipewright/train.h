@@ -189,6 +189,12 @@ struct EvalResult {
 };
 absl::StatusOr<EvalResult> EvaluateCheckpoint(const LayerGraph& graph, const std::string& dir,
                                               const Dataset& data, int64_t batches);
+// The same held-out loss for weights in memory (Engine::Weights(): every parameter by global
+// name, tied copies as their owner) instead of a checkpoint: what `train --eval-every` runs on
+// its validation data. `stage` caches the instantiated model between calls (null: made here).
+absl::StatusOr<EvalResult> EvaluateWeights(
+    const LayerGraph& graph, const std::vector<std::pair<std::string, Tensor>>& weights,
+    const Dataset& data, int64_t batches, std::unique_ptr<Stage>* stage);
 // The graph of a checkpoint whose model is a GPT (its manifest's model.gpt architecture) or a
 // preset (model.preset, recorded only when the trained graph was exactly that preset's), checked
 // by fingerprint. InvalidArgument naming the model for a custom one, whose LayerGraph only its

@@ -251,6 +251,7 @@ const std::map<std::string, std::set<std::string>>& Accepted() {
       {"train --loss-scale-window", kBig},
       {"train --save-every", kBig},
       {"train --log-every", kBig},
+      {"train --eval-every", kBig},
       {"generate --seed", kSeed},
       {"train --seed", kSeed},
       {"model --seed", kSeed},

@@ -625,7 +625,7 @@ TEST(CliMetrics, ARowPerStepAndAPlotOfThem) {
   ASSERT_EQ(lines.size(), 7u) << text;
   EXPECT_EQ(lines[0],
             "step,loss,lr,grad_norm,step_time_s,samples_per_s,tokens_per_s,peak_memory_bytes,"
-            "loss_scale,skipped");
+            "loss_scale,skipped,eval_loss");
   // The same losses as the JSON lines, to the printed digits.
   const auto steps = StepLosses(r.out);
   ASSERT_EQ(steps.size(), 6u);
@@ -661,4 +661,38 @@ TEST(CliMetrics, ARowPerStepAndAPlotOfThem) {
   EXPECT_EQ(b.exit_code, 2);
   EXPECT_NE(b.err.find("line 3, column loss: 'oops' is not a finite number"), std::string::npos)
       << b.err;
+}
+
+// --- Held-out loss during training (issue 36, item 3) --------------------------------------------
+
+TEST(CliEvalEvery, TheHeldOutLossDuringTrainingIsEvalsOnTheSavedWeights) {
+  const std::string text = TempPath("valid_corpus.txt"), dir = TempPath("valid_ckpt"),
+                    csv = TempPath("valid_metrics.csv");
+  {
+    std::ofstream out(text);
+    for (int i = 0; i < 300; ++i) out << "Now is the winter of our discontent " << i << "\n";
+  }
+  Result r = RunCli(kTinyRun + "--steps 4 --eval-every 2 --eval-batches 2 --valid-data " + text +
+                    " --save " + dir + " --metrics " + csv + " --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::vector<nlohmann::json> evals;
+  for (const nlohmann::json& j : JsonLines(r.out)) {
+    if (j.contains("eval")) evals.push_back(j["eval"]);
+  }
+  ASSERT_EQ(evals.size(), 2u) << r.out;  // after steps 2 and 4
+  EXPECT_EQ(evals[0]["step"], 2);
+  EXPECT_EQ(evals[1]["step"], 4);
+  Result e = RunCli("eval --json --batches 2 --checkpoint " + dir + " --data " + text);
+  ASSERT_EQ(e.exit_code, 0) << e.err;
+  EXPECT_EQ(evals[1]["loss"].get<double>(), nlohmann::json::parse(e.out)["loss"].get<double>())
+      << "the same weights, data, seed and batches give the same bits";
+  // The CSV has the eval loss on the evaluated steps only.
+  const std::string rows = ReadAll(csv);
+  EXPECT_NE(rows.find(",skipped,eval_loss\n"), std::string::npos) << rows;
+  EXPECT_NE(rows.find("\n0,"), std::string::npos);
+  const size_t row1 = rows.find("\n1,"), row2 = rows.find("\n2,");
+  ASSERT_NE(row1, std::string::npos);
+  ASSERT_NE(row2, std::string::npos);
+  EXPECT_NE(rows[rows.find('\n', row1 + 1) - 1], ',') << "step 1 (the second) was evaluated";
+  EXPECT_EQ(rows[rows.find('\n', row2 + 1) - 1], ',') << "step 2 (the third) was not";
 }
