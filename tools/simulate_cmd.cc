@@ -17,6 +17,7 @@ struct SimulateFlags {
   std::string schedule = "1f1b";
   int stages = 0, micro_batches = 0, chunks = 0;  // chunks 0: 2 for zb-v/dualpipev, else 1
   double cost_f = 1, cost_b = 1, cost_w = 0;
+  bool cost_w_given = false;  // without --cost-w a split backward halves --cost-b (RunSimulate)
   double comm_latency = 0, comm_per_byte = 0, message_bytes = 0;
   double reduce_time = 0, optimizer_time = 0;
   bool json = false;
@@ -78,6 +79,12 @@ absl::Status RunSimulate(const SimulateFlags& f) {
   costs.f = f.cost_f;
   costs.b = f.cost_b;
   costs.w = f.cost_w;
+  if (!f.cost_w_given && schedule->split_backward) {
+    // A zero-bubble schedule needs a real W to show what it does: without --cost-w, --cost-b is
+    // the whole backward, split evenly into I and W (a schedule without W runs it inside B).
+    costs.b = f.cost_b / 2;
+    costs.w = f.cost_b / 2;
+  }
   costs.comm_latency = f.comm_latency;
   costs.comm_per_byte = f.comm_per_byte;
   costs.message_bytes = f.message_bytes;
@@ -147,7 +154,11 @@ void RegisterSimulate(CLI::App& app, int* exit_code) {
   const RealRange time = RealRange::Closed(0, 1e12);
   AddReal(cmd, "--cost-f", &f->cost_f, time, "Forward time of a whole stage");
   AddReal(cmd, "--cost-b", &f->cost_b, time, "Input-gradient backward time of a whole stage");
-  AddReal(cmd, "--cost-w", &f->cost_w, time, "Weight-gradient backward time of a whole stage");
+  CLI::Option* cost_w =
+      AddReal(cmd, "--cost-w", &f->cost_w, time,
+              "Weight-gradient backward time of a whole stage (B then runs --cost-b + --cost-w "
+              "where W is not split off; not given: 0, and for zb-h1, zb-v, dualpipev "
+              "--cost-b is the whole backward, split evenly into I and W)");
   AddReal(cmd, "--comm-latency", &f->comm_latency, time, "Latency per P2P message");
   AddReal(cmd, "--comm-per-byte", &f->comm_per_byte, time, "Transfer time per byte");
   AddReal(cmd, "--message-bytes", &f->message_bytes, RealRange::Closed(0, 1e15),
@@ -159,7 +170,8 @@ void RegisterSimulate(CLI::App& app, int* exit_code) {
   cmd->add_option("--svg", f->svg, "Write an SVG timeline to FILE");
   cmd->add_option("--program", f->program,
                   "Simulate a hand-written schedule (text form, kind custom) from FILE");
-  cmd->callback([f, exit_code] {
+  cmd->callback([f, cost_w, exit_code] {
+    f->cost_w_given = cost_w->count() > 0;
     absl::Status st = RunSimulate(*f);
     *exit_code = st.ok() ? 0 : ReportError(st);
   });

@@ -696,3 +696,25 @@ TEST(CliEvalEvery, TheHeldOutLossDuringTrainingIsEvalsOnTheSavedWeights) {
   EXPECT_NE(rows[rows.find('\n', row1 + 1) - 1], ',') << "step 1 (the second) was evaluated";
   EXPECT_EQ(rows[rows.find('\n', row2 + 1) - 1], ',') << "step 2 (the third) was not";
 }
+
+// --- simulate's default costs give zero-bubble schedules a W (issue 36, item 5) ------------------
+
+TEST(CliSimulate, WithoutCostWZeroBubbleSchedulesSplitTheBackwardEvenly) {
+  auto bubble = [](const std::string& args) {
+    Result r = RunCli("simulate --stages 4 --micro-batches 8 --json " + args);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return nlohmann::json::parse(r.out);
+  };
+  const nlohmann::json one = bubble("--schedule 1f1b");
+  // 1F1B unchanged: B is the whole backward, W 0.
+  EXPECT_DOUBLE_EQ(one["makespan"].get<double>(), 22.0);
+  for (const char* k : {"zb-h1", "zb-v", "dualpipev"}) {
+    const nlohmann::json zb = bubble(std::string("--schedule ") + k);
+    EXPECT_LT(zb["bubble_fraction"].get<double>(), one["bubble_fraction"].get<double>()) << k;
+    // The same as spelling out I = W = B / 2.
+    EXPECT_EQ(zb, bubble(std::string("--schedule ") + k + " --cost-b 0.5 --cost-w 0.5")) << k;
+  }
+  // Given explicitly, --cost-w 0 is taken as it is.
+  EXPECT_DOUBLE_EQ(bubble("--schedule zb-h1 --cost-w 0")["makespan"].get<double>(),
+                   bubble("--schedule zb-h1 --cost-b 1 --cost-w 0")["makespan"].get<double>());
+}
