@@ -1,6 +1,7 @@
 // `pipewright train`: flags become the library's data — a RunSpec (from a
 // plan, a hand-written program or a schedule generator), TrainOptions, a Dataset and a World
-// from Launch — and the Engine runs them. Reports are in train_report.cc.
+// from Launch — and the Engine runs them. The flags are registered in train_flags.cc, the reports
+// are in train_report.cc.
 #include <signal.h>
 #include <unistd.h>
 
@@ -33,15 +34,10 @@
 #include "tools/commands.h"
 #include "tools/flags.h"
 #include "tools/metrics.h"
+#include "tools/train_flags.h"
 #include "tools/train_report.h"
 
 namespace pipewright::tools {
-namespace {
-
-using json = nlohmann::json;
-
-// Every preset train runs reads byte-level tokens.
-constexpr int64_t kByteVocabulary = 256;
 
 // The presets small enough to instantiate and train on this machine; the analytic giants
 // (gpt3-175b, megatron-*) are for `pipewright model` and `plan` only.
@@ -50,38 +46,21 @@ const std::vector<std::string>& TrainablePresets() {
   return kNames;
 }
 
-struct TrainFlags {
-  std::string preset = "gpt-tiny";
-  int pp = 1, dp = 1, chunks = 1, threads_per_rank = 0;
-  std::string schedule = "1f1b", recompute = "none", plan, program, trace, svg;
-  double timeout_s = 60, bucket_mb = 1;
-  int64_t micro_batches = 4, micro_batch_size = 0, steps = 60, warmup = 5, base_batch = 32;
-  int64_t stop_after = 0;
-  int64_t log_every = 0;
-  std::string metrics;     // --metrics FILE.csv
-  std::string valid_data;  // --valid-data: held-out data evaluated during the run
-  int64_t eval_every = 0, eval_batches = 4;
-  std::string split;       // --split 3,6: the first layer of every stage but the first
-  int64_t save_every = 0;  // steps between periodic checkpoints (0: only at the end)
-  int keep = 0;            // step checkpoints kept (0: all)
-  std::string flight_dir;  // where flight records go (default: --save DIR, else .)
-  uint64_t seed = 1;
-  float lr = 3e-3f, clip = 1.0f, weight_decay = 0.1f, min_lr_ratio = 0.1f;
-  std::string lr_scaling = "none", optimizer = "adamw", data = "synthetic";
-  std::string device = "cpu", precision = "fp32", save, resume, comm = "auto";
-  std::string grad_compression = "none";
-  std::string dp_mode = "sync", slow_replica;  // slow_replica: "R:FACTOR"
-  int staleness = 1;
-  float loss_scale = 65536.0f;
-  std::string inject_failure;  // "RANK:STEP", tests of failure handling
-  int64_t loss_scale_window = 1000;
-  int data_workers = 1;
-  int tied = -1;              // --tied 0|1: the LM head tied to the embedding (-1: the preset's)
-  int zero = -1;              // --zero 0|1|2 (-1: the plan's, else 0)
-  int64_t data_delay_us = 0;  // benchmark-only: an artificially slow data source
-  bool json = false;
-  std::set<std::string> given;  // flags the user gave explicitly
-};
+namespace {
+
+// Whether this process is the run's root (set once the world is launched; true before).
+bool train_root_process = true;
+
+}  // namespace
+
+bool TrainRootProcess() { return train_root_process; }
+
+namespace {
+
+using json = nlohmann::json;
+
+// Every preset train runs reads byte-level tokens.
+constexpr int64_t kByteVocabulary = 256;
 
 // What no single flag's range says (each flag's own range is checked as it is parsed:
 // RegisterTrain, tools/flags.h).
@@ -629,7 +608,6 @@ absl::StatusOr<std::optional<ResumeInfo>> ResumeFromFlags(Engine& t, const Train
 }
 
 // Whether this process is a launcher's root (or the only process): set once the World exists.
-bool root_process = true;
 
 // The flags with what a resumed run takes from its checkpoint when not given: the seed (every
 // sample depends on it; a different one is refused by the resume), and the model when no
@@ -668,12 +646,14 @@ absl::StatusOr<TrainFlags> WithCheckpointDefaults(const TrainFlags& given) {
     f.micro_batch_size =
         std::min<int64_t>(model["micro_batch_size"].get<int64_t>(), kMaxMicroBatchSize);
   }
-  if (root_process) {
+  if (TrainRootProcess()) {
     std::fprintf(stderr, "model %s%s from the checkpoint's manifest (no --preset given)\n",
                  name.c_str(), f.tied == 1 ? " (tied head)" : "");
   }
   return f;
 }
+
+}  // namespace
 
 absl::Status RunTrain(const TrainFlags& given) {
   PW_RETURN_IF_ERROR(CheckFlags(given));
@@ -695,7 +675,7 @@ absl::Status RunTrain(const TrainFlags& given) {
   // Under mpirun or srun this process is one rank of the pp x dp grid (docs/cluster.md).
   PW_ASSIGN_OR_RETURN(World world, Launch(world_options));
   const bool root = world.is_root();
-  root_process = root;
+  train_root_process = root;
   PW_ASSIGN_OR_RETURN(std::optional<CheckpointLock> lock, PrepareSaveDir(f, root));
   PW_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
                       Engine::Create(model.graph, std::move(run), options, data, std::move(world)));
@@ -790,159 +770,6 @@ absl::Status RunTrain(const TrainFlags& given) {
   }
   PrintSummary(in, f.json);
   return absl::OkStatus();
-}
-
-}  // namespace
-
-void RegisterTrain(CLI::App& app, int* exit_code) {
-  auto f = std::make_shared<TrainFlags>();
-  CLI::App* cmd = app.add_subcommand("train", "Train a model: pp x dp ranks on CPU threads");
-  cmd->add_option("--preset", f->preset, "Model preset: mlp, gpt-tiny, gpt-small, gpt2-124m")
-      ->check(CLI::IsMember(TrainablePresets()));
-  AddInt(cmd, "--tied", &f->tied, {0, 1},
-         "1: tie the LM head to the token embedding (GPT-2's weight tying); 0: untie it "
-         "(default: the preset's; gpt2-124m is tied, gpt-tiny and gpt-small are not)");
-  AddInt(cmd, "--zero", &f->zero, {0, 2},
-         "The sharded optimizer: 1 (ZeRO-1): each dp replica keeps and updates the optimizer "
-         "state of its share of every gradient bucket (reduce-scatter, then all-gather); 2 "
-         "(ZeRO-2): its gradient buffers shrink to that share too, for a reduce-scatter per "
-         "micro-batch (dp >= 2; default: the plan's, else 0)");
-  AddInt(cmd, "--pp", &f->pp, {1, kMaxParallel}, "Pipeline-parallel stages");
-  AddInt(cmd, "--dp", &f->dp, {1, kMaxParallel}, "Data-parallel replicas");
-  cmd->add_option("--schedule", f->schedule, "Pipeline schedule")
-      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"}));
-  cmd->add_option("--split", f->split,
-                  "The stages' layers by hand: the first layer of every stage but the first, "
-                  "e.g. 3,6 for [0,3) [3,6) [6,L) (default: balanced by FLOPs; `model` lists the "
-                  "layers)");
-  AddInt(cmd, "--chunks", &f->chunks, {1, kMaxParallel},
-         "Model chunks per rank (interleaved: 2 when not given, as in `plan`)");
-  AddInt(cmd, "--micro-batches", &f->micro_batches, {1, kMaxMicroBatches},
-         "Micro-batches per step (per replica)");
-  AddInt(cmd, "--micro-batch-size", &f->micro_batch_size,
-         {0, kMaxMicroBatchSize, "0: the preset's default"},
-         "Sequences per micro-batch (0: the preset's default)");
-  cmd->add_option("--recompute", f->recompute,
-                  "Activation recomputation: none|selective|full (docs/memory.md)");
-  cmd->add_option("--plan", f->plan, "Partition plan JSON");
-  cmd->add_option("--program", f->program,
-                  "A hand-written schedule: one 'rank R: F0@s0 ...' line per rank "
-                  "(docs/schedules.md); sets pp, the stages and the micro-batches");
-  AddInt(cmd, "--steps", &f->steps, {0, kMaxSteps},
-         "Total optimizer steps (a resumed run continues to it)");
-  AddInt(cmd, "--stop-after", &f->stop_after, {0, kMaxSteps, "0: no limit"},
-         "Stop after this many steps in this run (the LR schedule still spans --steps; 0: no "
-         "limit)");
-  AddInt(cmd, "--log-every", &f->log_every, {0, kMaxSteps, "0: automatic"},
-         "Print a plain line every N steps (0: a progress bar with an ETA on a terminal, else a "
-         "line every 10 steps; never control codes under a launcher or into a file or pipe)");
-  cmd->add_option("--data", f->data,
-                  "synthetic, a token file ('pipewright data prepare'), or a text file "
-                  "(byte-level tokens); files are memory-mapped");
-  AddInt(cmd, "--data-workers", &f->data_workers, {0, 64},
-         "Loader threads per data-loading rank building whole steps ahead (0: build "
-         "each step on the rank's thread); results do not depend on it");
-  AddInt(cmd, "--data-delay-us", &f->data_delay_us, {0, 10'000'000},
-         "Benchmark only: sleep this long per sample (an artificially slow data source)")
-      ->group("");  // hidden from --help
-  AddUint64(cmd, "--seed", &f->seed,
-            "Seed for weights and data (default 1; a resumed run: the checkpoint's)");
-  AddReal(cmd, "--lr", &f->lr, RealRange::LeftOpen(0, 1e3),
-          "Peak learning rate for --base-batch sequences");
-  cmd->add_option(
-      "--lr-scaling", f->lr_scaling,
-      "none|linear|sqrt: scale --lr with the global batch (sqrt: the square-root rule for "
-      "Adam-family optimizers)");
-  AddInt(cmd, "--base-batch", &f->base_batch, {1, int64_t{1} << 40},
-         "Batch that --lr is tuned for");
-  AddInt(cmd, "--warmup", &f->warmup, {0, kMaxSteps}, "Linear warm-up steps before cosine decay");
-  AddReal(cmd, "--min-lr-ratio", &f->min_lr_ratio, RealRange::Closed(0, 1),
-          "Final lr as a fraction of the peak");
-  AddReal(cmd, "--clip", &f->clip, RealRange::Closed(0, 1e9, "0: off"),
-          "Clip gradients to this global norm (0: off)");
-  cmd->add_option("--optimizer", f->optimizer, "adamw|sgd");
-  AddReal(cmd, "--weight-decay", &f->weight_decay, RealRange::Closed(0, 1e3),
-          "Decoupled weight decay");
-  cmd->add_option("--device", f->device,
-                  "cpu | cuda (ranks over every visible GPU) | cuda:N (every rank on GPU N)");
-  cmd->add_option("--inject-failure", f->inject_failure,
-                  "RANK:STEP: make that global rank fail in its first backward of that step "
-                  "(tests of failure handling)")
-      ->group("");  // hidden from --help
-  cmd->add_option("--comm", f->comm,
-                  "auto | local | nccl: how ranks talk (auto: NCCL when every rank has its own "
-                  "GPU)")
-      ->check(CLI::IsMember({"auto", "local", "nccl"}));
-  cmd->add_option("--precision", f->precision,
-                  "fp32|bf16|fp16: bf16/fp16 run matrix products on 16-bit inputs with fp32 "
-                  "accumulation and fp32 master weights");
-  AddReal(cmd, "--loss-scale", &f->loss_scale, RealRange::Closed(1, 16777216),
-          "fp16: initial dynamic loss scale (65536)");
-  AddInt(cmd, "--loss-scale-window", &f->loss_scale_window, {1, kMaxSteps},
-         "fp16: finite steps in a row before the loss scale doubles (1000)");
-  cmd->add_option("--trace", f->trace, "Write a Chrome trace of every rank here");
-  cmd->add_option("--svg", f->svg, "Write the last step's measured timeline (SVG) here");
-  AddReal(cmd, "--timeout", &f->timeout_s, RealRange::LeftOpen(0, 1e7),
-          "Seconds a receive or collective may wait before the run fails");
-  AddReal(cmd, "--bucket-mb", &f->bucket_mb, RealRange::Closed(1e-6, 1048576),
-          "Gradient all-reduce bucket size (MiB)");
-  cmd->add_option("--grad-compression", f->grad_compression,
-                  "Gradients between replicas: none (fp32 all-reduce), bf16 (half the bytes, "
-                  "fp32 sums, error feedback) or powersgd:R (rank-R factors of every matrix, "
-                  "error feedback); needs --dp >= 2");
-  cmd->add_option("--dp-mode", f->dp_mode,
-                  "sync (every step sums all replicas' gradients) or async (bounded staleness: "
-                  "each replica's gradients applied as they come by the parameters' owners; "
-                  "needs --dp >= 2)");
-  AddInt(cmd, "--staleness", &f->staleness, {0, 65536, "0: lock-step"},
-         "async: the most steps a replica may run ahead of the slowest (0: lock-step; "
-         "default 1)");
-  cmd->add_option("--slow-replica", f->slow_replica,
-                  "R:FACTOR: replica R computes FACTOR times slower (benchmarks of stragglers)");
-  AddInt(cmd, "--threads-per-rank", &f->threads_per_rank, {0, 255, "0: automatic"},
-         "Threads each CPU rank runs its kernels on (0: automatic, the usable cores "
-         "divided among the ranks)");
-  cmd->add_option("--save", f->save,
-                  "Checkpoint directory: DIR/step-NNNNNN per saved step and DIR/latest naming the "
-                  "newest; written at the end, every --save-every steps, and on SIGTERM/SIGINT/"
-                  "SIGUSR1");
-  AddInt(cmd, "--save-every", &f->save_every, {0, kMaxSteps, "0: only at the end"},
-         "Save a checkpoint every N steps (needs --save; 0: only at the end)");
-  cmd->add_option("--flight-dir", f->flight_dir,
-                  "Where each rank's flight record (its last actions) goes on a failure or "
-                  "SIGUSR2 (default: --save DIR, else .)");
-  AddInt(cmd, "--keep", &f->keep, {0, 1 << 20, "0: all"},
-         "Keep the newest K step checkpoints (0: all; needs --save)");
-  cmd->add_option("--resume", f->resume,
-                  "Continue from a checkpoint (or a checkpoint directory's newest verified one); "
-                  "'auto': from --save DIR when it holds one");
-  cmd->add_option("--valid-data", f->valid_data,
-                  "Held-out data evaluated during the run (a text or token file, or synthetic; "
-                  "default with --eval-every: held-out windows of --data); at the end, and "
-                  "every --eval-every steps");
-  AddInt(cmd, "--eval-every", &f->eval_every, {0, kMaxSteps, "0: only at the end"},
-         "Evaluate the held-out loss every N steps (0: only at the end, when --valid-data is "
-         "given)");
-  AddInt(cmd, "--eval-batches", &f->eval_batches, {1, 65536},
-         "Micro-batches of held-out data per evaluation");
-  cmd->add_option("--metrics", f->metrics,
-                  "Write one CSV row per step here (step, loss, lr, grad norm, step time, "
-                  "samples/s, tokens/s, peak memory, loss scale, skipped); `pipewright plot` "
-                  "draws it");
-  cmd->add_flag("--json", f->json, "One JSON object per step and a final summary");
-  cmd->callback([f, cmd, exit_code] {
-    for (const CLI::Option* opt : cmd->get_options()) {
-      if (opt->count() > 0) f->given.insert(opt->get_name());
-    }
-    absl::Status s = RunTrain(*f);
-    // Another process's failure relayed to this one is reported by the root process alone: a
-    // job's failure reads as one line per cause, not one per process.
-    if (!s.ok() && !root_process && IsRelayedAbort(s)) {
-      *exit_code = 1;
-      return;
-    }
-    *exit_code = s.ok() ? 0 : ReportError(s);
-  });
 }
 
 }  // namespace pipewright::tools
