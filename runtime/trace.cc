@@ -6,6 +6,8 @@
 #include <nlohmann/json.hpp>
 #include <tuple>
 
+#include "absl/strings/str_cat.h"
+
 namespace pipewright {
 
 using json = nlohmann::json;
@@ -41,7 +43,7 @@ std::string EngineChromeTrace(const Topology& topology,
     for (const RankEvent& e : events[g]) {
       std::string name = e.kind == EventKind::kCompute ? e.action.ToString()
                          : e.kind == EventKind::kDataWait || e.kind == EventKind::kOptimizer ||
-                                 e.kind == EventKind::kAllReduce
+                                 e.kind == EventKind::kAllReduce || e.kind == EventKind::kAgreement
                              ? std::string(EventKindName(e.kind))
                              : std::string(EventKindName(e.kind)) + " " + e.action.ToString();
       json ev = {{"ph", "X"},
@@ -83,12 +85,25 @@ std::string EngineChromeTrace(const Topology& topology,
 SimResult MeasuredTimeline(const Schedule& schedule, const Topology& topology,
                            const std::vector<std::vector<RankEvent>>& events, int64_t step,
                            int replica) {
+  (void)schedule;
+  const int first = replica == kAllReplicas ? 0 : replica;
+  const int last = replica == kAllReplicas ? topology.dp - 1 : replica;
+  const int rows = (last - first + 1) * topology.pp;
   SimResult r;
-  r.ranks.resize(topology.pp);
+  if (rows <= 0) return r;
+  r.ranks.resize(rows);
+  // Each (row, global rank) drawn; the rows in replica-major order.
+  std::vector<std::pair<int, int>> drawn;
+  for (int d = first; d <= last; ++d) {
+    for (int p = 0; p < topology.pp; ++p) {
+      const int g = topology.GlobalRank(p, d);
+      if (g >= 0 && g < static_cast<int>(events.size())) {
+        drawn.emplace_back((d - first) * topology.pp + p, g);
+      }
+    }
+  }
   double t0 = std::numeric_limits<double>::infinity(), t1 = 0;
-  for (int p = 0; p < topology.pp; ++p) {
-    int g = topology.GlobalRank(p, replica);
-    if (g >= static_cast<int>(events.size())) continue;
+  for (const auto& [row, g] : drawn) {
     for (const RankEvent& e : events[g]) {
       if (e.step != step || e.kind != EventKind::kCompute) continue;
       t0 = std::min(t0, e.start);
@@ -97,20 +112,32 @@ SimResult MeasuredTimeline(const Schedule& schedule, const Topology& topology,
   }
   if (!(t1 > t0)) return r;
   double busy = 0;
-  for (int p = 0; p < topology.pp; ++p) {
-    int g = topology.GlobalRank(p, replica);
-    if (g >= static_cast<int>(events.size())) continue;
+  for (const auto& [row, g] : drawn) {
     for (const RankEvent& e : events[g]) {
       if (e.step != step || e.kind != EventKind::kCompute) continue;
-      r.timeline.push_back({p, e.action, e.start - t0, e.end - t0});
-      r.ranks[p].busy += e.end - e.start;
+      r.timeline.push_back({row, e.action, e.start - t0, e.end - t0});
+      r.ranks[row].busy += e.end - e.start;
     }
-    busy += r.ranks[p].busy;
+    busy += r.ranks[row].busy;
   }
   r.makespan = t1 - t0;
-  r.bubble_fraction = 1.0 - busy / (topology.pp * r.makespan);
-  (void)schedule;
+  r.bubble_fraction = 1.0 - busy / (rows * r.makespan);
   return r;
+}
+
+std::string MeasuredTimelineSvg(const Schedule& schedule, const Topology& topology,
+                                const std::vector<std::vector<RankEvent>>& events, int64_t step) {
+  SvgOptions o;
+  for (int d = 0; d < topology.dp; ++d) {
+    for (int p = 0; p < topology.pp; ++p) {
+      o.row_labels.push_back(
+          absl::StrCat("rank ", topology.GlobalRank(p, d), " (pp ", p, ", dp ", d, ")"));
+    }
+  }
+  o.time_unit = "ms";
+  o.unit_scale = 1e3;
+  o.title = absl::StrCat("measured step ", step + 1, ": ", ScheduleKindName(schedule.spec.kind));
+  return ToSvg(schedule, MeasuredTimeline(schedule, topology, events, step, kAllReplicas), o);
 }
 
 }  // namespace pipewright

@@ -234,7 +234,7 @@ std::string ToChromeTrace(const Schedule& schedule, const SimResult& result) {
   return out;
 }
 
-std::string ToSvg(const Schedule& schedule, const SimResult& result) {
+std::string ToSvg(const Schedule& schedule, const SimResult& result, const SvgOptions& options) {
   int num_ranks = static_cast<int>(std::max(schedule.programs.size(), result.ranks.size()));
   for (const SimEvent& ev : result.timeline) num_ranks = std::max(num_ranks, ev.rank + 1);
   const std::vector<int> chunk = ChunkOfStage(schedule);
@@ -244,7 +244,10 @@ std::string ToSvg(const Schedule& schedule, const SimResult& result) {
                : 0;
   };
 
-  constexpr double kLeft = 70, kRight = 20, kTop = 48, kRowH = 26, kRowGap = 6, kPlotW = 1000;
+  size_t longest_label = 7;
+  for (const std::string& l : options.row_labels) longest_label = std::max(longest_label, l.size());
+  const double kLeft = std::max(70.0, 14 + 7.0 * static_cast<double>(longest_label));
+  constexpr double kRight = 20, kTop = 48, kRowH = 26, kRowGap = 6, kPlotW = 1000;
   const double makespan = result.makespan > 0 ? result.makespan : 1;
   const double scale = kPlotW / makespan;
   const double rows_h = num_ranks * (kRowH + kRowGap);
@@ -263,10 +266,13 @@ std::string ToSvg(const Schedule& schedule, const SimResult& result) {
                         "<rect class=\"background\" x=\"0\" y=\"0\" width=\"%.0f\" "
                         "height=\"%.0f\" fill=\"#ffffff\"/>\n",
                         width, height);
+  const double unit = options.unit_scale > 0 ? options.unit_scale : 1;
+  const std::string unit_suffix = options.time_unit.empty() ? "" : " " + options.time_unit;
   const std::string title = absl::StrFormat(
-      "%s  p=%d  m=%d  v=%d  makespan %.4g  bubble %.1f%%", ScheduleKindName(schedule.spec.kind),
-      schedule.spec.ranks, schedule.spec.micro_batches, schedule.spec.chunks, result.makespan,
-      100.0 * result.bubble_fraction);
+      "%s  p=%d  m=%d  v=%d  makespan %.4g%s  bubble %.1f%%",
+      options.title.empty() ? std::string(ScheduleKindName(schedule.spec.kind)) : options.title,
+      schedule.spec.ranks, schedule.spec.micro_batches, schedule.spec.chunks,
+      result.makespan * unit, unit_suffix, 100.0 * result.bubble_fraction);
   absl::StrAppendFormat(&out,
                         "<text x=\"%.1f\" y=\"24\" font-size=\"16\" font-weight=\"bold\" "
                         "fill=\"#222222\">%s</text>\n",
@@ -279,10 +285,13 @@ std::string ToSvg(const Schedule& schedule, const SimResult& result) {
                           "<rect class=\"row\" x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" "
                           "height=\"%.1f\" fill=\"#f3f3f3\"/>\n",
                           kLeft, y, kPlotW, kRowH);
-    absl::StrAppendFormat(&out,
-                          "<text x=\"%.1f\" y=\"%.1f\" font-size=\"13\" text-anchor=\"end\" "
-                          "dominant-baseline=\"central\" fill=\"#222222\">rank %d</text>\n",
-                          kLeft - 8, y + kRowH / 2, r);
+    absl::StrAppendFormat(
+        &out,
+        "<text x=\"%.1f\" y=\"%.1f\" font-size=\"13\" text-anchor=\"end\" "
+        "dominant-baseline=\"central\" fill=\"#222222\">%s</text>\n",
+        kLeft - 8, y + kRowH / 2,
+        XmlEscape(r < static_cast<int>(options.row_labels.size()) ? options.row_labels[r]
+                                                                  : absl::StrCat("rank ", r)));
   }
 
   // One box per compute action (and per timed reduce / optimizer step).
@@ -302,9 +311,10 @@ std::string ToSvg(const Schedule& schedule, const SimResult& result) {
     absl::StrAppendFormat(&out,
                           "<rect class=\"%s\" x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" "
                           "height=\"%.1f\" fill=\"%s\" stroke=\"#ffffff\" stroke-width=\"0.5\">"
-                          "<title>%s [%.4g, %.4g]</title></rect>\n",
+                          "<title>%s [%.4g, %.4g]%s</title></rect>\n",
                           compute ? "op" : "aux", x, y, w, kRowH, Hex(color),
-                          XmlEscape(ev.action.ToString()), ev.start, ev.end);
+                          XmlEscape(ev.action.ToString()), ev.start * unit, ev.end * unit,
+                          XmlEscape(unit_suffix));
     if (compute && w >= 7) {
       const double font = std::min(12.0, std::max(7.0, w * 0.55));
       absl::StrAppendFormat(&out,
@@ -321,7 +331,8 @@ std::string ToSvg(const Schedule& schedule, const SimResult& result) {
                         "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" "
                         "stroke=\"#444444\" stroke-width=\"1\"/>\n",
                         kLeft, axis_y, kLeft + kPlotW, axis_y);
-  const double step = NiceStep(makespan, 10);
+  // Ticks at round values of the shown unit.
+  const double step = NiceStep(makespan * unit, 10) / unit;
   for (int i = 0; i * step <= makespan * (1 + 1e-9); ++i) {
     const double t = i * step;
     const double x = kLeft + t * scale;
@@ -332,7 +343,13 @@ std::string ToSvg(const Schedule& schedule, const SimResult& result) {
     absl::StrAppendFormat(&out,
                           "<text x=\"%.2f\" y=\"%.1f\" font-size=\"10\" text-anchor=\"middle\" "
                           "fill=\"#444444\">%.4g</text>\n",
-                          x, axis_y + 15, t);
+                          x, axis_y + 15, t * unit);
+  }
+  if (!options.time_unit.empty()) {
+    absl::StrAppendFormat(&out,
+                          "<text x=\"%.1f\" y=\"%.1f\" font-size=\"10\" text-anchor=\"end\" "
+                          "fill=\"#444444\">%s</text>\n",
+                          kLeft - 8, axis_y + 15, XmlEscape(options.time_unit));
   }
 
   // Legend.

@@ -505,9 +505,9 @@ absl::Status WriteOutputs(const Engine& t, const TrainFlags& f, const RunRecord&
   }
   PW_RETURN_IF_ERROR(rec.failure);
   if (!f.svg.empty() && t.step() > rec.first_step) {
-    // The last step's measured timeline of replica 0, drawn like the simulator's.
-    SimResult measured = MeasuredTimeline(t.schedule(), t.topology(), t.Events(), t.step() - 1, 0);
-    PW_RETURN_IF_ERROR(WriteFile(f.svg, ToSvg(t.schedule(), measured), "--svg"));
+    // The last step's measured timeline of every rank, drawn like the simulator's.
+    PW_RETURN_IF_ERROR(WriteFile(
+        f.svg, MeasuredTimelineSvg(t.schedule(), t.topology(), t.Events(), t.step() - 1), "--svg"));
   }
   return absl::OkStatus();
 }
@@ -564,6 +564,33 @@ absl::StatusOr<std::optional<CheckpointLock>> PrepareSaveDir(const TrainFlags& f
   return std::optional<CheckpointLock>(*std::move(lock));
 }
 
+// " (saved by a pp P x dp D run, seed S, data SOURCE)": what the manifest of checkpoint
+// `path` records of the run that wrote it; "" when it records none of it.
+std::string CheckpointRunDescription(const std::string& path) {
+  absl::StatusOr<std::string> text = ReadCheckpointManifest(path);
+  if (!text.ok()) return "";
+  const json m = json::parse(*text, nullptr, false);
+  if (!m.is_object()) return "";
+  std::vector<std::string> parts;
+  auto number = [&](const char* section, const char* key) -> std::optional<int64_t> {
+    if (!m.contains(section) || !m[section].is_object()) return std::nullopt;
+    const json& v = m[section].value(key, json());
+    if (!v.is_number_unsigned()) return std::nullopt;
+    return v.get<int64_t>();
+  };
+  const std::optional<int64_t> pp = number("plan", "pipeline_parallel"),
+                               dp = number("plan", "data_parallel");
+  if (pp && dp) parts.push_back(absl::StrCat("saved by a pp ", *pp, " x dp ", *dp, " run"));
+  if (m.contains("rng") && m["rng"].is_object() && m["rng"].value("seed", json()).is_number()) {
+    parts.push_back(absl::StrCat("seed ", m["rng"]["seed"].dump()));
+  }
+  if (m.contains("data") && m["data"].is_object() &&
+      m["data"].value("source", json()).is_string()) {
+    parts.push_back(absl::StrCat("data ", m["data"]["source"].get<std::string>()));
+  }
+  return parts.empty() ? "" : absl::StrCat(" (", absl::StrJoin(parts, ", "), ")");
+}
+
 // --resume DIR, or --resume auto: --save DIR when it holds checkpoints (else a fresh start).
 // Says on stderr what was resumed and every warning (checkpoints skipped, settings that differ
 // from the checkpoint's). nullopt when the run starts at step 0.
@@ -599,9 +626,9 @@ absl::StatusOr<std::optional<ResumeInfo>> ResumeFromFlags(Engine& t, const Train
   if (root) {
     for (const std::string& w : info.warnings) std::fprintf(stderr, "warning: %s\n", w.c_str());
     if (info.step < f.steps) {
-      std::fprintf(stderr, "resumed from %s at step %lld (the run continues to step %lld)\n",
+      std::fprintf(stderr, "resumed from %s at step %lld%s (the run continues to step %lld)\n",
                    info.path.c_str(), static_cast<long long>(info.step),
-                   static_cast<long long>(f.steps));
+                   CheckpointRunDescription(info.path).c_str(), static_cast<long long>(f.steps));
     }
   }
   return info;

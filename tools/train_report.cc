@@ -25,6 +25,7 @@ json RankJson(const RankTimes& t) {
           {"recompute_s", t.recompute},
           {"p2p_wait_s", t.p2p_wait},
           {"all_reduce_s", t.all_reduce},
+          {"agreement_s", t.agreement},
           {"optimizer_s", t.optimizer},
           {"data_wait_s", t.data_wait},
           {"idle_s", t.idle},
@@ -44,19 +45,20 @@ json RankJson(const RankTimes& t) {
 void PrintRankTable(const RunSummary& s) {
   const double n = std::max<int64_t>(1, s.steps);
   std::printf(
-      "  rank  pp dp  stages      compute  recompute   p2p wait  all-reduce  optimizer  data wait"
-      "       idle   peak MiB  act MiB  optim MiB  grad MiB\n");
+      "  rank  pp dp  stages      compute  recompute   p2p wait  all-reduce  agreement  optimizer"
+      "  data wait       idle   peak MiB  act MiB  optim MiB  grad MiB\n");
   for (const RankTimes& t : s.ranks) {
     std::string stages;
     for (int st : t.stages) stages += absl::StrCat(stages.empty() ? "" : ",", st);
     std::printf(
-        "  %4d  %2d %2d  %-8s %8.1fms %8.1fms %8.1fms %9.1fms %8.1fms %8.1fms %8.1fms"
+        "  %4d  %2d %2d  %-8s %8.1fms %8.1fms %8.1fms %9.1fms %8.1fms %8.1fms %8.1fms %8.1fms"
         " %10.2f %8.2f %10.2f %9.2f%s\n",
         t.global_rank, t.pipeline_rank, t.replica, stages.c_str(), 1e3 * t.compute / n,
-        1e3 * t.recompute / n, 1e3 * t.p2p_wait / n, 1e3 * t.all_reduce / n, 1e3 * t.optimizer / n,
-        1e3 * t.data_wait / n, 1e3 * t.idle / n, t.peak_memory_bytes / 1048576.0,
-        t.peak_activation_bytes / 1048576.0, t.optimizer_state_bytes / 1048576.0,
-        t.gradient_bytes / 1048576.0, t.global_rank == s.bottleneck_rank ? "  <- bottleneck" : "");
+        1e3 * t.recompute / n, 1e3 * t.p2p_wait / n, 1e3 * t.all_reduce / n, 1e3 * t.agreement / n,
+        1e3 * t.optimizer / n, 1e3 * t.data_wait / n, 1e3 * t.idle / n,
+        t.peak_memory_bytes / 1048576.0, t.peak_activation_bytes / 1048576.0,
+        t.optimizer_state_bytes / 1048576.0, t.gradient_bytes / 1048576.0,
+        t.global_rank == s.bottleneck_rank ? "  <- bottleneck" : "");
   }
   std::printf(
       "  (per step)  bubble measured %.1f%%, simulator %.1f%%; step %.1f ms, simulator "

@@ -49,9 +49,10 @@ enum class EventKind {
   kRecompute,  // the forward recomputed before a backward
   kSend,
   kRecvWait,
-  kAllReduce,  // waiting for gradient buckets and the step agreement
+  kAllReduce,  // waiting for gradient buckets (data-parallel and tied-weight reductions)
   kOptimizer,
   kDataWait,
+  kAgreement,  // the step agreement: losses, the gradient norm and stop requests summed
 };
 const char* EventKindName(EventKind k);
 
@@ -68,8 +69,10 @@ struct RankEvent {
 struct RankTimes {
   int global_rank = 0, pipeline_rank = 0, replica = 0;
   int threads = 1;  // threads its CPU kernels ran on (TrainOptions::threads_per_rank)
-  double compute = 0, recompute = 0, p2p_wait = 0, all_reduce = 0, optimizer = 0, data_wait = 0,
-         idle = 0, wall = 0;
+  // all_reduce: gradient reductions (and ZeRO's parameter gathers, async DP's pulls);
+  // agreement: the step agreement, which every run has, dp = 1 included (rank_step.cc, Agree).
+  double compute = 0, recompute = 0, p2p_wait = 0, all_reduce = 0, agreement = 0, optimizer = 0,
+         data_wait = 0, idle = 0, wall = 0;
   int64_t peak_memory_bytes = 0;                  // allocator peak over any step
   int64_t peak_activation_bytes = 0;              // peak above the step's starting usage
   int64_t static_memory_bytes = 0;                // weights + gradients + optimizer state

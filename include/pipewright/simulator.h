@@ -59,9 +59,19 @@ absl::StatusOr<SimResult> Simulate(const Schedule& schedule, const SimCosts& cos
 // Chrome trace-event JSON (opens in Perfetto / chrome://tracing): process = rank, one slice per
 // action, flow arrows from each send to its receive.
 std::string ToChromeTrace(const Schedule& schedule, const SimResult& result);
+// How ToSvg labels a diagram. By default rows read "rank R" and times are the simulator's cost
+// units (no unit named); a measured timeline names each row's place and its time unit.
+struct SvgOptions {
+  std::vector<std::string> row_labels;  // one per row (SimEvent::rank); "rank R" where missing
+  std::string time_unit;                // e.g. "ms"; times are shown multiplied by unit_scale
+  double unit_scale = 1;
+  std::string title;  // replaces the schedule's name at the start of the title when not empty
+};
+
 // The papers' timeline diagram: one row per rank, one box per compute action coloured by kind,
-// micro-batch number inside; a legend and the makespan/bubble in the title.
-std::string ToSvg(const Schedule& schedule, const SimResult& result);
+// micro-batch number inside; a legend, the time axis and the makespan/bubble in the title.
+std::string ToSvg(const Schedule& schedule, const SimResult& result,
+                  const SvgOptions& options = {});
 
 }  // namespace pipewright
 

@@ -19,11 +19,19 @@ namespace pipewright {
 std::string EngineChromeTrace(const Topology& topology,
                               const std::vector<std::vector<RankEvent>>& events);
 
-// The compute events of `step` on `replica`'s ranks as a SimResult timeline (times from the
-// step's first event), so ToSvg draws the measured schedule like the simulated one.
+// The compute events of `step` on `replica`'s ranks as a SimResult timeline (times in seconds
+// from the step's first event; row = pipeline rank), so ToSvg draws the measured schedule like
+// the simulated one. With replica = kAllReplicas, every replica's ranks, row = replica x pp +
+// pipeline rank, all from the step's first event anywhere.
+constexpr int kAllReplicas = -1;
 SimResult MeasuredTimeline(const Schedule& schedule, const Topology& topology,
                            const std::vector<std::vector<RankEvent>>& events, int64_t step,
                            int replica);
+
+// The SVG of MeasuredTimeline(..., kAllReplicas): rows labelled "rank G (pp P, dp R)", times
+// in milliseconds, the title saying "measured step N".
+std::string MeasuredTimelineSvg(const Schedule& schedule, const Topology& topology,
+                                const std::vector<std::vector<RankEvent>>& events, int64_t step);
 
 }  // namespace pipewright
 

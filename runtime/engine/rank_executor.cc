@@ -159,6 +159,9 @@ void RankExecutor::Record(EventKind kind, const Action& a, Clock::time_point sta
     case EventKind::kAllReduce:
       step_times_.all_reduce += d;
       break;
+    case EventKind::kAgreement:
+      step_times_.agreement += d;
+      break;
     case EventKind::kOptimizer:
       step_times_.optimizer += d;
       break;
@@ -190,12 +193,13 @@ void RankExecutor::EndStep(Clock::time_point t0, int64_t start_bytes) {
   t.grad_bytes_sent += bytes.sent;
   t.grad_bytes_uncompressed += bytes.uncompressed;
   const double used =
-      t.compute + t.recompute + t.p2p_wait + t.all_reduce + t.optimizer + t.data_wait;
+      t.compute + t.recompute + t.p2p_wait + t.all_reduce + t.agreement + t.optimizer + t.data_wait;
   t.idle = std::max(0.0, t.wall - used);
   total_.compute += t.compute;
   total_.recompute += t.recompute;
   total_.p2p_wait += t.p2p_wait;
   total_.all_reduce += t.all_reduce;
+  total_.agreement += t.agreement;
   total_.optimizer += t.optimizer;
   total_.data_wait += t.data_wait;
   total_.idle += t.idle;

@@ -341,6 +341,10 @@ absl::Status RankExecutor::Agree(int64_t step, float lr, StepOutcome* out) {
   // The tie reduction, after the data-parallel one: every tied gradient becomes owner + copy.
   PW_RETURN_IF_ERROR(ties_.Reduce(
       alloc_.get(), [this](Work& w, const std::string& what) { return WaitOrAbort(w, what); }));
+  // Waiting for the reductions is all-reduce time where there are any: a dp = 1 run without
+  // ties across ranks has none (its agreement is its own column).
+  if (ctx_->topo.dp > 1 || ties_.communicates()) Record(EventKind::kAllReduce, a, t);
+  t = Clock::now();
   const bool together = dp_->replicas_step_together();
   const int64_t M = ctx_->layout().micro_batches, R = together ? ctx_->layout().replicas : 1;
   const int64_t me = together ? replica_ : 0;
@@ -363,7 +367,7 @@ absl::Status RankExecutor::Agree(int64_t step, float lr, StepOutcome* out) {
     std::unique_ptr<Work> w = groups_.pipeline()->AllReduce(v);
     PW_RETURN_IF_ERROR(WaitOrAbort(*w, "the replica's step agreement"));
   }
-  Record(EventKind::kAllReduce, a, t);
+  Record(EventKind::kAgreement, a, t);
   out->stop_requested = d[R * M + K] > 0;
   double loss = 0;
   for (int64_t i = 0; i < R * M; ++i) loss += d[i];

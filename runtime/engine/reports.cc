@@ -25,6 +25,7 @@ json TimesToJson(const RankTimes& t) {
           {"recompute", t.recompute},
           {"p2p_wait", t.p2p_wait},
           {"all_reduce", t.all_reduce},
+          {"agreement", t.agreement},
           {"optimizer", t.optimizer},
           {"data_wait", t.data_wait},
           {"idle", t.idle},
@@ -52,6 +53,7 @@ RankTimes TimesFromJson(const json& j) {
   t.recompute = j.at("recompute").get<double>();
   t.p2p_wait = j.at("p2p_wait").get<double>();
   t.all_reduce = j.at("all_reduce").get<double>();
+  t.agreement = j.at("agreement").get<double>();
   t.optimizer = j.at("optimizer").get<double>();
   t.data_wait = j.at("data_wait").get<double>();
   t.idle = j.at("idle").get<double>();
@@ -108,6 +110,8 @@ const char* EventKindName(EventKind k) {
       return "optimizer";
     case EventKind::kDataWait:
       return "data wait";
+    case EventKind::kAgreement:
+      return "agreement";
   }
   return "?";
 }
@@ -190,10 +194,10 @@ RunSummary Engine::Summary() const {
   }
   s.bottleneck_reason = absl::StrFormat(
       "rank %d computes %.1f ms per step (mean over ranks %.1f ms); it waits %.1f ms on P2P, "
-      "%.1f ms on all-reduce, %.1f ms on data",
+      "%.1f ms on all-reduce, %.1f ms on the step agreement, %.1f ms on data",
       bt->global_rank, 1e3 * most / m.steps_run, 1e3 * mean_compute / m.steps_run,
       1e3 * bt->p2p_wait / m.steps_run, 1e3 * bt->all_reduce / m.steps_run,
-      1e3 * bt->data_wait / m.steps_run);
+      1e3 * bt->agreement / m.steps_run, 1e3 * bt->data_wait / m.steps_run);
   SimCosts costs;
   for (int st = 0; st < S; ++st) {
     costs.stage_f.push_back(n[st] ? f[st] / n[st] : 0);

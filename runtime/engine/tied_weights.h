@@ -56,6 +56,8 @@ class TiedWeights {
   // owner + copy. `wait` waits for a collective, naming it.
   using WaitFn = std::function<absl::Status(Work&, const std::string&)>;
   absl::Status Reduce(Allocator* exec, const WaitFn& wait) const;
+  // Whether Reduce communicates (a tie across ranks ends on this rank).
+  bool communicates() const { return !remote_.empty(); }
 
  private:
   struct Remote {

@@ -135,9 +135,23 @@ TEST(CliPipeline, SummaryTraceAndTimeline) {
   auto tj = nlohmann::json::parse(t, nullptr, false);
   ASSERT_FALSE(tj.is_discarded());
   EXPECT_GT(tj["traceEvents"].size(), 50u);
+  // The measured timeline: a labelled row per (stage, replica) rank, times in milliseconds.
   std::ifstream v(svg);
   std::string text((std::istreambuf_iterator<char>(v)), std::istreambuf_iterator<char>());
   EXPECT_NE(text.find("<svg"), std::string::npos);
+  for (int g = 0; g < 8; ++g) {
+    const std::string label = "rank " + std::to_string(g) + " (pp " + std::to_string(g % 4) +
+                              ", dp " + std::to_string(g / 4) + ")";
+    EXPECT_NE(text.find(">" + label + "</text>"), std::string::npos) << label;
+  }
+  EXPECT_NE(text.find("measured step 2: 1f1b"), std::string::npos);
+  EXPECT_NE(text.find(" ms  bubble"), std::string::npos);
+  EXPECT_NE(text.find(">ms</text>"), std::string::npos);  // the axis unit
+  // dp = 2: the gradient reduction waits and the step agreement are separate columns.
+  for (const auto& rank : s["ranks"]) {
+    EXPECT_GT(rank["all_reduce_s"].get<double>(), 0);
+    EXPECT_GT(rank["agreement_s"].get<double>(), 0);
+  }
   // A human run prints the per-rank table.
   Result h = RunCli("train --preset gpt-tiny --pp 2 --micro-batches 2 --steps 1");
   ASSERT_EQ(h.exit_code, 0) << h.err;
@@ -377,6 +391,25 @@ TEST(CliSimulate, InterleavedAndZbH1) {
       "--cost-w 1 --json");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_DOUBLE_EQ(nlohmann::json::parse(r.out)["makespan"].get<double>(), 27.0);
+}
+
+// A dp = 1 run without ties across ranks reduces no gradients: its all-reduce time is zero and
+// the step agreement (which every run has) is its own column, in the table and in --json.
+TEST(CliPipeline, AOneReplicaRunHasNoAllReduceTimeOnlyTheAgreement) {
+  Result r = RunCli("train --preset gpt-tiny --pp 2 --micro-batches 2 --steps 2 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto lines = JsonLines(r.out);
+  ASSERT_FALSE(lines.empty());
+  const auto& s = lines.back()["summary"];
+  ASSERT_EQ(s["ranks"].size(), 2u);
+  for (const auto& rank : s["ranks"]) {
+    EXPECT_EQ(rank["all_reduce_s"].get<double>(), 0) << rank;
+    EXPECT_GT(rank["agreement_s"].get<double>(), 0) << rank;
+  }
+  Result text = RunCli("train --preset gpt-tiny --pp 2 --micro-batches 2 --steps 2");
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find("all-reduce  agreement"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("ms on the step agreement"), std::string::npos) << text.out;
 }
 
 TEST(CliSimulate, WritesTraceAndSvg) {

@@ -492,7 +492,11 @@ TEST_F(Torture, ResumeSaysWhatItResumesAndRefusesOrWarnsOnEachMismatch) {
   r = RunBounded(no_seed);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   ExpectReferenceLosses(r, "the checkpoint's seed");
-  EXPECT_NE(r.err.find("resumed from " + dir + "/step-000004 at step 4"), std::string::npos)
+  // What the checkpoint's run was: its layout, seed and data.
+  EXPECT_NE(r.err.find("resumed from " + dir +
+                       "/step-000004 at step 4 (saved by a pp 1 x dp 1 run, seed 5, data "
+                       "synthetic (repeated patterns))"),
+            std::string::npos)
       << r.err;
   // --steps below the checkpoint's step: refused; equal: nothing to do, nothing written.
   r = RunBounded(kTrain + "--steps 3 --resume " + dir);
