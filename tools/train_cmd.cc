@@ -35,6 +35,7 @@
 #include "tools/flags.h"
 #include "tools/metrics.h"
 #include "tools/train_flags.h"
+#include "tools/train_model.h"
 #include "tools/train_report.h"
 
 namespace pipewright::tools {
@@ -102,11 +103,10 @@ absl::Status CheckFlags(const TrainFlags& f) {
     return absl::OkStatus();
   };
   if (!f.plan.empty()) {
-    PW_RETURN_IF_ERROR(conflicts("--plan",
-                                 {"--pp", "--dp", "--schedule", "--chunks", "--micro-batches",
-                                  "--micro-batch-size", "--recompute", "--program", "--split"},
-                                 "pp, dp, the schedule, the stages' layers, the micro-batching "
-                                 "and recomputation"));
+    // A full plan also fixes pp, dp, the schedule, the micro-batching and recomputation (checked
+    // as it is read: a minimal plan leaves them to the flags; LoadModel, train_model.cc).
+    PW_RETURN_IF_ERROR(
+        conflicts("--plan", {"--program", "--split"}, "the stages (and their layers)"));
   }
   if (!f.program.empty()) {
     PW_RETURN_IF_ERROR(conflicts("--program", {"--pp", "--schedule", "--chunks", "--micro-batches"},
@@ -177,112 +177,6 @@ absl::StatusOr<WorldOptions> WorldFromFlags(const TrainFlags& f) {
   }
   w.timeout = absl::Seconds(f.timeout_s);
   return w;
-}
-
-// The model that runs: the preset, or the one a plan names (checked against the plan).
-struct LoadedModel {
-  LayerGraph graph;
-  std::optional<Plan> plan;
-};
-
-// A preset's graph, its LM head tied or untied as --tied says.
-absl::StatusOr<LayerGraph> PresetGraph(const std::string& preset, int64_t micro_batch_size,
-                                       int tied) {
-  PW_ASSIGN_OR_RETURN(LayerGraph graph, PresetModel(preset, micro_batch_size));
-  if (tied < 0) return graph;
-  absl::StatusOr<GptConfig> c = PresetGptConfig(preset);
-  if (!c.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--tied: preset '", preset, "' is not a GPT (it has no LM head to tie)"));
-  }
-  c->tied = tied == 1;
-  return GptModel(preset, *c, graph.shape().batch);
-}
-
-// --split "3,6": the first layer of every stage but the first, so stage s runs layers
-// [b_s, b_{s+1}) with b_0 = 0 and a last boundary at the layer count; empty: balanced by FLOPs
-// (RunSpecFromSchedule). The stages are the schedule's virtual stages in order (pp x chunks).
-absl::StatusOr<std::vector<int>> SplitBoundaries(const std::string& split, int stages, int layers) {
-  if (split.empty()) return std::vector<int>{};
-  std::vector<int> b = {0};
-  for (absl::string_view part : absl::StrSplit(split, ',')) {
-    int v = 0;
-    if (!absl::SimpleAtoi(part, &v) || part.empty() || part[0] == '+' || part[0] == '-') {
-      return absl::InvalidArgumentError(absl::StrCat("--split ", split, ": '", part,
-                                                     "' is not a layer index (a decimal number)"));
-    }
-    if (v <= b.back() || v >= layers) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--split ", split, ": ", v, " must be greater than ", b.back(),
-          " and less than the model's ", layers,
-          " layers (each number is the first layer of the next stage, in increasing order)"));
-    }
-    b.push_back(v);
-  }
-  b.push_back(layers);
-  if (static_cast<int>(b.size()) - 1 != stages) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--split ", split, " makes ", b.size() - 1, " stages; the schedule has ",
-                     stages, " (pp x chunks): give ", stages - 1, " layer indices"));
-  }
-  return b;
-}
-
-absl::StatusOr<LoadedModel> LoadModel(const TrainFlags& f) {
-  if (f.plan.empty()) {
-    PW_ASSIGN_OR_RETURN(LayerGraph graph, PresetGraph(f.preset, f.micro_batch_size, f.tied));
-    return LoadedModel{std::move(graph), std::nullopt};
-  }
-  PW_ASSIGN_OR_RETURN(std::string text, ReadJsonFile(f.plan, "--plan"));
-  absl::StatusOr<Plan> plan = PlanFromJson(text);
-  if (!plan.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(f.plan, ":\n", plan.status().message()));
-  }
-  const std::string preset = f.given.count("--preset") > 0 ? f.preset : plan->model_name;
-  const std::vector<std::string>& runnable = TrainablePresets();
-  if (std::find(runnable.begin(), runnable.end(), preset) == runnable.end()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(f.plan, ": model.name '", preset, "' is not a preset train can run (",
-                     absl::StrJoin(runnable, ", "), "); pass --preset"));
-  }
-  PW_ASSIGN_OR_RETURN(LayerGraph graph, PresetGraph(preset, plan->micro_batch_size, f.tied));
-  const ModelCosts costs = ToModelCosts(graph);
-  std::vector<std::string> problems = ValidatePlan(*plan, &costs);
-  if (!problems.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(f.plan, " does not fit preset ", preset, ":\n",
-                                                   absl::StrJoin(problems, "\n")));
-  }
-  return LoadedModel{std::move(graph), *std::move(plan)};
-}
-
-// What runs: the plan's RunSpec, a hand-written program's, or a generated schedule's.
-absl::StatusOr<RunSpec> RunFromFlags(const TrainFlags& f, const LoadedModel& model) {
-  if (model.plan) return RunSpecFromPlan(*model.plan);
-  PW_ASSIGN_OR_RETURN(Recompute recompute, ParseRecompute(f.recompute));
-  Schedule schedule;
-  if (!f.program.empty()) {
-    PW_ASSIGN_OR_RETURN(std::string text, ReadFile(f.program, "--program"));
-    absl::StatusOr<Schedule> parsed = ParseProgram(text);
-    if (!parsed.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(f.program, ": ", parsed.status().message()));
-    }
-    schedule = *std::move(parsed);
-  } else {
-    PW_ASSIGN_OR_RETURN(ScheduleKind kind, ParseScheduleKind(f.schedule));
-    // Interleaved with one chunk would be plain 1F1B: without --chunks it takes 2, as `plan`.
-    const int chunks =
-        kind == ScheduleKind::kInterleaved && f.given.count("--chunks") == 0 ? 2 : f.chunks;
-    PW_ASSIGN_OR_RETURN(schedule,
-                        GenerateSchedule({kind, f.pp, static_cast<int>(f.micro_batches), chunks}));
-  }
-  PW_ASSIGN_OR_RETURN(std::vector<int> boundaries,
-                      SplitBoundaries(f.split, schedule.num_stages, model.graph.num_layers()));
-  absl::StatusOr<RunSpec> run =
-      RunSpecFromSchedule(model.graph, std::move(schedule), f.dp, recompute, boundaries);
-  if (!run.ok() && !f.program.empty()) {
-    return absl::Status(run.status().code(), absl::StrCat(f.program, ": ", run.status().message()));
-  }
-  return run;
 }
 
 // The engine's checkpoint as DIR/step-NNNNNN of --save DIR, DIR/latest then naming it, and all

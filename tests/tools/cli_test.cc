@@ -617,6 +617,55 @@ TEST(CliSplit, LayersByHandRunWhereTheySayAndLoseNothing) {
   }
 }
 
+// A plan of only stages[].layers runs like --split, is completed with predictions, and every
+// mistake in it is named with its place (Note [Minimal plans] in tools/train_model.cc).
+TEST(CliSplit, AMinimalPlanOfLayersRunsAndIsCompletedWithPredictions) {
+  const std::string plan = TempPath("minimal_plan.json");
+  std::ofstream(plan) << R"({"stages": [{"layers": [0, 3]}, {"layers": [3, 6]},
+                                       {"layers": [6, 8], "recompute": "full"}]})";
+  Result r = RunCli(kTinyRun + "--steps 3 --plan " + plan);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("pp=3 dp=1"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("stages [0,3) [3,6) [6,8)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("plan vs run"), std::string::npos) << r.out;  // predictions computed
+  EXPECT_NE(r.out.find("full"), std::string::npos) << r.out;
+  // The same losses as --split (and so as one stage), bit for bit.
+  Result json = RunCli(kTinyRun + "--steps 3 --json --plan " + plan);
+  Result split = RunCli(kTinyRun + "--steps 3 --json --pp 3 --split 3,6");
+  ASSERT_EQ(json.exit_code, 0) << json.err;
+  EXPECT_EQ(StepLosses(json.out), StepLosses(split.out));
+  // Interleaved: four stages make pp 2 with two chunks.
+  const std::string four = TempPath("minimal_plan4.json");
+  std::ofstream(four) << R"({"stages": [{"layers": [0, 2]}, {"layers": [2, 4]},
+                                       {"layers": [4, 6]}, {"layers": [6, 8]}]})";
+  Result inter = RunCli(kTinyRun + "--steps 1 --schedule interleaved --plan " + four);
+  ASSERT_EQ(inter.exit_code, 0) << inter.err;
+  EXPECT_NE(inter.out.find("pp=2 dp=1 interleaved chunks=2"), std::string::npos) << inter.out;
+  for (const auto& [text, message] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"stages": [{"layers": [0, 3]}, {"layers": [4, 8]}]})",
+            "stages[1].layers: [4, 8] must start at 3"},
+           {R"({"stages": [{"layers": [0, 3]}, {"layers": [3, 7]}]})",
+            "the stages end at layer 7; the model (gpt-tiny) has 8"},
+           {R"({"stages": [{"layers": [0, 9]}]})", "at most at the model's 8 layers"},
+           {R"({"stages": [{"layers": [0, 8], "gpu": 1}]})", "stages[0]: unknown key 'gpu'"},
+           {R"({"stages": [{"layers": [0, 8]}], "pp": 1})", "unknown key 'pp'"},
+           {R"({"stages": [{"layers": [0, 2147483648]}]})", "at most at the model's 8 layers"},
+           {R"({"stages": [{"layers": [0, 8.5]}]})", "expected [begin, end], two integers"},
+           {R"({"stages": [{"layers": [0, 8], "recompute": "some"}]})", "stages[0].recompute"},
+           {R"({"stages": []})", "stages must be an array of 1 to"},
+       }) {
+    std::ofstream(plan) << text;
+    Result bad = RunCli(kTinyRun + "--steps 1 --plan " + plan);
+    EXPECT_EQ(bad.exit_code, 2) << text << ": " << bad.err;
+    EXPECT_NE(bad.err.find(message), std::string::npos) << text << ": " << bad.err;
+    EXPECT_NE(bad.err.find(plan), std::string::npos) << text << ": " << bad.err;
+  }
+  std::ofstream(plan) << R"({"stages": [{"layers": [0, 4]}, {"layers": [4, 8]}]})";
+  Result clash = RunCli(kTinyRun + "--steps 1 --pp 4 --plan " + plan);
+  EXPECT_EQ(clash.exit_code, 2) << clash.err;
+  EXPECT_NE(clash.err.find("--pp 4 conflicts with"), std::string::npos) << clash.err;
+}
+
 // --- simulate --program takes the program's own shape (issue 36, item 5) ------------------------
 
 TEST(CliSimulate, AProgramNeedsNoStagesOrMicroBatches) {
