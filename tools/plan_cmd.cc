@@ -11,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "pipewright/model.h"
 #include "pipewright/partitioner.h"
+#include "tools/calibration.h"
 #include "tools/commands.h"
 #include "tools/flags.h"
 
@@ -26,7 +27,7 @@ constexpr int64_t kMaxGlobalBatch = 65536;
 constexpr int64_t kMaxDeviceBytes = int64_t{1} << 60;
 
 struct PlanFlags {
-  std::string model, preset, out;
+  std::string model, preset, out, calibrate;
   int devices = 1;
   std::string device_memory = "80GiB", reserve = "0";
   int pp = 0, dp = 0, chunks = 0, zero = -1;  // zero -1: try 0, 1 and 2
@@ -104,6 +105,16 @@ int RunPlan(const PlanFlags& f) {
   }
   absl::StatusOr<ModelCosts> model = LoadModel(f);
   if (!model.ok()) return ReportError(model.status());
+  if (!f.calibrate.empty()) {
+    absl::StatusOr<nlohmann::json> summary = ReadRunSummary(f.calibrate);
+    if (!summary.ok()) return ReportError(summary.status());
+    model = CalibrateFromSummary(*model, *summary, f.calibrate);
+    if (!model.ok()) return ReportError(model.status());
+    if (!f.json) {
+      std::fprintf(stderr, "calibrated to %s: measured per-layer times and activation memory\n",
+                   f.calibrate.c_str());
+    }
+  }
   DeviceSpec dev;
   dev.count = f.devices;
   absl::StatusOr<int64_t> memory = ParseByteSize(f.device_memory);
@@ -279,6 +290,9 @@ void RegisterPlan(CLI::App& app, int* exit_code) {
          "0: every replica keeps its stage's optimizer state and gradients; 1: ZeRO-1, the "
          "optimizer state split over the dp replicas; 2: ZeRO-2, the gradients too, "
          "reduce-scattered every micro-batch (default: try all three where dp >= 2)");
+  cmd->add_option("--calibrate", f->calibrate,
+                  "The `train --json` output of a run of this model: plan with its measured "
+                  "per-layer times and activation memory (docs/plan.md, \"Calibration\")");
   cmd->add_option("-o,--output", f->out, "Write the best plan here");
   cmd->add_flag("--json", f->json, "Print the five best and the plan as JSON");
   cmd->callback([f, exit_code] { *exit_code = RunPlan(*f); });

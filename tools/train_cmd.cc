@@ -31,6 +31,7 @@
 #include "pipewright/trace.h"
 #include "pipewright/train.h"
 #include "pipewright/train_testing.h"
+#include "tools/calibration.h"
 #include "tools/commands.h"
 #include "tools/flags.h"
 #include "tools/metrics.h"
@@ -70,6 +71,9 @@ absl::Status CheckFlags(const TrainFlags& f) {
   // before training, not after it.
   if (!f.trace.empty()) PW_RETURN_IF_ERROR(CheckOutputPath(f.trace, "--trace"));
   if (!f.svg.empty()) PW_RETURN_IF_ERROR(CheckOutputPath(f.svg, "--svg"));
+  if (!f.calibrate_out.empty()) {
+    PW_RETURN_IF_ERROR(CheckOutputPath(f.calibrate_out, "--calibrate-out"));
+  }
   if (f.save.empty()) {
     if (f.save_every > 0 || f.keep > 0) {
       return absl::InvalidArgumentError(absl::StrCat(f.save_every > 0 ? "--save-every" : "--keep",
@@ -689,7 +693,16 @@ absl::Status RunTrain(const TrainFlags& given) {
     in.async = &async_report;
     in.staleness = options.staleness;
   }
-  PrintSummary(in, f.json);
+  const json summary = PrintSummary(in, f.json);
+  if (!f.calibrate_out.empty()) {
+    PW_ASSIGN_OR_RETURN(
+        const ModelCosts calibrated,
+        CalibrateFromSummary(ToModelCosts(model.graph), summary, "the run", &t.schedule()));
+    PW_RETURN_IF_ERROR(
+        WriteFile(f.calibrate_out, ModelCostsToJson(calibrated) + "\n", "--calibrate-out"));
+    std::fprintf(stderr, "calibrated model costs: %s (plan with `pipewright plan --model %s`)\n",
+                 f.calibrate_out.c_str(), f.calibrate_out.c_str());
+  }
   return absl::OkStatus();
 }
 

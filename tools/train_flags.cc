@@ -40,7 +40,13 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
          "Sequences per micro-batch (0: the preset's default)");
   cmd->add_option("--recompute", f->recompute,
                   "Activation recomputation: none|selective|full (docs/memory.md)");
-  cmd->add_option("--plan", f->plan, "Partition plan JSON");
+  cmd->add_option("--plan", f->plan,
+                  "Partition plan JSON (`plan -o`), or a minimal one of only stages[].layers "
+                  "(docs/plan.md, \"Minimal plans\")");
+  cmd->add_option("--calibrate-out", f->calibrate_out,
+                  "After the run, write the model's costs calibrated to it (measured per-layer "
+                  "times and activation memory) for `plan --model FILE` (docs/plan.md, "
+                  "\"Calibration\")");
   cmd->add_option("--program", f->program,
                   "A hand-written schedule: one 'rank R: F0@s0 ...' line per rank "
                   "(docs/schedules.md); sets pp, the stages and the micro-batches");

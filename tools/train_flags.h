@@ -23,10 +23,11 @@ struct TrainFlags {
   std::string metrics;     // --metrics FILE.csv
   std::string valid_data;  // --valid-data: held-out data evaluated during the run
   int64_t eval_every = 0, eval_batches = 4;
-  std::string split;       // --split 3,6: the first layer of every stage but the first
-  int64_t save_every = 0;  // steps between periodic checkpoints (0: only at the end)
-  int keep = 0;            // step checkpoints kept (0: all)
-  std::string flight_dir;  // where flight records go (default: --save DIR, else .)
+  std::string split;          // --split 3,6: the first layer of every stage but the first
+  std::string calibrate_out;  // --calibrate-out MODEL.json: the model's costs, as measured
+  int64_t save_every = 0;     // steps between periodic checkpoints (0: only at the end)
+  int keep = 0;               // step checkpoints kept (0: all)
+  std::string flight_dir;     // where flight records go (default: --save DIR, else .)
   uint64_t seed = 1;
   float lr = 3e-3f, clip = 1.0f, weight_decay = 0.1f, min_lr_ratio = 0.1f;
   std::string lr_scaling = "none", optimizer = "adamw", data = "synthetic";

@@ -134,6 +134,12 @@ std::string ParameterCount(const LayerGraph& graph) {
 }
 
 // How many of the last losses the summary's mean covers: a tenth of the run, 1 to 10 steps.
+std::vector<std::string> StageRecompute(const RunSpec& run) {
+  std::vector<std::string> out;
+  for (Recompute r : run.recompute) out.push_back(RecomputeName(r));
+  return out;
+}
+
 size_t TailSteps(size_t n) { return std::clamp<size_t>(n / 10, 1, 10); }
 double TailMean(const std::vector<double>& losses) {
   if (losses.empty()) return 0;
@@ -174,7 +180,7 @@ void PrintHeader(const LayerGraph& graph, const Engine& t, const TrainOptions& o
   std::printf("  precision %s; data parallelism %s\n", precision.c_str(), dp.c_str());
 }
 
-void PrintSummary(const ReportInput& in, bool as_json) {
+json PrintSummary(const ReportInput& in, bool as_json) {
   const LayerGraph& graph = *in.graph;
   const Engine& t = *in.engine;
   const RunRecord& rec = *in.record;
@@ -214,6 +220,9 @@ void PrintSummary(const ReportInput& in, bool as_json) {
                   {"grad_compression_ratio", grad_ratio},
                   {"skipped_steps", rec.skipped_steps},
                   {"stage_boundaries", run.boundaries},
+                  {"stage_recompute", StageRecompute(run)},
+                  {"micro_batches", run.micro_batches()},
+                  {"micro_batch_size", graph.shape().batch},
                   {"steps", steps_run},
                   {"final_step", t.step()},
                   {"global_batch", t.global_batch()},
@@ -275,7 +284,7 @@ void PrintSummary(const ReportInput& in, bool as_json) {
   }
   if (as_json) {
     std::printf("%s\n", json{{"summary", summary}}.dump().c_str());
-    return;
+    return summary;
   }
   std::printf(
       "summary: %lld steps in %.2f s, loss %.4f -> %.4f (mean of the last %zu step%s %.4f), "
@@ -320,6 +329,7 @@ void PrintSummary(const ReportInput& in, bool as_json) {
   }
   if (!in.trace.empty()) std::printf("  trace: %s\n", in.trace.c_str());
   if (!in.svg.empty()) std::printf("  timeline: %s\n", in.svg.c_str());
+  return summary;
 }
 
 }  // namespace pipewright::tools

@@ -3,6 +3,7 @@
 #ifndef PIPEWRIGHT_TOOLS_TRAIN_REPORT_H_
 #define PIPEWRIGHT_TOOLS_TRAIN_REPORT_H_
 
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -46,8 +47,9 @@ struct ReportInput {
   int staleness = 0;
   std::string plan_file, trace, svg, checkpoint;
 };
-// The final summary: `{"summary": ...}` with --json, else a paragraph and the rank table.
-void PrintSummary(const ReportInput& in, bool as_json);
+// The final summary: `{"summary": ...}` with --json, else a paragraph and the rank table;
+// returns the summary (the JSON form) either way.
+nlohmann::json PrintSummary(const ReportInput& in, bool as_json);
 
 }  // namespace pipewright::tools
 

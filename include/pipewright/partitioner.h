@@ -178,6 +178,30 @@ absl::StatusOr<std::vector<RankMemory>> PredictRankMemory(const ModelCosts& mode
 // not in [1, layers].
 absl::StatusOr<std::vector<int>> BalancedBoundaries(const ModelCosts& model, int stages);
 
+// What a run measured, for CalibrateModelCosts (Note [Calibration] in partitioner/calibrate.cc).
+// Times are the mean seconds per micro-batch of each virtual stage's F and of its B (or I + W;
+// recomputation excluded, RankTimes::stage_f/stage_b/stage_w); peaks are each pipeline rank's
+// allocator peak (RankTimes::peak_memory_bytes, one replica's).
+struct RunMeasurement {
+  Schedule schedule;                                      // what ran (generated or hand-written)
+  int64_t micro_batch_size = 1;                           // sequences per micro-batch
+  std::vector<int> boundaries;                            // stages + 1 layer indices, 0 .. layers
+  std::vector<Recompute> recompute;                       // per stage
+  ParamBytes param_bytes;                                 // BytesPerParam of the run's precision
+  ZeroSharding sharding;                                  // the run's ZeRO stage and dp
+  std::vector<double> stage_forward_s, stage_backward_s;  // per stage
+  std::vector<int64_t> rank_peak_bytes;                   // per pipeline rank
+};
+
+// `model` with every layer's forward_time_s / backward_time_s set from the run's measured
+// stage times (each layer keeps its predicted share of its stage's; `dev` predicts the layers
+// that have no measured time yet) and its activation bytes scaled per rank so that the run's
+// configuration predicts the measured peaks. The result is at the run's micro-batch size.
+// InvalidArgument naming the field for a measurement that does not fit the model or schedule,
+// or a stage time that is not positive and finite.
+absl::StatusOr<ModelCosts> CalibrateModelCosts(const ModelCosts& model, const DeviceSpec& dev,
+                                               const RunMeasurement& run);
+
 struct SearchOptions {
   int64_t global_batch = 0;  // sequences per step; 0: devices * the model's micro-batch size
   // Fixed choices; unset means "try every value".

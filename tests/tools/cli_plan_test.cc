@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -182,6 +183,7 @@ std::string Sparse(const std::string& name) {  // `truncate -s 1G`
 // The file arguments of every subcommand that reads one, with the role named in messages.
 struct Reader {
   std::string before, what;  // command line up to the file; "--plan", "plan", ...
+  std::string limit = "67108864";
 };
 const Reader kReaders[] = {
     {"validate ", "plan"},
@@ -189,6 +191,7 @@ const Reader kReaders[] = {
     {"train --preset gpt-tiny --steps 1 --program ", "--program"},
     {"plan --devices 2 --model ", "--model"},
     {"simulate --stages 2 --micro-batches 2 --program ", "--program"},
+    {"plan --devices 2 --preset gpt-tiny --calibrate ", "--calibrate", "268435456"},
 };
 
 TEST(CliPlanInput, FifoAndCharacterDevicesAreRefusedByName) {
@@ -207,7 +210,7 @@ TEST(CliPlanInput, OversizedFilesAreRefusedNamingTheLimit) {
   const std::string big = Sparse("big");
   for (const Reader& r : kReaders) {
     EXPECT_REFUSED(RunBounded(r.before + big), r.what + " '" + big + "' is 1073741824 bytes; a " +
-                                                   r.what + " is at most 67108864");
+                                                   r.what + " is at most " + r.limit);
   }
 }
 
@@ -302,6 +305,120 @@ TEST(CliPlanText, ARunOverThePlansDeviceMemoryIsWarnedAbout) {
             std::string::npos)
       << r.err;
   EXPECT_NE(r.err.find("exceeds the plan's device memory 4.00 MiB"), std::string::npos) << r.err;
+}
+
+}  // namespace
+
+namespace {
+
+// --- Plans calibrated to the machine (issue 36, item 6) ------------------------------------------
+
+// A run writes its calibrated costs: each stage's layers sum to the stage's measured times, and
+// a plan of the same split made from them predicts every rank's peak memory of the next run
+// (issue 36: within 5%; here to the byte). How close the predicted step time comes is measured
+// in docs/benchmarks.md, "Plan calibration", not by a test: it is this machine's noise.
+TEST(CliCalibrate, ARunsCostsAreItsMeasuredTimesAndPredictItsMemory) {
+  const std::string plan = TempPath("cal_plan.json"), model = TempPath("cal_model.json"),
+                    again = TempPath("cal_plan2.json"), out = TempPath("cal_run.json");
+  const std::string shape =
+      " --devices 2 --pp 2 --schedule 1f1b --micro-batch-size 2 --micro-batches 4 ";
+  ASSERT_EQ(RunCli("plan --preset gpt-tiny" + shape + "-o " + plan).exit_code, 0);
+  Result first = RunCli("train --steps 3 --json --plan " + plan + " --calibrate-out " + model);
+  ASSERT_EQ(first.exit_code, 0) << first.err;
+  EXPECT_NE(first.err.find("calibrated model costs: " + model), std::string::npos) << first.err;
+  const json measured = Summary(first);
+  ASSERT_TRUE(measured.is_object()) << first.out;
+  const json costs = json::parse(ReadAll(model), nullptr, false);
+  ASSERT_TRUE(costs.is_object());
+  EXPECT_EQ(costs["micro_batch_size"], 2);
+  const std::vector<int> bounds = measured["stage_boundaries"].get<std::vector<int>>();
+  for (const json& rank : measured["ranks"]) {
+    const int st = rank["stages"][0].get<int>();
+    double f = 0, b = 0;
+    for (int i = bounds[st]; i < bounds[st + 1]; ++i) {
+      f += costs["layers"][i]["forward_time_s"].get<double>();
+      b += costs["layers"][i]["backward_time_s"].get<double>();
+    }
+    EXPECT_NEAR(f, rank["stage_forward_s"][0].get<double>(), 1e-12) << st;
+    EXPECT_NEAR(b,
+                rank["stage_backward_s"][0].get<double>() + rank["stage_weight_s"][0].get<double>(),
+                1e-12)
+        << st;
+  }
+  // The same costs through `plan --calibrate RUN.json` (the run's --json output).
+  { std::ofstream(out) << first.out; }
+  Result planned = RunCli("plan --model " + model + shape + "--json");
+  Result via = RunCli("plan --preset gpt-tiny --calibrate " + out + shape + "--json");
+  ASSERT_EQ(planned.exit_code, 0) << planned.err;
+  ASSERT_EQ(via.exit_code, 0) << via.err;
+  EXPECT_EQ(json::parse(via.out)["plan"]["stages"], json::parse(planned.out)["plan"]["stages"]);
+  // Memory: with the measured times made exactly even per stage (so that the planner keeps the
+  // run's split whatever this machine's noise), the plan predicts each rank's peak of a run of
+  // it to the byte (the peaks are deterministic).
+  json even = costs;
+  for (size_t st = 0; st + 1 < bounds.size(); ++st) {
+    const int n = bounds[st + 1] - bounds[st];
+    for (int i = bounds[st]; i < bounds[st + 1]; ++i) {
+      even["layers"][i]["forward_time_s"] = 1e-3 / n;
+      even["layers"][i]["backward_time_s"] = 2e-3 / n;
+    }
+  }
+  std::ofstream(model) << even.dump();
+  ASSERT_EQ(RunCli("plan --model " + model + shape + "-o " + again).exit_code, 0);
+  Result second = RunCli("train --steps 2 --json --plan " + again);
+  ASSERT_EQ(second.exit_code, 0) << second.err;
+  const json rows = Summary(second)["plan"]["stages"];
+  ASSERT_EQ(rows.size(), 2u);
+  for (const json& row : rows) {
+    EXPECT_EQ(row["layers"][0].get<int>(), bounds[row["stage"].get<int>()]) << row;
+    EXPECT_NEAR(row["predicted_memory_bytes"].get<double>(),
+                row["measured_rank_peak_memory_bytes"].get<double>(), 64)
+        << row;
+  }
+}
+
+TEST(CliCalibrate, ARunOutputThatDoesNotFitIsRefusedByName) {
+  const std::string out = TempPath("cal_bad.json");
+  const std::string plan = "plan --devices 2 --pp 2 --json --calibrate " + out + " --preset ";
+  Result run = RunCli("train --preset gpt-tiny --steps 1 --pp 2 --micro-batches 2 --json");
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  struct Case {
+    std::string text, preset, message;
+  };
+  std::string cut = run.out;
+  const std::vector<Case> cases = {
+      {run.out, "gpt-small", "the run trained 'gpt-tiny', not 'gpt-small'"},
+      {"{\"step\": 1, \"loss\": 2}\n", "gpt-tiny", "no {\"summary\": ...} line"},
+      {"{\"summary\": {\"model\": \"gpt-tiny\", \"steps\": 1}}\n", "gpt-tiny",
+       "the summary has no 'stage_boundaries'"},
+      {"{\"summary\": {\"model\": \"gpt-tiny\", \"steps\": 0}}\n", "gpt-tiny",
+       "the run took no step"},
+      {"{\"summary\": {\"model\": 7}}\n", "gpt-tiny", "summary.model has the wrong type"},
+  };
+  for (const Case& c : cases) {
+    std::ofstream(out) << c.text;
+    Result r = RunCli(plan + c.preset);
+    EXPECT_EQ(r.exit_code, 2) << c.message << ": " << r.err;
+    EXPECT_NE(r.err.find(c.message), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find(out), std::string::npos) << r.err;
+  }
+  // Not a regular file: refused before reading.
+  Result dev = RunCli("plan --devices 2 --preset gpt-tiny --calibrate /dev/zero");
+  EXPECT_EQ(dev.exit_code, 2) << dev.err;
+  EXPECT_NE(dev.err.find("--calibrate"), std::string::npos) << dev.err;
+  // A hand-written program's run names the way that works.
+  const std::string program = TempPath("cal_program.txt");
+  std::ofstream(program) << "rank 0: F0@s0 F1@s0 B0@s0 B1@s0\nrank 1: F0@s1 B0@s1 F1@s1 B1@s1\n";
+  Result custom = RunCli("train --preset gpt-tiny --steps 1 --json --program " + program);
+  ASSERT_EQ(custom.exit_code, 0) << custom.err;
+  std::ofstream(out) << custom.out;
+  Result refused = RunCli(plan + "gpt-tiny");
+  EXPECT_EQ(refused.exit_code, 2) << refused.err;
+  EXPECT_NE(refused.err.find("--calibrate-out MODEL.json"), std::string::npos) << refused.err;
+  // ... and that way works.
+  Result direct = RunCli("train --preset gpt-tiny --steps 1 --program " + program +
+                         " --calibrate-out " + TempPath("cal_program_model.json"));
+  EXPECT_EQ(direct.exit_code, 0) << direct.err;
 }
 
 }  // namespace

@@ -385,7 +385,7 @@ TEST_F(Torture, UnwritableOutputsFailBeforeTraining) {
   EXPECT_NE(r.err.find("--save: cannot create checkpoint directory"), std::string::npos) << r.err;
   EXPECT_TRUE(StepLosses(r.out).empty());
   MakeSpecial(Path("fifo"), Special::kFifo);
-  for (const char* flag : {"--trace", "--svg"}) {
+  for (const char* flag : {"--trace", "--svg", "--calibrate-out"}) {
     r = RunBounded(kTrain + "--steps 2 " + flag + " " + Path("fifo"));
     EXPECT_EQ(r.exit_code, 2) << r.err;
     EXPECT_NE(r.err.find(std::string(flag) + " '" + Path("fifo") + "': it is a FIFO"),
