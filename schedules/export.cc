@@ -50,33 +50,6 @@ std::string JsonEscape(absl::string_view s) {
   return out;
 }
 
-std::string XmlEscape(absl::string_view s) {
-  std::string out;
-  out.reserve(s.size());
-  for (char c : s) {
-    switch (c) {
-      case '&':
-        out += "&amp;";
-        break;
-      case '<':
-        out += "&lt;";
-        break;
-      case '>':
-        out += "&gt;";
-        break;
-      case '"':
-        out += "&quot;";
-        break;
-      case '\'':
-        out += "&apos;";
-        break;
-      default:
-        out += c;
-    }
-  }
-  return out;
-}
-
 // Finite number text for JSON (NaN/inf are not JSON).
 std::string Num(double x) {
   if (!std::isfinite(x)) return "0";
@@ -165,6 +138,33 @@ double NiceStep(double span, int target_ticks) {
 }
 
 }  // namespace
+
+std::string XmlEscape(absl::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  for (char c : s) {
+    switch (c) {
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      case '\'':
+        out += "&apos;";
+        break;
+      default:
+        out += c;
+    }
+  }
+  return out;
+}
 
 std::string ToChromeTrace(const Schedule& schedule, const SimResult& result) {
   std::string out = "{\"traceEvents\": [\n";

@@ -12,6 +12,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "pipewright/input.h"
+#include "pipewright/simulator.h"
 #include "tools/commands.h"
 #include "tools/flags.h"
 
@@ -139,29 +140,6 @@ std::string Panel(const std::vector<double>& xs, const std::vector<double>& ys, 
   return s;
 }
 
-std::string Escape(const std::string& text) {
-  std::string out;
-  for (char c : text) {
-    switch (c) {
-      case '<':
-        out += "&lt;";
-        break;
-      case '>':
-        out += "&gt;";
-        break;
-      case '&':
-        out += "&amp;";
-        break;
-      case '\'':
-        out += "&apos;";
-        break;
-      default:
-        out += c;
-    }
-  }
-  return out;
-}
-
 }  // namespace
 
 std::string PlotMetricsSvg(const MetricsTable& table, const std::string& title) {
@@ -198,7 +176,7 @@ std::string PlotMetricsSvg(const MetricsTable& table, const std::string& title) 
       "font-family='sans-serif'>\n<rect width='100%%' height='100%%' fill='white'/>\n"
       "<text x='%.1f' y='24' font-size='16'>%s</text>\n%s<text x='%.1f' y='%.1f' "
       "font-size='12' text-anchor='middle'>step</text>\n</svg>\n",
-      x0 + w + 40, height, x0, Escape(title), panels, x0 + w / 2, height - 12);
+      x0 + w + 40, height, x0, XmlEscape(title), panels, x0 + w / 2, height - 12);
 }
 
 void RegisterPlot(CLI::App& app, int* exit_code) {

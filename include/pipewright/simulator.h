@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "pipewright/schedule.h"
 
 namespace pipewright {
@@ -59,6 +60,9 @@ absl::StatusOr<SimResult> Simulate(const Schedule& schedule, const SimCosts& cos
 // Chrome trace-event JSON (opens in Perfetto / chrome://tracing): process = rank, one slice per
 // action, flow arrows from each send to its receive.
 std::string ToChromeTrace(const Schedule& schedule, const SimResult& result);
+// Text made safe inside an XML (SVG) element or attribute: & < > " ' escaped.
+std::string XmlEscape(absl::string_view text);
+
 // How ToSvg labels a diagram. By default rows read "rank R" and times are the simulator's cost
 // units (no unit named); a measured timeline names each row's place and its time unit.
 struct SvgOptions {
