@@ -282,6 +282,10 @@ const std::set<std::string>& FieldsWithoutAFlag() {
       "LossScaleOptions.backoff_factor",  // fixed by the CLI
       "DeviceSpec.layer_overhead_s",      // fixed by the CLI
       "Topology.tp",                      // reserved for tensor parallelism (issue 37): 1
+      // Filled from a run's summary (tools/calibration.cc names the file), not from flags.
+      "RunMeasurement.micro_batch_size",
+      "RunMeasurement.boundaries",
+      "RunMeasurement.rank_peak_bytes",
   };
   return kNone;
 }
