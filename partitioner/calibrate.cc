@@ -31,13 +31,21 @@ namespace {
 
 bool PositiveFinite(double v) { return std::isfinite(v) && v > 0; }
 
+// bytes x factor rounded, saturating at kMemoryOverflow (a hostile peak must not wrap).
+int64_t ScaleBytes(int64_t bytes, double factor) {
+  const double v = static_cast<double>(bytes) * factor;
+  if (!(v < static_cast<double>(kMemoryOverflow))) return kMemoryOverflow;
+  return v <= 0 ? 0 : static_cast<int64_t>(std::llround(v));
+}
+
 }  // namespace
 
 absl::StatusOr<ModelCosts> CalibrateModelCosts(const ModelCosts& model, const DeviceSpec& dev,
                                                const RunMeasurement& run) {
-  if (run.micro_batch_size < 1) {
+  if (run.micro_batch_size < 1 || run.micro_batch_size > kMaxCalibrationMicroBatchSize) {
     return absl::InvalidArgumentError(
-        absl::StrCat("RunMeasurement.micro_batch_size = ", run.micro_batch_size, ": must be >= 1"));
+        absl::StrCat("RunMeasurement.micro_batch_size = ", run.micro_batch_size,
+                     ": must be in [1, ", kMaxCalibrationMicroBatchSize, "]"));
   }
   const Schedule& sched = run.schedule;
   const int S = sched.num_stages, L = model.num_layers();
@@ -113,10 +121,9 @@ absl::StatusOr<ModelCosts> CalibrateModelCosts(const ModelCosts& model, const De
     for (int s : r.stages) {
       for (int i = run.boundaries[s]; i < run.boundaries[s + 1]; ++i) {
         LayerCost& l = out.layers[i];
-        l.activation_bytes = static_cast<int64_t>(std::llround(l.activation_bytes * factor));
+        l.activation_bytes = ScaleBytes(l.activation_bytes, factor);
         l.selective_saving_bytes =
-            std::min(l.activation_bytes,
-                     static_cast<int64_t>(std::llround(l.selective_saving_bytes * factor)));
+            std::min(l.activation_bytes, ScaleBytes(l.selective_saving_bytes, factor));
       }
     }
   }

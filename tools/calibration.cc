@@ -1,11 +1,16 @@
 // Plan calibration from the command line (calibration.h).
 #include "tools/calibration.h"
 
+#include <algorithm>
+#include <cstdint>
+#include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "pipewright/input.h"
 #include "pipewright/precision_kind.h"
 #include "pipewright/status.h"
 #include "tools/commands.h"
@@ -20,6 +25,8 @@ absl::StatusOr<json> ReadRunSummary(const std::string& path) {
   std::vector<absl::string_view> lines = absl::StrSplit(text, '\n', absl::SkipWhitespace());
   for (auto it = lines.rbegin(); it != lines.rend(); ++it) {
     if (it->size() > static_cast<size_t>(kMaxJsonFileBytes)) continue;
+    // The parser recurses: a line nested too deep is refused before it sees it.
+    PW_RETURN_IF_ERROR(CheckJsonNesting(*it, absl::StrCat("--calibrate ", path)));
     json j = json::parse(it->begin(), it->end(), nullptr, /*allow_exceptions=*/false);
     if (j.is_object() && j.contains("summary") && j["summary"].is_object()) return j["summary"];
   }
@@ -44,12 +51,37 @@ absl::StatusOr<T> Field(const json& j, const std::string& key, const std::string
     ok = v.is_number_integer();
   } else if constexpr (std::is_floating_point_v<T>) {
     ok = v.is_number();
+  } else if constexpr (std::is_same_v<T, std::vector<int>>) {
+    // Every element an integer that fits an int (get<> would truncate 4.5 or 2^40 silently).
+    ok = v.is_array() && std::all_of(v.begin(), v.end(), [](const json& e) {
+           return e.is_number_integer() && e.get<int64_t>() >= std::numeric_limits<int>::min() &&
+                  (e.is_number_unsigned() ? e.get<uint64_t>() <= uint64_t{INT32_MAX}
+                                          : e.get<int64_t>() <= INT32_MAX);
+         });
+  } else if constexpr (std::is_same_v<T, std::vector<double>>) {
+    ok = v.is_array() &&
+         std::all_of(v.begin(), v.end(), [](const json& e) { return e.is_number(); });
+  } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+    ok = v.is_array() &&
+         std::all_of(v.begin(), v.end(), [](const json& e) { return e.is_string(); });
   } else {
     ok = v.is_array();
   }
   if (!ok) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, ": summary.", key, " has the wrong type (", v.type_name(), ")"));
+  }
+  if constexpr (std::is_integral_v<T>) {
+    // get<T> would truncate silently: the value must fit T and not be negative.
+    const bool fits =
+        v.is_number_unsigned()
+            ? v.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<T>::max())
+            : v.get<int64_t>() >= 0;
+    if (!fits) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": summary.", key, " = ", v.dump(),
+                                                     ": must be in [0, ",
+                                                     std::numeric_limits<T>::max(), "]"));
+    }
   }
   try {
     return v.get<T>();

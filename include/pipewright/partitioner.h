@@ -199,6 +199,7 @@ struct RunMeasurement {
 // configuration predicts the measured peaks. The result is at the run's micro-batch size.
 // InvalidArgument naming the field for a measurement that does not fit the model or schedule,
 // or a stage time that is not positive and finite.
+inline constexpr int64_t kMaxCalibrationMicroBatchSize = int64_t{1} << 24;
 absl::StatusOr<ModelCosts> CalibrateModelCosts(const ModelCosts& model, const DeviceSpec& dev,
                                                const RunMeasurement& run);
 

@@ -315,7 +315,7 @@ namespace {
 
 // A run writes its calibrated costs: each stage's layers sum to the stage's measured times, and
 // a plan of the same split made from them predicts every rank's peak memory of the next run
-// (issue 36: within 5%; here to the byte). How close the predicted step time comes is measured
+// within 5% (issue 36's target). How close the predicted step time comes is measured
 // in docs/benchmarks.md, "Plan calibration", not by a test: it is this machine's noise.
 TEST(CliCalibrate, ARunsCostsAreItsMeasuredTimesAndPredictItsMemory) {
   const std::string plan = TempPath("cal_plan.json"), model = TempPath("cal_model.json"),
@@ -354,7 +354,8 @@ TEST(CliCalibrate, ARunsCostsAreItsMeasuredTimesAndPredictItsMemory) {
   EXPECT_EQ(json::parse(via.out)["plan"]["stages"], json::parse(planned.out)["plan"]["stages"]);
   // Memory: with the measured times made exactly even per stage (so that the planner keeps the
   // run's split whatever this machine's noise), the plan predicts each rank's peak of a run of
-  // it to the byte (the peaks are deterministic).
+  // it within 5% (the issue's target). Peaks vary between runs by about one message buffer (a
+  // receive posted ahead may be allocated before or after a rank's peak), 1% here.
   json even = costs;
   for (size_t st = 0; st + 1 < bounds.size(); ++st) {
     const int n = bounds[st + 1] - bounds[st];
@@ -371,10 +372,17 @@ TEST(CliCalibrate, ARunsCostsAreItsMeasuredTimesAndPredictItsMemory) {
   ASSERT_EQ(rows.size(), 2u);
   for (const json& row : rows) {
     EXPECT_EQ(row["layers"][0].get<int>(), bounds[row["stage"].get<int>()]) << row;
-    EXPECT_NEAR(row["predicted_memory_bytes"].get<double>(),
-                row["measured_rank_peak_memory_bytes"].get<double>(), 64)
-        << row;
+    const double peak = row["measured_rank_peak_memory_bytes"].get<double>();
+    EXPECT_NEAR(row["predicted_memory_bytes"].get<double>(), peak, 0.05 * peak) << row;
   }
+}
+
+// `text` with its one `from` replaced by `to` (an empty string when `from` is not there, which
+// the caller's expectation then reports).
+std::string Edit(const std::string& text, const std::string& from, const std::string& to) {
+  const size_t at = text.find(from);
+  if (at == std::string::npos) return "";
+  return text.substr(0, at) + to + text.substr(at + from.size());
 }
 
 TEST(CliCalibrate, ARunOutputThatDoesNotFitIsRefusedByName) {
@@ -394,12 +402,22 @@ TEST(CliCalibrate, ARunOutputThatDoesNotFitIsRefusedByName) {
       {"{\"summary\": {\"model\": \"gpt-tiny\", \"steps\": 0}}\n", "gpt-tiny",
        "the run took no step"},
       {"{\"summary\": {\"model\": 7}}\n", "gpt-tiny", "summary.model has the wrong type"},
+      // Hostile numbers: never truncated, wrapped or overflowed.
+      {Edit(run.out, "\"stage_boundaries\":[0,3,8]", "\"stage_boundaries\":[0,3.5,8]"), "gpt-tiny",
+       "summary.stage_boundaries has the wrong type"},
+      {Edit(run.out, "\"pipeline_parallel\":2", "\"pipeline_parallel\":2147483648"), "gpt-tiny",
+       "summary.pipeline_parallel = 2147483648: must be in [0, 2147483647]"},
+      {Edit(run.out, "\"micro_batch_size\":8", "\"micro_batch_size\":4611686018427387904"),
+       "gpt-tiny", "RunMeasurement.micro_batch_size = 4611686018427387904: must be in [1, "},
+      {Edit(run.out, "\"micro_batches\":2", "\"micro_batches\":-2"), "gpt-tiny",
+       "summary.micro_batches = -2: must be in [0, "},
+      {std::string(100000, '[') + "\n", "gpt-tiny", "nested deeper than 64 levels"},
   };
   for (const Case& c : cases) {
     std::ofstream(out) << c.text;
     Result r = RunCli(plan + c.preset);
     EXPECT_EQ(r.exit_code, 2) << c.message << ": " << r.err;
-    EXPECT_NE(r.err.find(c.message), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find(c.message), std::string::npos) << c.message << ": " << r.err;
     EXPECT_NE(r.err.find(out), std::string::npos) << r.err;
   }
   // Not a regular file: refused before reading.
