@@ -271,9 +271,9 @@ void RegisterPlan(CLI::App& app, int* exit_code) {
   AddInt(cmd, "--chunks", &f->chunks, {1, kMaxParallel},
          "Model chunks per rank for interleaved (default 2)");
   AddInt(cmd, "--micro-batch-size", &f->micro_batch_size, {1, kMaxMicroBatchSize},
-         "Sequences per micro-batch");
+         "Sequences per micro-batch (default: try every size that divides the global batch)");
   AddInt(cmd, "--micro-batches", &f->micro_batches, {1, kMaxGlobalBatch},
-         "Micro-batches per replica");
+         "Micro-batches per replica (fixes the global batch; default: from --global-batch)");
   AddInt(cmd, "--global-batch", &f->global_batch, {1, kMaxGlobalBatch},
          "Sequences per step (default: 8 micro-batches per device)");
   cmd->add_option("--precision", f->precision, "fp32|bf16|fp16 (bytes per parameter 16|18)");
