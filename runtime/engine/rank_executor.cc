@@ -153,6 +153,7 @@ void RankExecutor::Record(EventKind kind, const Action& a, Clock::time_point sta
   }
   e.end = Seconds(ctx_->epoch, Clock::now());
   events_.push_back(e);
+  buckets_.Poll();  // the end of an interval: see which buckets completed (Note [Bucket spans])
   const double d = e.end - e.start;
   switch (kind) {
     case EventKind::kCompute:

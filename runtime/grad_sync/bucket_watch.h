@@ -7,12 +7,15 @@
 // collective, its span: from just before the post to the moment the rank saw it complete. A rank
 // does not block to see that: it polls Work::Done on the collectives still open
 //  - before every post (so a bucket that finished before the next one was posted ends first),
-//  - after each layer's GradReady and each REDUCE_GRADS (the backward's launch points), and
+//  - after each layer's GradReady and each REDUCE_GRADS (the backward's launch points),
+//  - at the end of every interval the rank records (a forward, a send, a receive's wait ...:
+//    RankExecutor::Record), and
 //  - around every wait of the strategy's (GradSyncContext::wait), a waited one ending when its
 //    wait returns;
-// so a span ends at most one layer's backward after the collective really completed, or, once
-// the backward is over, when the step's end waits for it. Polling also drives progress on a
-// backend that progresses only when called (MPI). The strategies report what they post (Post);
+// so a span ends at most one layer's backward (or one other action) after the collective really
+// completed, or, once the program is done, when the step's end waits for it. Polling also drives
+// progress on a backend that progresses only when called (MPI). The strategies report what they
+// post (Post);
 // the rank polls, owns the watch and turns the spans into EventKind::kBucket events, which count
 // in no time category: they overlap compute.
 //
