@@ -12,6 +12,76 @@ namespace pipewright {
 
 using json = nlohmann::json;
 
+namespace {
+
+// Note [Bucket tracks]. A rank's bucket spans (EventKind::kBucket) overlap its compute, so they go
+// on threads of their own below the rank's replica thread: "replica R: gradient buckets". They
+// also overlap one another when several collectives are in flight at once, and the slices of one
+// thread must nest (Perfetto drops the ones that do not), so the spans are dealt to lanes, each a
+// thread: a span goes to the first lane whose last span has ended by its start; the second lane
+// is "replica R: gradient buckets (lane 2)", and so on. Lane l of replica R is thread
+// dp (l + 1) + R, and thread_sort_index metadata keeps each replica's lanes right below it.
+void AppendBucketTracks(const Topology& topology, size_t g, const std::vector<RankEvent>& events,
+                        json* trace) {
+  std::vector<const RankEvent*> spans;
+  for (const RankEvent& e : events) {
+    if (e.kind == EventKind::kBucket) spans.push_back(&e);
+  }
+  if (spans.empty()) return;
+  std::stable_sort(spans.begin(), spans.end(),
+                   [](const RankEvent* a, const RankEvent* b) { return a->start < b->start; });
+  const int pid = topology.PipelineRank(static_cast<int>(g));
+  const int replica = topology.Replica(static_cast<int>(g));
+  constexpr int kSortStride = 1 << 16;  // sort indices of one replica's threads
+  std::vector<double> lane_end;         // per lane: the end of its last span
+  for (const RankEvent* e : spans) {
+    size_t lane = 0;
+    while (lane < lane_end.size() && lane_end[lane] > e->start) ++lane;
+    const int tid = topology.dp * (static_cast<int>(lane) + 1) + replica;
+    if (lane == lane_end.size()) {
+      lane_end.push_back(e->end);
+      std::string name = absl::StrCat("replica ", replica, ": gradient buckets");
+      if (lane > 0) absl::StrAppend(&name, " (lane ", lane + 1, ")");
+      trace->push_back({{"ph", "M"},
+                        {"name", "thread_name"},
+                        {"pid", pid},
+                        {"tid", tid},
+                        {"args", {{"name", name}}}});
+      trace->push_back(
+          {{"ph", "M"},
+           {"name", "thread_sort_index"},
+           {"pid", pid},
+           {"tid", tid},
+           {"args", {{"sort_index", replica * kSortStride + 1 + static_cast<int>(lane)}}}});
+      if (lane == 0) {
+        trace->push_back({{"ph", "M"},
+                          {"name", "thread_sort_index"},
+                          {"pid", pid},
+                          {"tid", replica},
+                          {"args", {{"sort_index", replica * kSortStride}}}});
+      }
+    }
+    lane_end[lane] = std::max(lane_end[lane], e->end);
+    const char* collective = BucketCollectiveName(e->collective);
+    trace->push_back({{"ph", "X"},
+                      {"name", absl::StrCat("bucket ", e->tag, " of stage ",
+                                            e->action.virtual_stage, " ", collective)},
+                      {"cat", EventKindName(e->kind)},
+                      {"pid", pid},
+                      {"tid", tid},
+                      {"ts", e->start * 1e6},
+                      {"dur", std::max(0.0, e->end - e->start) * 1e6},
+                      {"args",
+                       {{"step", e->step},
+                        {"global_rank", g},
+                        {"stage", e->action.virtual_stage},
+                        {"bucket", e->tag},
+                        {"collective", collective}}}});
+  }
+}
+
+}  // namespace
+
 std::string EngineChromeTrace(const Topology& topology,
                               const std::vector<std::vector<RankEvent>>& events) {
   json trace = json::array();
@@ -41,6 +111,7 @@ std::string EngineChromeTrace(const Topology& topology,
     const int pid = topology.PipelineRank(static_cast<int>(g));
     const int tid = topology.Replica(static_cast<int>(g));
     for (const RankEvent& e : events[g]) {
+      if (e.kind == EventKind::kBucket) continue;  // on tracks of their own (AppendBucketTracks)
       std::string name = e.kind == EventKind::kCompute ? e.action.ToString()
                          : e.kind == EventKind::kDataWait || e.kind == EventKind::kOptimizer ||
                                  e.kind == EventKind::kAllReduce || e.kind == EventKind::kAgreement
@@ -79,6 +150,7 @@ std::string EngineChromeTrace(const Topology& topology,
       }
     }
   }
+  for (size_t g = 0; g < events.size(); ++g) AppendBucketTracks(topology, g, events[g], &trace);
   return json{{"traceEvents", trace}, {"displayTimeUnit", "ms"}}.dump();
 }
 

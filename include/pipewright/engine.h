@@ -53,8 +53,19 @@ enum class EventKind {
   kOptimizer,
   kDataWait,
   kAgreement,  // the step agreement: losses, the gradient norm and stop requests summed
+  // One gradient bucket's collective across the replicas, from when the rank posted it to when
+  // the rank saw it complete (polled at the backward's launch points and in the step's end: Note
+  // [Bucket spans] in runtime/grad_sync/bucket_watch.h). It overlaps the rank's other intervals,
+  // so it counts in no RankTimes category. action: REDUCE_GRADS of the bucket's virtual stage;
+  // tag: the bucket's index in its stage; collective: which collective.
+  kBucket,
 };
 const char* EventKindName(EventKind k);
+
+// The collective of a kBucket event: the bucketed all-reduce's (fp32), the all-gathers of bf16
+// buckets and of PowerSGD's factors, ZeRO's reduce-scatters.
+enum class BucketCollective { kAllReduce, kAllGather, kReduceScatter };
+const char* BucketCollectiveName(BucketCollective c);  // "all-reduce", "all-gather", ...
 
 struct RankEvent {
   EventKind kind = EventKind::kCompute;
@@ -63,6 +74,7 @@ struct RankEvent {
   int64_t tag = -1;
   int64_t step = 0;
   double start = 0, end = 0;
+  BucketCollective collective = BucketCollective::kAllReduce;  // kBucket only
 };
 
 // Time of one rank over the steps taken so far, by category (seconds).

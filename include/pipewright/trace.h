@@ -15,7 +15,10 @@ namespace pipewright {
 // Chrome trace-event JSON (Perfetto / chrome://tracing): process = pipeline rank, thread =
 // replica; one slice per event (F/B/I/W, recompute, send, receive wait, all-reduce, optimizer,
 // data wait) named by its action ("F3@s1"), and a flow arrow from each send to the end of its
-// receive. `events` is Engine::Events() (index = global rank).
+// receive. Gradient bucket spans (EventKind::kBucket) go on threads of their own, "replica R:
+// gradient buckets" (more lanes, "(lane 2)" and on, where collectives overlap: Note [Bucket
+// tracks] in trace.cc), one slice per collective named like "bucket 3 of stage 1 all-reduce",
+// category "bucket". `events` is Engine::Events() (index = global rank).
 std::string EngineChromeTrace(const Topology& topology,
                               const std::vector<std::vector<RankEvent>>& events);
 

@@ -54,6 +54,7 @@ struct DataParallelContext {
   // Waits for `w` with the run's timeout (GradSyncContext::wait).
   std::function<absl::Status(Work& w, const std::string& what)> wait;
   std::function<absl::Status()> sync_device;  // completes the rank's queued device work
+  BucketWatch* buckets = nullptr;  // (optional) GradSyncContext::buckets: every bucket collective
   OptimizerConfig optimizer;
   int64_t bucket_bytes = int64_t{1} << 20;
 };

@@ -108,6 +108,7 @@ struct Bucket {
   int layers = 0;  // layers with parameters
   int pending = 0;
   bool launched = false;
+  int stage = 0, index = 0;  // its virtual stage and index there (Note [Bucket spans])
 };
 
 // ZeRO-2: one of a stage's two bucket-sized gradient buffers (reduce-scattered in place).
@@ -145,6 +146,8 @@ class Sharded final : public DataParallel {
       for (size_t k = 0; k < sb.params.size(); ++k) {
         Bucket& b = st.buckets.emplace_back();
         b.layers = sb.layers[k];
+        b.stage = gs.index;
+        b.index = static_cast<int>(k);
         std::vector<int64_t> sizes;
         for (Parameter* p : sb.params[k]) {
           if (params_.tied.count(p) != 0) {
@@ -467,7 +470,8 @@ class Sharded final : public DataParallel {
     b.launched = true;
     if (!b.sharded.empty()) {
       PW_RETURN_IF_ERROR(ctx_.sync_device());
-      b.work = ctx_.dp->ReduceScatter(b.grads, b.shard);
+      b.work = PostBucket(ctx_.buckets, b.stage, b.index, BucketCollective::kReduceScatter,
+                          [&] { return ctx_.dp->ReduceScatter(b.grads, b.shard); });
       CountReduceScatter(b);
       CountUncompressed(b);
     }
@@ -478,7 +482,8 @@ class Sharded final : public DataParallel {
     b.launched = true;
     if (b.whole_grads.numel() == 0) return absl::OkStatus();
     PW_RETURN_IF_ERROR(ctx_.sync_device());
-    b.whole_work = ctx_.dp->AllReduce(b.whole_grads);
+    b.whole_work = PostBucket(ctx_.buckets, b.stage, b.index, BucketCollective::kAllReduce,
+                              [&] { return ctx_.dp->AllReduce(b.whole_grads); });
     const int64_t bytes = b.whole_grads.numel() * 4;
     bytes_.sent += RingAllReduceBytes(bytes, ctx_.replicas);
     bytes_.uncompressed += RingAllReduceBytes(bytes, ctx_.replicas);
@@ -511,7 +516,8 @@ class Sharded final : public DataParallel {
       PW_ASSIGN_OR_RETURN(Tensor in, slot->grads.View(0, {b.layout.numel()}));
       PW_ASSIGN_OR_RETURN(Tensor out,
                           slot->grads.View(ctx_.replica * b.layout.shard, {b.layout.shard}));
-      slot->work = ctx_.dp->ReduceScatter(in, out);
+      slot->work = PostBucket(ctx_.buckets, b.stage, b.index, BucketCollective::kReduceScatter,
+                              [&] { return ctx_.dp->ReduceScatter(in, out); });
       slot->in_flight = true;
       slot->launched = ++launches_;
       CountReduceScatter(b);

@@ -108,8 +108,16 @@ GradSyncContext RankExecutor::SyncContext() {
   GradSyncContext c;
   c.dp = groups_.data_parallel();
   c.alloc = alloc_.get();
-  c.wait = [this](Work& w, const std::string& what) { return WaitOrAbort(w, what); };
+  // Every wait of the strategy's is a point where the rank sees bucket collectives complete
+  // (Note [Bucket spans]).
+  c.wait = [this](Work& w, const std::string& what) {
+    buckets_.Poll();
+    PW_RETURN_IF_ERROR(WaitOrAbort(w, what));
+    buckets_.Waited(w);
+    return absl::OkStatus();
+  };
   c.sync_device = [this] { return Sync(); };
+  c.buckets = &buckets_;
   return c;
 }
 
@@ -122,6 +130,7 @@ DataParallelContext RankExecutor::DpContext() {
   c.alloc = g.alloc;
   c.wait = g.wait;
   c.sync_device = g.sync_device;
+  c.buckets = g.buckets;
   c.optimizer = ctx_->options->optimizer;
   c.bucket_bytes = ctx_->options->bucket_bytes;
   return c;
@@ -144,6 +153,7 @@ void RankExecutor::Record(EventKind kind, const Action& a, Clock::time_point sta
   }
   e.end = Seconds(ctx_->epoch, Clock::now());
   events_.push_back(e);
+  buckets_.Poll();  // the end of an interval: see which buckets completed (Note [Bucket spans])
   const double d = e.end - e.start;
   switch (kind) {
     case EventKind::kCompute:
@@ -168,10 +178,40 @@ void RankExecutor::Record(EventKind kind, const Action& a, Clock::time_point sta
     case EventKind::kDataWait:
       step_times_.data_wait += d;
       break;
+    case EventKind::kBucket:  // overlaps the rest: no category (RecordBuckets)
+      break;
+  }
+}
+
+void RankExecutor::RecordBuckets() {
+  std::vector<RankEvent> spans;
+  for (const BucketWatch::Span& b : buckets_.Take()) {
+    RankEvent e;
+    e.kind = EventKind::kBucket;
+    e.action = Action{ActionKind::kReduceGrads, b.stage, -1};
+    e.tag = b.bucket;
+    e.step = step_;
+    e.start = Seconds(ctx_->epoch, b.posted);
+    e.end = Seconds(ctx_->epoch, b.done);
+    e.collective = b.collective;
+    spans.push_back(e);
+  }
+  if (spans.empty()) return;
+  std::stable_sort(spans.begin(), spans.end(),
+                   [](const RankEvent& a, const RankEvent& b) { return a.start < b.start; });
+  // Merged into the step's events by start (Engine::Events' order), each list keeping its own.
+  std::vector<RankEvent> step(events_.begin() + static_cast<std::ptrdiff_t>(step_events_),
+                              events_.end());
+  events_.resize(step_events_);
+  size_t i = 0, k = 0;
+  while (i < step.size() || k < spans.size()) {
+    const bool span = k < spans.size() && (i == step.size() || spans[k].start < step[i].start);
+    events_.push_back(span ? spans[k++] : step[i++]);
   }
 }
 
 void RankExecutor::EndStep(Clock::time_point t0, int64_t start_bytes) {
+  RecordBuckets();
   for (StageRt& st : stages_) {  // release the step's buffers
     st.saved.clear();
     st.input.clear();

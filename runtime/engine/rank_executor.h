@@ -204,6 +204,9 @@ class RankExecutor {
   void EndStep(Clock::time_point t0, int64_t start_bytes);
   void Record(EventKind kind, const Action& a, Clock::time_point start, int peer = -1,
               int64_t tag = -1);
+  // At the step's end: its bucket spans (buckets_) as kBucket events, placed among the step's
+  // events by start; no time category changes (Note [Bucket spans] in bucket_watch.h).
+  void RecordBuckets();
   // The first stage's inputs and the last stage's targets of micro-batch `mb`, on the rank's
   // device (copied from the loader's host batch once per step on CUDA).
   absl::StatusOr<Tensor> Inputs(int mb);
@@ -270,6 +273,8 @@ class RankExecutor {
 
   // What the rank's time went to.
   std::vector<RankEvent> events_;
+  size_t step_events_ = 0;  // index of the current step's first event in events_
+  BucketWatch buckets_;     // the step's bucket collectives, as the strategy posts them
   RankTimes step_times_, total_;
   FlightRecorder flight_;
 

@@ -29,6 +29,8 @@ void RankExecutor::BeginStep(int64_t step) {
   step_times_ = RankTimes{};
   const int M = ctx_->run->micro_batches();
   ZeroGrads(params_);
+  step_events_ = events_.size();
+  buckets_.Clear();  // before the strategy drops the last step's Works (BucketWatch)
   for (StageRt& st : stages_) {
     st.saved.assign(M, {});
     st.input.assign(M, Tensor());
@@ -125,7 +127,11 @@ absl::Status RankExecutor::RunAction(const Action& a, int index, int64_t step, f
     return absl::InvalidArgumentError(absl::StrCat(Who(), " ", a.ToString(), ": stage ",
                                                    a.virtual_stage, " is not on this rank"));
   }
-  if (a.kind == ActionKind::kReduceGrads) return dp_->StageReady(local_[a.virtual_stage]);
+  if (a.kind == ActionKind::kReduceGrads) {
+    PW_RETURN_IF_ERROR(dp_->StageReady(local_[a.virtual_stage]));
+    buckets_.Poll();
+    return absl::OkStatus();
+  }
   if (a.micro_batch < 0 || a.micro_batch >= ctx_->run->micro_batches()) {
     return absl::InvalidArgumentError(
         absl::StrCat(Who(), " ", a.ToString(), ": micro-batch out of range"));
@@ -282,7 +288,10 @@ absl::Status RankExecutor::Backward(StageRt& st, const Action& a, int index) {
         whole ? layer.Backward(g, lc, &saved[i]) : layer.BackwardInput(g, lc, &saved[i]);
     PW_RETURN_IF_ERROR(InLayer(r.status(), st, i, "backward"));
     g = *std::move(r);
-    if (whole) PW_RETURN_IF_ERROR(dp_->GradReady(local_[st.index], i, final_w));
+    if (whole) {
+      PW_RETURN_IF_ERROR(dp_->GradReady(local_[st.index], i, final_w));
+      buckets_.Poll();  // a launch point: see which buckets completed (Note [Bucket spans])
+    }
   }
   PW_RETURN_IF_ERROR(Sync());
   Record(EventKind::kCompute, a, t);
@@ -315,6 +324,7 @@ absl::Status RankExecutor::WeightBackward(StageRt& st, const Action& a, int inde
     PW_RETURN_IF_ERROR(
         InLayer(st.stage->layer(i).BackwardWeight(lc, &saved[i]), st, i, "weight backward"));
     PW_RETURN_IF_ERROR(dp_->GradReady(local_[st.index], i, final_w));
+    buckets_.Poll();
   }
   saved.clear();
   PW_RETURN_IF_ERROR(Sync());

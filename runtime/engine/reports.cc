@@ -72,11 +72,11 @@ RankTimes TimesFromJson(const json& j) {
   return t;
 }
 
-// An event as [kind, action kind, stage, micro-batch, peer, tag, step, start, end].
+// An event as [kind, action kind, stage, micro-batch, peer, tag, step, start, end, collective].
 json EventToJson(const RankEvent& e) {
   return json::array({static_cast<int>(e.kind), static_cast<int>(e.action.kind),
                       e.action.virtual_stage, e.action.micro_batch, e.peer, e.tag, e.step, e.start,
-                      e.end});
+                      e.end, static_cast<int>(e.collective)});
 }
 
 RankEvent EventFromJson(const json& j) {
@@ -89,6 +89,7 @@ RankEvent EventFromJson(const json& j) {
   e.step = j.at(6).get<int64_t>();
   e.start = j.at(7).get<double>();
   e.end = j.at(8).get<double>();
+  e.collective = static_cast<BucketCollective>(j.at(9).get<int>());
   return e;
 }
 
@@ -112,6 +113,20 @@ const char* EventKindName(EventKind k) {
       return "data wait";
     case EventKind::kAgreement:
       return "agreement";
+    case EventKind::kBucket:
+      return "bucket";
+  }
+  return "?";
+}
+
+const char* BucketCollectiveName(BucketCollective c) {
+  switch (c) {
+    case BucketCollective::kAllReduce:
+      return "all-reduce";
+    case BucketCollective::kAllGather:
+      return "all-gather";
+    case BucketCollective::kReduceScatter:
+      return "reduce-scatter";
   }
   return "?";
 }

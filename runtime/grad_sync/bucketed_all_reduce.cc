@@ -135,11 +135,12 @@ class BucketedAllReduce final : public BucketLauncher {
       PW_RETURN_IF_ERROR(ops::CopyRange(e, p->grad, 0, b.flat, offset, p->grad.numel()));
       offset += p->grad.numel();
     }
-    return EncodeAndLaunch(b);
+    return EncodeAndLaunch(stages_[stage].index, bucket, b);
   }
 
-  // Posts the bucket's collective, `b.flat` holding this replica's fp32 gradients.
-  absl::Status EncodeAndLaunch(Bucket& b) {
+  // Posts the collective of `b` (bucket `bucket` of virtual stage `stage`), `b.flat` holding this
+  // replica's fp32 gradients.
+  absl::Status EncodeAndLaunch(int stage, int bucket, Bucket& b) {
     const ops::Exec e{ctx_.alloc};
     const int n = ctx_.dp->size();
     const int64_t fp32 = b.numel * static_cast<int64_t>(sizeof(float));
@@ -161,9 +162,13 @@ class BucketedAllReduce final : public BucketLauncher {
     // A stream-ordered backend (NCCL) orders the collective after the copies on the GPU; any
     // other may read the buffer from another thread at once, so the copies must be done.
     if (!ctx_.dp->capabilities().stream_ordered) PW_RETURN_IF_ERROR(ctx_.sync_device());
-    b.work = compression_.kind == GradCompression::Kind::kBf16
-                 ? ctx_.dp->AllGather(b.flat, b.gathered)
-                 : ctx_.dp->AllReduce(b.flat);
+    if (compression_.kind == GradCompression::Kind::kBf16) {
+      b.work = PostBucket(ctx_.buckets, stage, bucket, BucketCollective::kAllGather,
+                          [&] { return ctx_.dp->AllGather(b.flat, b.gathered); });
+    } else {
+      b.work = PostBucket(ctx_.buckets, stage, bucket, BucketCollective::kAllReduce,
+                          [&] { return ctx_.dp->AllReduce(b.flat); });
+    }
     return absl::OkStatus();
   }
 

@@ -26,6 +26,7 @@
 #include "pipewright/comm.h"
 #include "pipewright/layer.h"
 #include "pipewright/train.h"
+#include "runtime/grad_sync/bucket_watch.h"
 
 namespace pipewright::internal {
 
@@ -38,6 +39,9 @@ struct GradSyncContext {
   std::function<absl::Status(Work& w, const std::string& what)> wait;
   // Completes the rank's queued device work (a no-op on the CPU).
   std::function<absl::Status()> sync_device;
+  // (optional) Told of every collective posted for a bucket (PostBucket), so the rank can show
+  // when each ran (Note [Bucket spans] in bucket_watch.h); null: no one watches.
+  BucketWatch* buckets = nullptr;
 };
 
 // One of the rank's stages: its virtual stage index and, per layer, the layer's parameters

@@ -195,7 +195,7 @@ class PowerSgd final : public BucketLauncher {
   }
 
   absl::Status LaunchBucket(int stage, int bucket) override {
-    return LaunchFirstRound(stages_[stage].buckets[bucket]);
+    return LaunchFirstRound(stages_[stage].index, bucket, stages_[stage].buckets[bucket]);
   }
 
   absl::Status Finish() override {
@@ -203,7 +203,8 @@ class PowerSgd final : public BucketLauncher {
     for (size_t s = 0; s < stages_.size(); ++s) {
       for (size_t b = 0; b < stages_[s].buckets.size(); ++b) {
         if (!launched(static_cast<int>(s), static_cast<int>(b))) continue;
-        PW_RETURN_IF_ERROR(LaunchSecondRound(stages_[s].index, stages_[s].buckets[b]));
+        PW_RETURN_IF_ERROR(
+            LaunchSecondRound(stages_[s].index, static_cast<int>(b), stages_[s].buckets[b]));
       }
     }
     for (size_t s = 0; s < stages_.size(); ++s) {
@@ -291,7 +292,7 @@ class PowerSgd final : public BucketLauncher {
 
   // Round 1: M_r = G_r + E_r and P_r = M_r Q into the flat P, all-gathered; the dense
   // gradients all-reduced.
-  absl::Status LaunchFirstRound(Bucket& b) {
+  absl::Status LaunchFirstRound(int stage, int bucket, Bucket& b) {
     const ops::Exec e{ctx_.alloc};
     const int n = ctx_.dp->size();
     bytes_.uncompressed += RingAllReduceBytes(b.numel * static_cast<int64_t>(sizeof(float)), n);
@@ -318,11 +319,13 @@ class PowerSgd final : public BucketLauncher {
     }
     PW_RETURN_IF_ERROR(ReadyToSend());
     if (b.dense_numel > 0) {
-      b.dense_work = ctx_.dp->AllReduce(b.dense_flat);
+      b.dense_work = PostBucket(ctx_.buckets, stage, bucket, BucketCollective::kAllReduce,
+                                [&] { return ctx_.dp->AllReduce(b.dense_flat); });
       bytes_.sent += RingAllReduceBytes(b.dense_numel * static_cast<int64_t>(sizeof(float)), n);
     }
     if (b.p_numel > 0) {
-      b.p_work = ctx_.dp->AllGather(b.p_flat, b.p_all);
+      b.p_work = PostBucket(ctx_.buckets, stage, bucket, BucketCollective::kAllGather,
+                            [&] { return ctx_.dp->AllGather(b.p_flat, b.p_all); });
       bytes_.sent += RingAllGatherBytes(b.p_numel * static_cast<int64_t>(sizeof(float)), n);
     }
     return absl::OkStatus();
@@ -330,7 +333,7 @@ class PowerSgd final : public BucketLauncher {
 
   // Round 2: P^ = orth(sum P_r); Q_r = M_r^T P^ into the flat Q, all-gathered; E_r = M_r - P^
   // Q_r^T.
-  absl::Status LaunchSecondRound(int stage, Bucket& b) {
+  absl::Status LaunchSecondRound(int stage, int bucket, Bucket& b) {
     if (b.p_numel == 0) return absl::OkStatus();
     const ops::Exec e{ctx_.alloc};
     PW_RETURN_IF_ERROR(Wait(*b.p_work, stage, "P all-gather"));
@@ -352,7 +355,8 @@ class PowerSgd final : public BucketLauncher {
     }
     b.q_all = Tensor::Empty({ctx_.dp->size() * b.q_numel}, DType::kF32, ctx_.alloc);
     PW_RETURN_IF_ERROR(ReadyToSend());
-    b.q_work = ctx_.dp->AllGather(b.q_flat, b.q_all);
+    b.q_work = PostBucket(ctx_.buckets, stage, bucket, BucketCollective::kAllGather,
+                          [&] { return ctx_.dp->AllGather(b.q_flat, b.q_all); });
     bytes_.sent +=
         RingAllGatherBytes(b.q_numel * static_cast<int64_t>(sizeof(float)), ctx_.dp->size());
     return absl::OkStatus();

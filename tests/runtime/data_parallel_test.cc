@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -185,6 +186,8 @@ struct StrategyRun {
   std::vector<GradSyncBytes> bytes;              // per replica, last step
   std::vector<int64_t> grad_bytes, state_bytes;  // per replica
   bool replicas_equal = true;
+  // Per replica, per step: the bucket collectives it posted (Note [Bucket spans]).
+  std::vector<std::vector<std::vector<BucketWatch::Span>>> spans;
 };
 
 // `steps` steps of `zero` over `dp` replicas with `micro_batches` micro-batches each.
@@ -195,6 +198,7 @@ StrategyRun RunStrategy(int zero, int dp, int micro_batches, int steps) {
   out.bytes.resize(dp);
   out.grad_bytes.resize(dp);
   out.state_bytes.resize(dp);
+  out.spans.resize(dp);
   std::vector<std::vector<double>> slots(steps, std::vector<double>(ExactSum::kSlots, 0.0));
   std::vector<std::vector<std::vector<double>>> mine(
       dp, std::vector<std::vector<double>>(steps, std::vector<double>(ExactSum::kSlots)));
@@ -202,18 +206,24 @@ StrategyRun RunStrategy(int zero, int dp, int micro_batches, int steps) {
   std::vector<std::thread> threads;
   for (int r = 0; r < dp; ++r) {
     threads.emplace_back([&, r] {
+      BucketWatch watch;  // as the rank keeps it: polled at launch points, told of each wait
       DataParallelContext ctx;
       ctx.dp = comms[r].get();
       ctx.replica = r;
       ctx.replicas = dp;
       ctx.alloc = DefaultCpuAllocator();
-      ctx.wait = [](Work& w, const std::string&) { return w.Wait(absl::Seconds(30)); };
+      ctx.wait = [&watch](Work& w, const std::string&) {
+        PW_RETURN_IF_ERROR(w.Wait(absl::Seconds(30)));
+        watch.Waited(w);
+        return absl::OkStatus();
+      };
       ctx.sync_device = [] { return absl::OkStatus(); };
+      ctx.buckets = &watch;
       ctx.bucket_bytes = 4 * 1000;  // a bucket per layer with parameters, about
       Replica& rep = replicas[r];
       std::unique_ptr<DataParallel> s;
       if (zero == 0) {
-        GradSyncContext g{ctx.dp, ctx.alloc, ctx.wait, ctx.sync_device};
+        GradSyncContext g{ctx.dp, ctx.alloc, ctx.wait, ctx.sync_device, ctx.buckets};
         s = CreateReplicated(
             ctx, rep.view,
             CreateBucketedAllReduce(g, rep.view.stages, ctx.bucket_bytes, GradCompression::None()));
@@ -227,6 +237,7 @@ StrategyRun RunStrategy(int zero, int dp, int micro_batches, int steps) {
       }
       auto run = [&]() -> absl::Status {
         for (int step = 0; step < steps; ++step) {
+          watch.Clear();
           s->BeginStep();
           ZeroGrads(rep.view.trained);
           for (int mb = 0; mb < micro_batches; ++mb) {
@@ -236,10 +247,12 @@ StrategyRun RunStrategy(int zero, int dp, int micro_batches, int steps) {
             for (int layer = static_cast<int>(rep.view.stages[0].layers.size()); layer-- > 0;) {
               rep.AddGrads(r, mb + step, layer);
               PW_RETURN_IF_ERROR(s->GradReady(0, layer, mb + 1 == micro_batches));
+              watch.Poll();
             }
           }
           PW_RETURN_IF_ERROR(s->StageReady(0));
           PW_RETURN_IF_ERROR(s->Finish());
+          out.spans[r].push_back(watch.Take());
           ExactSum norm;
           PW_RETURN_IF_ERROR(s->AddSquaredNorm(&norm));
           norm.ToSlots(mine[r][step].data());
@@ -316,6 +329,44 @@ TEST(Sharded, ZeroTwoAgreesToRoundingAndHoldsAShareOfTheGradients) {
     EXPECT_NEAR(two.bytes[r].uncompressed, one.bytes[r].uncompressed, 16);
     // Gradients: the shards, two buckets in flight and the tied tensor, not the whole.
     EXPECT_LT(two.grad_bytes[r], one.grad_bytes[r]);
+  }
+}
+
+// Note [Bucket spans]: every strategy that reduces by bucket tells the watch of each collective
+// it posts — the bucketed all-reduce one all-reduce per bucket, ZeRO-1 one reduce-scatter per
+// bucket, ZeRO-2 one per bucket and micro-batch — plus the all-reduce of the bucket with the
+// tied tensor (kept whole by a sharded strategy).
+TEST(BucketSpans, EveryStrategyReportsEachBucketCollective) {
+  const int dp = 2, mbs = 3, steps = 2;
+  const Replica shape;
+  const StageBuckets sb = BucketLayers(shape.view.stages[0], 4 * 1000);  // RunStrategy's
+  const int kBuckets = static_cast<int>(sb.params.size());  // a bucket per layer with parameters
+  ASSERT_EQ(kBuckets, 8);
+  const int kTiedBucket = sb.layer_bucket[3];  // layer 3's: parameters d and the tied e
+  for (int zero : {0, 1, 2}) {
+    const StrategyRun run = RunStrategy(zero, dp, mbs, steps);
+    ASSERT_EQ(run.spans.size(), static_cast<size_t>(dp));
+    for (int r = 0; r < dp; ++r) {
+      ASSERT_EQ(run.spans[r].size(), static_cast<size_t>(steps));
+      for (const std::vector<BucketWatch::Span>& step : run.spans[r]) {
+        std::map<std::pair<int, BucketCollective>, int> count;  // (bucket, collective) -> posts
+        for (const BucketWatch::Span& sp : step) {
+          EXPECT_EQ(sp.stage, 0);
+          EXPECT_LE(sp.posted, sp.done);
+          ++count[{sp.bucket, sp.collective}];
+        }
+        std::map<std::pair<int, BucketCollective>, int> want;
+        for (int b = 0; b < kBuckets; ++b) {
+          if (zero == 0) want[{b, BucketCollective::kAllReduce}] = 1;
+          if (zero != 0) want[{b, BucketCollective::kReduceScatter}] = zero == 1 ? 1 : mbs;
+        }
+        if (zero != 0) want[{kTiedBucket, BucketCollective::kAllReduce}] = 1;
+        EXPECT_EQ(count, want) << "zero " << zero << ", replica " << r;
+        // In post order, the first bucket first.
+        ASSERT_FALSE(step.empty());
+        EXPECT_EQ(step.front().bucket, 0);
+      }
+    }
   }
 }
 

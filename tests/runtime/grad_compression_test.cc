@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -464,6 +465,50 @@ TEST(PowerSgd, ReplicasStayIdenticalTrainAndAreBitStable) {
     for (const RankTimes& r : step) {
       EXPECT_GT(r.grad_bytes_sent, 0);
       EXPECT_GT(r.grad_bytes_uncompressed, 4 * r.grad_bytes_sent);
+    }
+  }
+}
+
+// Note [Bucket spans]: a compressed bucket's collectives are spans like an fp32 one's — bf16 one
+// all-gather per bucket; PowerSGD per bucket the all-reduce of its 1-D gradients and, for its
+// matrices, the P all-gather (during the backward) and the Q all-gather (in Finish).
+TEST(GradCompressionSpans, EachBucketsCollectivesAreReported) {
+  for (const GradCompression c : {GradCompression::Bf16(), GradCompression::PowerSgd(2)}) {
+    auto e = MakeEngine(testing_util::Tiny(), CompressionSetup(2, 2, c));
+    ASSERT_TRUE(e.ok()) << e.status();
+    ASSERT_TRUE((*e)->Step().ok());
+    for (const std::vector<RankEvent>& events : (*e)->Events()) {
+      std::map<std::pair<int64_t, BucketCollective>, int> count;
+      int64_t buckets = 0;
+      for (const RankEvent& ev : events) {
+        if (ev.kind != EventKind::kBucket) continue;
+        ++count[{ev.tag, ev.collective}];
+        buckets = std::max(buckets, ev.tag + 1);
+      }
+      ASSERT_GE(buckets, 2) << GradCompressionName(c);
+      // Among the other events by start, the Q all-gathers posted in Finish too.
+      EXPECT_TRUE(
+          std::is_sorted(events.begin(), events.end(),
+                         [](const RankEvent& a, const RankEvent& b) { return a.start < b.start; }));
+      int gathers = 0, reduces = 0;
+      for (int64_t b = 0; b < buckets; ++b) {
+        const int g = count[{b, BucketCollective::kAllGather}];
+        const int r = count[{b, BucketCollective::kAllReduce}];
+        if (c.kind == GradCompression::Kind::kBf16) {
+          EXPECT_EQ(g, 1) << "bucket " << b;
+          EXPECT_EQ(r, 0) << "bucket " << b;
+        } else {
+          EXPECT_TRUE(g == 0 || g == 2) << "bucket " << b << ": " << g << " all-gathers";
+          EXPECT_LE(r, 1) << "bucket " << b;
+          EXPECT_GT(g + r, 0) << "bucket " << b;
+        }
+        gathers += g;
+        reduces += r;
+      }
+      EXPECT_GT(gathers, 0);
+      if (c.kind == GradCompression::Kind::kPowerSgd) {
+        EXPECT_GT(reduces, 0);
+      }
     }
   }
 }

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -151,7 +152,58 @@ TEST(CliPipeline, SummaryTraceAndTimeline) {
   for (const auto& rank : s["ranks"]) {
     EXPECT_GT(rank["all_reduce_s"].get<double>(), 0);
     EXPECT_GT(rank["agreement_s"].get<double>(), 0);
+    // The bucket spans below count in no column: the columns and idle still make the wall.
+    double sum = rank["idle_s"].get<double>();
+    for (const char* k : {"compute_s", "recompute_s", "p2p_wait_s", "all_reduce_s", "agreement_s",
+                          "optimizer_s", "data_wait_s"}) {
+      sum += rank[k].get<double>();
+    }
+    EXPECT_NEAR(sum, rank["wall_s"].get<double>(), 1e-9) << rank.dump();
   }
+  // Every rank's gradient buckets, per step: one span each (indices 0..n-1), on its replica's
+  // bucket track, the first posted before the rank's last backward of the step ended.
+  std::map<std::pair<int, int>, std::string> threads;  // (pid, tid) -> name
+  for (const auto& ev : tj["traceEvents"]) {
+    if (ev["ph"] == "M" && ev["name"] == "thread_name") {
+      threads[{ev["pid"].get<int>(), ev["tid"].get<int>()}] = ev["args"]["name"].get<std::string>();
+    }
+  }
+  std::map<std::pair<int, int64_t>, std::map<int64_t, int>> spans;  // (rank, step) -> bucket
+  std::map<std::pair<int, int64_t>, double> first_post, last_backward_end;
+  for (const auto& ev : tj["traceEvents"]) {
+    if (ev["ph"] != "X") continue;
+    const std::pair<int, int64_t> key{ev["args"]["global_rank"].get<int>(),
+                                      ev["args"]["step"].get<int64_t>()};
+    const double ts = ev["ts"].get<double>(), end = ts + ev["dur"].get<double>();
+    if (ev["cat"] == "compute" && ev["name"].get<std::string>()[0] == 'B') {
+      last_backward_end[key] = std::max(last_backward_end[key], end);
+    }
+    if (ev["cat"] != "bucket") continue;
+    const std::string track = threads[{ev["pid"].get<int>(), ev["tid"].get<int>()}];
+    EXPECT_EQ(track.rfind("replica " + std::to_string(key.first / 4) + ": gradient buckets", 0), 0u)
+        << track;
+    ++spans[key][ev["args"]["bucket"].get<int64_t>()];
+    auto [it, fresh] = first_post.emplace(key, ts);
+    if (!fresh) it->second = std::min(it->second, ts);
+  }
+  ASSERT_EQ(spans.size(), 8u * 2u);  // every rank, both steps
+  for (const auto& [key, buckets] : spans) {
+    int64_t next = 0;
+    for (const auto& [b, n] : buckets) {
+      EXPECT_EQ(b, next++) << "rank " << key.first;
+      EXPECT_EQ(n, 1) << "rank " << key.first << " step " << key.second << " bucket " << b;
+    }
+    EXPECT_LT(first_post[key], last_backward_end[key]) << "rank " << key.first;
+  }
+  // dp = 1: no bucket spans, no bucket track.
+  Result one = RunCli("train --preset gpt-tiny --pp 2 --micro-batches 2 --steps 1 --trace " +
+                      TempPath("pipe_trace_dp1.json"));
+  ASSERT_EQ(one.exit_code, 0) << one.err;
+  std::ifstream t1(TempPath("pipe_trace_dp1.json"));
+  const std::string dp1((std::istreambuf_iterator<char>(t1)), std::istreambuf_iterator<char>());
+  EXPECT_NE(dp1.find("replica 0"), std::string::npos);
+  EXPECT_EQ(dp1.find("gradient buckets"), std::string::npos);
+  EXPECT_EQ(dp1.find("\"cat\":\"bucket\""), std::string::npos);
   // A human run prints the per-rank table.
   Result h = RunCli("train --preset gpt-tiny --pp 2 --micro-batches 2 --steps 1");
   ASSERT_EQ(h.exit_code, 0) << h.err;
