@@ -1,6 +1,5 @@
 // Evaluation of a checkpoint on held-out data (train.h).
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
@@ -14,6 +13,7 @@
 #include "pipewright/model.h"
 #include "pipewright/run_memory.h"
 #include "pipewright/train.h"
+#include "runtime/generate.h"
 #include "runtime/train_state.h"
 
 namespace pipewright {
@@ -297,39 +297,6 @@ int64_t ManifestStep(const std::string& manifest_json) {
              : 0;
 }
 
-// A uniform double in [0, 1) from 53 bits of a SplitMix64 stream: the same on every platform
-// (std::uniform_real_distribution is not).
-double Uniform(uint64_t* state) {
-  uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  z ^= z >> 31;
-  return static_cast<double>(z >> 11) * 0x1.0p-53;
-}
-
-// The next token from one row of logits (Note [Sampling] in train.h).
-int32_t Sample(const float* logits, int64_t vocab, const GenerateOptions& o, uint64_t* rng) {
-  std::vector<int32_t> order(vocab);
-  for (int64_t v = 0; v < vocab; ++v) order[v] = static_cast<int32_t>(v);
-  // Highest first; ties by the smaller id, so the order is total and the result reproducible.
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int32_t a, int32_t b) { return logits[a] > logits[b]; });
-  if (o.temperature == 0) return order[0];
-  const int64_t k = o.top_k > 0 ? std::min(o.top_k, vocab) : vocab;
-  std::vector<double> p(k);
-  double sum = 0;
-  for (int64_t i = 0; i < k; ++i) {
-    p[i] = std::exp((static_cast<double>(logits[order[i]]) - logits[order[0]]) / o.temperature);
-    sum += p[i];
-  }
-  double u = Uniform(rng) * sum;
-  for (int64_t i = 0; i < k; ++i) {
-    if (u < p[i]) return order[i];
-    u -= p[i];
-  }
-  return order[k - 1];
-}
-
 }  // namespace
 
 absl::StatusOr<EvalResult> EvaluateCheckpoint(const std::string& dir, const std::string& data,
@@ -356,23 +323,11 @@ absl::StatusOr<EvalResult> EvaluateCheckpoint(const std::string& dir, const std:
 absl::StatusOr<GenerateResult> GenerateFromCheckpoint(
     const std::string& dir, const GenerateOptions& o,
     const std::function<void(const std::string&)>& emit) {
-  if (o.tokens < 0 || o.tokens > kMaxGenerateTokens) {
-    return absl::InvalidArgumentError(absl::StrCat("GenerateOptions.tokens = ", o.tokens,
-                                                   ": must be in [0, ", kMaxGenerateTokens, "]"));
-  }
-  if (!std::isfinite(o.temperature) || o.temperature < 0 || o.temperature > 100) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("GenerateOptions.temperature = ", o.temperature, ": must be in [0, 100]"));
-  }
-  if (o.top_k < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("GenerateOptions.top_k = ", o.top_k, ": must be >= 0"));
-  }
-  if (o.prompt.size() > static_cast<size_t>(kMaxGenerateTokens)) {
-    return absl::InvalidArgumentError(absl::StrCat("GenerateOptions.prompt: ", o.prompt.size(),
-                                                   " bytes, more than ", kMaxGenerateTokens));
-  }
+  PW_RETURN_IF_ERROR(internal::CheckGenerateOptions(o));
   PW_ASSIGN_OR_RETURN(LoadedCheckpoint m, LoadCheckpointModel(dir, 1));
+  if (!m.graph.has_value() || m.stage == nullptr) {  // (LoadCheckpointModel's accept sets both)
+    return absl::InternalError(absl::StrCat(dir, ": checkpoint read without its model"));
+  }
   const LayerGraph& graph = *m.graph;
   const int L = graph.num_layers();
   const int64_t T = graph.shape().seq_len;
@@ -391,34 +346,12 @@ absl::StatusOr<GenerateResult> GenerateFromCheckpoint(
         "logits with V >= 256), so there is nothing to generate from"));
   }
   const int64_t V = logits_shape[2];
-  std::vector<int32_t> tokens;
-  for (unsigned char c : o.prompt.empty() ? std::string("\n") : o.prompt) tokens.push_back(c);
   GenerateResult r;
   r.model = graph.name();
   r.path = m.ck.path;
   r.step = ManifestStep(m.ck.manifest_json);
   r.warnings = m.ck.warnings;
-  r.prompt = o.prompt;
-  uint64_t rng = o.seed;
-  const auto start = std::chrono::steady_clock::now();
-  const LayerContext ctx{};
-  for (int64_t n = 0; n < o.tokens; ++n) {
-    // The last T tokens: causal attention makes the last position's logits depend on them only.
-    const int64_t w = std::min<int64_t>(T, static_cast<int64_t>(tokens.size()));
-    Tensor x = Tensor::Empty({1, w}, DType::kI32);
-    std::copy(tokens.end() - w, tokens.end(), x.data<int32_t>());
-    for (int i = 0; i < L - 1; ++i) {
-      Saved saved;
-      PW_ASSIGN_OR_RETURN(x, m.stage->layer(i).Forward(x, ctx, &saved));
-    }
-    const int32_t next = Sample(x.data<float>() + (w - 1) * V, V, o, &rng);
-    tokens.push_back(next);
-    const std::string piece(1, static_cast<char>(next < 256 ? next : '?'));
-    r.text += piece;
-    if (emit) emit(piece);
-  }
-  r.tokens = o.tokens;
-  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  PW_RETURN_IF_ERROR(internal::Generate(*m.stage, L - 1, T, V, o, emit, &r));
   return r;
 }
 

@@ -168,6 +168,16 @@ absl::StatusOr<Tensor> AttentionBackward(const Exec& e, const Tensor& dout, cons
                                          const Tensor& out, const Tensor& lse, int64_t B, int64_t T,
                                          int64_t C, int64_t H);
 
+// Incremental decoding's attention (Note [Incremental decoding] in layer.h): for the qkv rows
+// [n, 3C] of positions [start, start + n) of one sequence (only their q is read) and kv, the
+// keys and values of positions [0, start + n) as rows [k | v] of 2C (the cache, those of the new
+// rows included), out [n, C] = softmax(q k^T / sqrt(C / H), causal) v per head, the rows
+// AttentionForward of the whole sequence gives at those positions up to rounding. All f32;
+// InvalidArgument when a tensor is too small for its rows. CPU only: Unimplemented on CUDA
+// (generation runs on the CPU).
+absl::Status AttentionDecode(const Exec& e, const Tensor& qkv, const Tensor& kv, Tensor& out,
+                             int64_t start, int64_t n, int64_t C, int64_t H);
+
 // ---- token + learned position embedding ----
 
 // out[b, t, :] = wte[tokens[b, t], :] + wpe[t, :] for tokens [B, T] i32 on the executing device

@@ -39,7 +39,8 @@ void HalfToFloat(const uint16_t* in, float* out, size_t n, Isa isa = KernelIsa()
 // Big products run as blocks of C on the calling thread's pool (parallel.h), cut by the shape
 // only, so the bits do not depend on the thread count (Note [GEMM split] in gemm.cc).
 // The products are pipewright's own fp32 GEMM (Note [fp32 GEMM] in gemm_bf16.cc) where
-// OwnF32Gemm(), else OpenBLAS's sgemm.
+// OwnF32Gemm(), else OpenBLAS's sgemm, or its sgemv for one row of C (m = 1; Note [One-row
+// products] in gemm.cc).
 void Gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda,
           const float* b, int ldb, float beta, float* c, int ldc);
 // Whether Gemm runs pipewright's fp32 GEMM: AVX-512 kernels (KernelIsa()) and
@@ -186,6 +187,18 @@ void AttentionForward(const float* qkv, float* out, float* lse, int T, int C, in
 void AttentionBackward(const float* dout, const float* qkv, const float* out, const float* lse,
                        float* dqkv, int T, int C, int H, int begin, int end, float* scratch,
                        Isa isa = KernelIsa());
+
+// Incremental decoding's attention (Note [Decoding attention] in attention_decode.cc): for n
+// query rows of one sequence at positions [start, start + n), row i of q at q + i * ldq (head h
+// at columns [h D, (h+1) D), D = C / H), and the keys and values of positions [0, start + n),
+// row j at kv + j * ldkv (k at columns [0, C), v at [C, 2C)): out row i (at out + i * ldo) =
+// softmax(q_i k_j^T / sqrt(D) over keys j <= start + i) v, for heads [begin, end) (all:
+// [0, H)). A head's results do not depend on the range. scratch: AttentionDecodeScratchFloats(
+// start + n, C, H) floats, caller-owned, one per concurrent call.
+size_t AttentionDecodeScratchFloats(int keys, int C, int H);
+void AttentionDecode(const float* q, int ldq, const float* kv, int ldkv, float* out, int ldo,
+                     int start, int n, int C, int H, int begin, int end, float* scratch,
+                     Isa isa = KernelIsa());
 
 // ---- embedding: token + learned position ----
 // out[b, t, :] = wte[tokens[b, t], :] + wpe[t, :]. Tokens must be in [0, V) (caller checks).

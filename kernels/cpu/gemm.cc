@@ -76,6 +76,25 @@ void BlasGemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, cons
               trans_b ? CblasTrans : CblasNoTrans, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
+// Note [One-row products]. A product with one row of C (m = 1: a Linear layer on one token,
+// what every step of KV-cached generation runs, Note [Incremental decoding] in
+// pipewright/layer.h) is a matrix-vector product. cblas_sgemm packs all of B for it, which cost
+// more than the arithmetic (perf of gpt-tiny generation: sgemm's packing 25% of the time, its
+// kernel 19%), so it is one cblas_sgemv call instead, on one thread: a choice made by the shape
+// alone, so the bits still do not depend on the thread count. C's row is zeroed first when beta
+// is 0, so that garbage (NaN) in it never survives whatever sgemv does with beta = 0.
+void BlasGemv(bool trans_a, bool trans_b, int n, int k, float alpha, const float* a, int lda,
+              const float* b, int ldb, float beta, float* c) {
+  if (beta == 0.0f) std::fill(c, c + n, 0.0f);
+  // x = A's one row: a[p], or with trans_a (A stored k x 1) a[p * lda].
+  const int incx = trans_a ? lda : 1;
+  if (trans_b) {  // B stored n x k: y = B x
+    cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, alpha, b, ldb, a, incx, beta, c, 1);
+  } else {  // B stored k x n: y = B^T x
+    cblas_sgemv(CblasRowMajor, CblasTrans, k, n, alpha, b, ldb, a, incx, beta, c, 1);
+  }
+}
+
 }  // namespace
 
 // pipewright's fp32 GEMM (Note [fp32 GEMM] in gemm_bf16.cc) runs 5-10% faster than OpenBLAS's
@@ -129,6 +148,7 @@ void Gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const fl
     });
     return;
   }
+  if (m == 1) return BlasGemv(trans_a, trans_b, n, k, alpha, a, lda, b, ldb, beta, c);
   const int parts = GemmParts(m, n, k);
   if (parts <= 1) {
     BlasGemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);

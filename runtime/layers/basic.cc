@@ -341,6 +341,19 @@ absl::Status LayerNormLayer::BackwardWeight(const LayerContext& ctx, Saved* save
 }
 
 // ---------------------------------------------------------------------------------------------
+absl::Status CheckTokens(const Tensor& x, int64_t vocab) {
+  if (!x.device().is_cpu()) return absl::OkStatus();  // checked on the host before their copy
+  const int32_t* tok = x.data<int32_t>();
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    if (tok[i] < 0 || tok[i] >= vocab) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("embedding: token %d at position %d is outside the vocabulary [0, %d)",
+                          tok[i], i, vocab));
+    }
+  }
+  return absl::OkStatus();
+}
+
 EmbeddingLayer::EmbeddingLayer(const InitContext& init, int64_t vocab, int64_t max_seq, int64_t dim)
     : vocab_(vocab), max_seq_(max_seq), dim_(dim) {
   wte_ = MakeParameter(init, "wte.weight", {vocab, dim}, true);
@@ -361,16 +374,7 @@ absl::StatusOr<Tensor> EmbeddingLayer::Forward(const Tensor& x, const LayerConte
     return absl::InvalidArgumentError(
         absl::StrFormat("embedding: sequence length %d exceeds the maximum %d", T, max_seq_));
   }
-  if (x.device().is_cpu()) {  // device tokens were checked on the host before their copy
-    const int32_t* tok = x.data<int32_t>();
-    for (int64_t i = 0; i < x.numel(); ++i) {
-      if (tok[i] < 0 || tok[i] >= vocab_) {
-        return absl::InvalidArgumentError(
-            absl::StrFormat("embedding: token %d at position %d is outside the vocabulary [0, %d)",
-                            tok[i], i, vocab_));
-      }
-    }
-  }
+  PW_RETURN_IF_ERROR(CheckTokens(x, vocab_));
   Tensor y = Tensor::Empty({B, T, dim_}, DType::kF32, AllocatorOf(ctx));
   PW_RETURN_IF_ERROR(
       ops::EmbeddingForward(ops::ExecOf(ctx), x, wte_.value, wpe_.value, y, B, T, dim_));

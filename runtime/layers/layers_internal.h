@@ -11,17 +11,33 @@ namespace pipewright::internal {
 
 std::vector<int64_t> WithLastDim(const std::vector<int64_t>& shape, int64_t last);
 
+// ---- incremental decoding of the built-in layers (runtime/layers/decode.cc) ----
+// Decode's checks (IncrementalDecoder): x is [1, n, ...] with n >= 1 and the cache has room for
+// n more positions. Returns n; InvalidArgument naming `what` otherwise.
+absl::StatusOr<int64_t> CheckDecodeInput(const Tensor& x, const DecodeCache& cache,
+                                         absl::string_view what);
+// A fresh cache of `capacity` positions that keeps nothing but the count.
+absl::Status StartCountingCache(int64_t capacity, absl::string_view what, DecodeCache* cache);
+// Decode of a layer whose output rows depend on their own input rows only (Linear, LayerNorm,
+// GELU): its Forward on the new rows.
+absl::StatusOr<Tensor> DecodePositionwise(Layer& layer, const Tensor& x, const LayerContext& ctx,
+                                          DecodeCache* cache);
+
 // y = x W^T + b with W [out, in] row-major (PyTorch nn.Linear layout); with Activation::kGelu,
 // y = GELU(x W^T + b), the bias and the GELU applied in one fused pass (ops::BiasGeluForward) and
 // their backward likewise (the MLP's first projection). Parameters and their names are those of
 // the plain Linear either way.
-class LinearLayer final : public Layer {
+class LinearLayer final : public Layer, public IncrementalDecoder {
  public:
   enum class Activation { kNone, kGelu };
   // `tied_weight`: the global name of the parameter the weight is a tied copy of (or "").
   LinearLayer(const InitContext& init, int64_t in, int64_t out, bool bias, float std,
               Activation activation = Activation::kNone, const std::string& tied_weight = "");
   absl::string_view kind() const override { return "linear"; }
+  IncrementalDecoder* decoder() override { return this; }
+  absl::Status StartDecode(int64_t capacity, const LayerContext& ctx, DecodeCache* cache) override;
+  absl::StatusOr<Tensor> Decode(const Tensor& x, const LayerContext& ctx,
+                                DecodeCache* cache) override;
   absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
   absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
                                        Saved* saved) override;
@@ -48,19 +64,27 @@ class LinearLayer final : public Layer {
   Parameter weight_, bias_;
 };
 
-class GeluLayer final : public Layer {
+class GeluLayer final : public Layer, public IncrementalDecoder {
  public:
   absl::string_view kind() const override { return "gelu"; }
+  IncrementalDecoder* decoder() override { return this; }
+  absl::Status StartDecode(int64_t capacity, const LayerContext& ctx, DecodeCache* cache) override;
+  absl::StatusOr<Tensor> Decode(const Tensor& x, const LayerContext& ctx,
+                                DecodeCache* cache) override;
   absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
   absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
                                        Saved* saved) override;
   absl::Status BackwardWeight(const LayerContext&, Saved*) override { return absl::OkStatus(); }
 };
 
-class LayerNormLayer final : public Layer {
+class LayerNormLayer final : public Layer, public IncrementalDecoder {
  public:
   LayerNormLayer(const InitContext& init, int64_t dim, float eps);
   absl::string_view kind() const override { return "layernorm"; }
+  IncrementalDecoder* decoder() override { return this; }
+  absl::Status StartDecode(int64_t capacity, const LayerContext& ctx, DecodeCache* cache) override;
+  absl::StatusOr<Tensor> Decode(const Tensor& x, const LayerContext& ctx,
+                                DecodeCache* cache) override;
   absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
   absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
                                        Saved* saved) override;
@@ -73,10 +97,18 @@ class LayerNormLayer final : public Layer {
   Parameter gamma_, beta_;
 };
 
-class EmbeddingLayer final : public Layer {
+// OK when every token of the host tensor x is in [0, vocab) (device tokens are checked on the
+// host before their copy); InvalidArgument naming the first one that is not.
+absl::Status CheckTokens(const Tensor& x, int64_t vocab);
+
+class EmbeddingLayer final : public Layer, public IncrementalDecoder {
  public:
   EmbeddingLayer(const InitContext& init, int64_t vocab, int64_t max_seq, int64_t dim);
   absl::string_view kind() const override { return "embedding"; }
+  IncrementalDecoder* decoder() override { return this; }
+  absl::Status StartDecode(int64_t capacity, const LayerContext& ctx, DecodeCache* cache) override;
+  absl::StatusOr<Tensor> Decode(const Tensor& x, const LayerContext& ctx,
+                                DecodeCache* cache) override;
   absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
   absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
                                        Saved* saved) override;
@@ -120,11 +152,16 @@ class DelayLayer final : public Layer {
 };
 
 // Children applied in order; its Saved has one child per sub-layer.
-class SequentialLayer : public Layer {
+class SequentialLayer : public Layer, public IncrementalDecoder {
  public:
   SequentialLayer(std::string kind, std::vector<std::unique_ptr<Layer>> children)
       : kind_(std::move(kind)), children_(std::move(children)) {}
   absl::string_view kind() const override { return kind_; }
+  // This layer when every child has a decoder; its cache has one child per sub-layer.
+  IncrementalDecoder* decoder() override;
+  absl::Status StartDecode(int64_t capacity, const LayerContext& ctx, DecodeCache* cache) override;
+  absl::StatusOr<Tensor> Decode(const Tensor& x, const LayerContext& ctx,
+                                DecodeCache* cache) override;
   absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
   absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
                                        Saved* saved) override;
@@ -146,10 +183,14 @@ class SequentialLayer : public Layer {
 };
 
 // The attention core: qkv [B, T, 3C] -> [B, T, C], no parameters.
-class AttentionCoreLayer final : public Layer {
+class AttentionCoreLayer final : public Layer, public IncrementalDecoder {
  public:
   AttentionCoreLayer(int64_t dim, int64_t heads) : dim_(dim), heads_(heads) {}
   absl::string_view kind() const override { return "attention_core"; }
+  IncrementalDecoder* decoder() override { return this; }
+  absl::Status StartDecode(int64_t capacity, const LayerContext& ctx, DecodeCache* cache) override;
+  absl::StatusOr<Tensor> Decode(const Tensor& x, const LayerContext& ctx,
+                                DecodeCache* cache) override;
   absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
   absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
                                        Saved* saved) override;
@@ -160,10 +201,14 @@ class AttentionCoreLayer final : public Layer {
 };
 
 // Pre-LN GPT-2 block: h = x + attn(ln_1(x)); out = h + mlp(ln_2(h)).
-class TransformerBlockLayer final : public Layer {
+class TransformerBlockLayer final : public Layer, public IncrementalDecoder {
  public:
   TransformerBlockLayer(const InitContext& init, int64_t dim, int64_t heads);
   absl::string_view kind() const override { return "transformer_block"; }
+  IncrementalDecoder* decoder() override { return this; }
+  absl::Status StartDecode(int64_t capacity, const LayerContext& ctx, DecodeCache* cache) override;
+  absl::StatusOr<Tensor> Decode(const Tensor& x, const LayerContext& ctx,
+                                DecodeCache* cache) override;
   absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
   absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
                                        Saved* saved) override;

@@ -461,6 +461,36 @@ absl::StatusOr<Tensor> AttentionBackward(const Exec& e, const Tensor& dout, cons
   return dqkv;
 }
 
+absl::Status AttentionDecode(const Exec& e, const Tensor& qkv, const Tensor& kv, Tensor& out,
+                             int64_t start, int64_t n, int64_t C, int64_t H) {
+  PW_RETURN_IF_ERROR(CheckDevice(e, "attention decode", {&qkv, &kv, &out}));
+  if (e.device().is_cuda()) {
+    return absl::UnimplementedError("attention decode: CPU only (generation runs on the CPU)");
+  }
+  const bool f32 =
+      qkv.dtype() == DType::kF32 && kv.dtype() == DType::kF32 && out.dtype() == DType::kF32;
+  PW_RETURN_IF_ERROR(
+      Need(f32 && start >= 0 && n >= 1 && H >= 1 && C % H == 0 && qkv.numel() >= n * 3 * C &&
+               kv.numel() >= (start + n) * 2 * C && out.numel() >= n * C,
+           "attention decode",
+           absl::StrCat("qkv ", qkv.ShapeString(), ", kv ", kv.ShapeString(), ", out ",
+                        out.ShapeString(), " do not hold ", n, " rows at position ", start,
+                        " of width ", C, " (", H, " heads) in f32")));
+  // Heads on the threads, each part with its own scratch.
+  const int64_t per = static_cast<int64_t>(cpu::AttentionDecodeScratchFloats(
+      static_cast<int>(start + n), static_cast<int>(C), static_cast<int>(H)));
+  const int parts = std::max(1, cpu::ParallelParts(H, 1, cpu::CurrentThreads()));
+  Tensor scratch = Tensor::Empty({parts * per}, DType::kF32, e.allocator());
+  cpu::ParallelForParts(H, 1, [&](int part, int64_t begin, int64_t end) {
+    cpu::AttentionDecode(qkv.data<float>(), static_cast<int>(3 * C), kv.data<float>(),
+                         static_cast<int>(2 * C), out.data<float>(), static_cast<int>(C),
+                         static_cast<int>(start), static_cast<int>(n), static_cast<int>(C),
+                         static_cast<int>(H), static_cast<int>(begin), static_cast<int>(end),
+                         scratch.data<float>() + part * per);
+  });
+  return absl::OkStatus();
+}
+
 absl::Status EmbeddingForward(const Exec& e, const Tensor& tokens, const Tensor& wte,
                               const Tensor& wpe, Tensor& out, int64_t B, int64_t T, int64_t C) {
   PW_RETURN_IF_ERROR(CheckDevice(e, "embedding", {&tokens, &wte, &wpe, &out}));

@@ -12,6 +12,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu/cpu_kernels.h"
@@ -246,6 +247,40 @@ TEST_P(AttentionIsaTest, IsCausal) {
       }
       if (t >= changed) {
         EXPECT_TRUE(differs) << "b=" << b << " t=" << t;
+      }
+    }
+  }
+}
+
+// Incremental decoding's kernel (kernels/cpu/attention_decode.cc): the rows of positions
+// [start, start + n) from their q and a cache of every key and value so far, against the
+// reference's rows of the whole sequence; heads in calls of one and of all, scratch poisoned.
+TEST_P(AttentionIsaTest, DecodeRowsMatchTheWholeSequence) {
+  const Shape shapes[] = {{1, 33, 64, 4}, {1, 7, 6, 1}, {1, 70, 60, 3}, {1, 130, 128, 2}};
+  uint32_t seed = 700;
+  for (const Shape& s : shapes) {
+    const auto qkv = RandomVec(static_cast<size_t>(s.T) * 3 * s.C, seed++, -1.5f, 1.5f);
+    const std::vector<double> dout(static_cast<size_t>(s.T) * s.C, 0.0);
+    const Reference want = NaiveAttention({qkv.begin(), qkv.end()}, dout, s);
+    std::vector<float> kv(static_cast<size_t>(s.T) * 2 * s.C);  // rows k | v
+    for (int t = 0; t < s.T; ++t) {
+      std::copy_n(qkv.data() + static_cast<size_t>(t) * 3 * s.C + s.C, 2 * s.C,
+                  kv.data() + static_cast<size_t>(t) * 2 * s.C);
+    }
+    for (const auto& [start, n] : {std::pair{0, 1}, {0, s.T}, {s.T / 2, 1}, {s.T - 3, 3}}) {
+      for (int per_call : {1, s.H}) {
+        std::vector<float> out(static_cast<size_t>(n) * s.C, kNaN);
+        std::vector<float> scratch(AttentionDecodeScratchFloats(start + n, s.C, s.H), kNaN);
+        for (int h = 0; h < s.H; h += per_call) {
+          AttentionDecode(qkv.data() + static_cast<size_t>(start) * 3 * s.C, 3 * s.C, kv.data(),
+                          2 * s.C, out.data(), s.C, start, n, s.C, s.H, h,
+                          std::min(s.H, h + per_call), scratch.data(), GetParam());
+        }
+        const std::vector<double> rows(want.out.begin() + static_cast<size_t>(start) * s.C,
+                                       want.out.begin() + static_cast<size_t>(start + n) * s.C);
+        ExpectClose(out, rows, 1e-4, 1e-5,
+                    std::string(IsaName(GetParam())) + " " + Name(s) + " start " +
+                        std::to_string(start) + " n " + std::to_string(n));
       }
     }
   }

@@ -601,6 +601,25 @@ TEST(CliGenerate, ATrainedCheckpointContinuesThePromptReproduciblyFromTheSeed) {
   EXPECT_EQ(j1["model"], "gpt-tiny");
 }
 
+TEST(CliGenerate, TheKvCacheGivesTheRecomputedGreedyTextWithinTheWindow) {
+  const std::string dir = TempPath("generate_kv_ckpt");
+  ASSERT_EQ(RunCli(kTinyRun + "--steps 3 --save " + dir).exit_code, 0);
+  // gpt-tiny's window is 32 tokens: the prompt's 6 and 26 generated fill it.
+  const std::string gen =
+      "generate --checkpoint " + dir + " --prompt 'ROMEO:' --tokens 26 --temperature 0 --json";
+  Result cached = RunCli(gen), full = RunCli(gen + " --no-kv-cache");
+  ASSERT_EQ(cached.exit_code, 0) << cached.err;
+  ASSERT_EQ(full.exit_code, 0) << full.err;
+  nlohmann::json c = nlohmann::json::parse(cached.out), f = nlohmann::json::parse(full.out);
+  EXPECT_EQ(c["kv_cache"], true);
+  EXPECT_EQ(f["kv_cache"], false);
+  EXPECT_EQ(c["text"], f["text"]);
+  // Past the window the cached path refills it (Note [Sampling]) and keeps going.
+  Result longer = RunCli("generate --checkpoint " + dir + " --tokens 100 --json");
+  ASSERT_EQ(longer.exit_code, 0) << longer.err;
+  EXPECT_EQ(nlohmann::json::parse(longer.out)["tokens"], 100);
+}
+
 TEST(CliGenerate, BadInputIsAUsageErrorNamingIt) {
   Result r = RunCli("generate --checkpoint " + TempPath("no_such_generate_ckpt"));
   EXPECT_EQ(r.exit_code, 2) << r.err;
