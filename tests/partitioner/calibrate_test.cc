@@ -80,7 +80,10 @@ TEST(Calibrate, TheSameConfigurationPredictsTheMeasuredTimesAndPeaks) {
   plan.device_memory_bytes = dev.memory_bytes;
   plan.schedule = s->spec;
   plan.micro_batch_size = 8;
-  plan.stages = {{0, 0, 0, 4}, {1, 1, 4, 10}};
+  plan.stages.resize(2);
+  plan.stages[0].end = plan.stages[1].begin = 4;
+  plan.stages[1].index = plan.stages[1].rank = 1;
+  plan.stages[1].end = 10;
   ASSERT_TRUE(Predict(*c, dev, Precision::kFp32, plan).ok());
   for (int st = 0; st < 2; ++st) {
     EXPECT_NEAR(plan.stages[st].forward_s, run.stage_forward_s[st], 1e-12);
