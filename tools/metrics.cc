@@ -18,10 +18,14 @@
 
 namespace pipewright::tools {
 
-absl::StatusOr<std::unique_ptr<MetricsCsv>> MetricsCsv::Open(const std::string& path) {
+absl::StatusOr<std::unique_ptr<MetricsCsv>> MetricsCsv::Open(const std::string& path,
+                                                             double model_flops_per_sample,
+                                                             double peak_flops) {
   PW_RETURN_IF_ERROR(CheckOutputPath(path, "--metrics"));
   auto m = std::unique_ptr<MetricsCsv>(new MetricsCsv());
   m->path_ = path;
+  m->model_flops_per_sample_ = model_flops_per_sample;
+  m->peak_flops_ = peak_flops;
   m->out_.open(path, std::ios::trunc);
   if (!m->out_) {
     return absl::NotFoundError(absl::StrCat("--metrics ", path, ": cannot create the file"));
@@ -33,11 +37,14 @@ absl::StatusOr<std::unique_ptr<MetricsCsv>> MetricsCsv::Open(const std::string& 
 void MetricsCsv::Add(const StepResult& r, int64_t tokens_per_sample, int64_t peak_memory_bytes,
                      double eval_loss) {
   if (failed_) return;
-  out_ << absl::StrFormat("%d,%.17g,%.9g,%.17g,%.9g,%.9g,%.9g,%d,%.9g,%d,%s\n", r.step, r.loss,
-                          r.lr, r.grad_norm, r.step_time_s, r.samples_per_s,
+  const double model_flops = r.samples_per_s * model_flops_per_sample_;
+  out_ << absl::StrFormat("%d,%.17g,%.9g,%.17g,%.9g,%.9g,%.9g,%d,%.9g,%d,%s,%.9g,%s\n", r.step,
+                          r.loss, r.lr, r.grad_norm, r.step_time_s, r.samples_per_s,
                           r.samples_per_s * static_cast<double>(tokens_per_sample),
                           peak_memory_bytes, r.loss_scale, r.skipped ? 1 : 0,
-                          std::isfinite(eval_loss) ? absl::StrFormat("%.17g", eval_loss) : "")
+                          std::isfinite(eval_loss) ? absl::StrFormat("%.17g", eval_loss) : "",
+                          model_flops / 1e12,
+                          peak_flops_ > 0 ? absl::StrFormat("%.6g", model_flops / peak_flops_) : "")
        << std::flush;
   if (!out_) {
     failed_ = true;

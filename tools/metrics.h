@@ -16,7 +16,7 @@ namespace pipewright::tools {
 // The columns, in order.
 inline constexpr const char* kMetricsHeader =
     "step,loss,lr,grad_norm,step_time_s,samples_per_s,tokens_per_s,peak_memory_bytes,loss_scale,"
-    "skipped,eval_loss";
+    "skipped,eval_loss,model_tflops_per_s,mfu";
 
 // Writes FILE.csv as the run goes: the header, then a row per step, flushed at once so a killed
 // run keeps every finished step. A failed write is reported once on stderr and ends the file's
@@ -24,7 +24,12 @@ inline constexpr const char* kMetricsHeader =
 class MetricsCsv {
  public:
   // Replaces `path` (refused like any output: a FIFO, a directory; CheckOutputPath).
-  static absl::StatusOr<std::unique_ptr<MetricsCsv>> Open(const std::string& path);
+  // `model_flops_per_sample`: forward + backward FLOPs of one sequence (recomputation not
+  // counted: model FLOPs); `peak_flops`: what all the run's devices together can do (mfu, the
+  // model FLOPs utilization, is model_tflops_per_s over it; 0: unknown, mfu left empty).
+  static absl::StatusOr<std::unique_ptr<MetricsCsv>> Open(const std::string& path,
+                                                          double model_flops_per_sample = 0,
+                                                          double peak_flops = 0);
   // eval_loss: NaN (an empty field) unless the step was evaluated (--eval-every).
   void Add(const StepResult& r, int64_t tokens_per_sample, int64_t peak_memory_bytes,
            double eval_loss);
@@ -32,6 +37,7 @@ class MetricsCsv {
  private:
   std::string path_;
   std::ofstream out_;
+  double model_flops_per_sample_ = 0, peak_flops_ = 0;
   bool failed_ = false;
 };
 

@@ -643,7 +643,13 @@ absl::Status RunTrain(const TrainFlags& given) {
   }
   std::unique_ptr<MetricsCsv> metrics;
   if (root && !f.metrics.empty()) {
-    PW_ASSIGN_OR_RETURN(metrics, MetricsCsv::Open(f.metrics));
+    // Model FLOPs of one sequence (the graph's costs are per micro-batch), and the devices' peak.
+    const Cost cost = model.graph.TotalCost();
+    const double per_sample = (cost.forward_flops + cost.backward_flops) /
+                              static_cast<double>(std::max<int64_t>(1, model.graph.shape().batch));
+    const double devices = static_cast<double>(t.run().pipeline_parallel()) * t.run().data_parallel;
+    PW_ASSIGN_OR_RETURN(metrics,
+                        MetricsCsv::Open(f.metrics, per_sample, f.peak_tflops * 1e12 * devices));
   }
   InstallStopSignals();
   if (!f.json && root) PrintHeader(model.graph, t, options, data->Describe());

@@ -149,8 +149,11 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
          "Micro-batches of held-out data per evaluation");
   cmd->add_option("--metrics", f->metrics,
                   "Write one CSV row per step here (step, loss, lr, grad norm, step time, "
-                  "samples/s, tokens/s, peak memory, loss scale, skipped); `pipewright plot` "
-                  "draws it");
+                  "samples/s, tokens/s, peak memory, loss scale, skipped, eval loss, model "
+                  "TFLOP/s, MFU); `pipewright plot` draws it");
+  AddReal(cmd, "--peak-tflops", &f->peak_tflops, RealRange::Closed(0, 1e9, "0: unknown"),
+          "One device's (rank's) peak TFLOP/s, for the --metrics file's mfu column (model "
+          "FLOP/s over pp x dp x this; 0: unknown, the column is left empty)");
   cmd->add_flag("--json", f->json, "One JSON object per step and a final summary");
   cmd->callback([f, cmd, exit_code] {
     for (const CLI::Option* opt : cmd->get_options()) {

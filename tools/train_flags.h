@@ -21,6 +21,7 @@ struct TrainFlags {
   int64_t stop_after = 0;
   int64_t log_every = 0;
   std::string metrics;     // --metrics FILE.csv
+  double peak_tflops = 0;  // --peak-tflops: one device's (rank's) peak, for the CSV's mfu
   std::string valid_data;  // --valid-data: held-out data evaluated during the run
   int64_t eval_every = 0, eval_batches = 4;
   std::string split;          // --split 3,6: the first layer of every stage but the first

@@ -778,7 +778,7 @@ TEST(CliMetrics, ARowPerStepAndAPlotOfThem) {
   ASSERT_EQ(lines.size(), 7u) << text;
   EXPECT_EQ(lines[0],
             "step,loss,lr,grad_norm,step_time_s,samples_per_s,tokens_per_s,peak_memory_bytes,"
-            "loss_scale,skipped,eval_loss");
+            "loss_scale,skipped,eval_loss,model_tflops_per_s,mfu");
   // The same losses as the JSON lines, to the printed digits.
   const auto steps = StepLosses(r.out);
   ASSERT_EQ(steps.size(), 6u);
@@ -786,7 +786,28 @@ TEST(CliMetrics, ARowPerStepAndAPlotOfThem) {
     EXPECT_EQ(lines[i + 1].rfind(std::to_string(i) + ",", 0), 0u) << lines[i + 1];
     const double loss = std::stod(lines[i + 1].substr(lines[i + 1].find(',') + 1));
     EXPECT_EQ(loss, steps[i].second) << lines[i + 1];
+    // Model TFLOP/s is there; mfu is empty without --peak-tflops.
+    EXPECT_GT(std::stod(lines[i + 1].substr(lines[i + 1].rfind(',', lines[i + 1].size() - 2) + 1)),
+              0)
+        << lines[i + 1];
+    EXPECT_EQ(lines[i + 1].back(), ',') << lines[i + 1];
   }
+  // With a device peak: mfu = model TFLOP/s / (pp x dp x peak), and model TFLOP/s = samples/s x
+  // the model's FLOPs per sequence (gpt-tiny: the summary's GFLOP/s agree).
+  const std::string peak_csv = TempPath("metrics_peak.csv");
+  Result pk = RunCli(kTinyRun + "--steps 2 --pp 2 --peak-tflops 0.5 --metrics " + peak_csv);
+  ASSERT_EQ(pk.exit_code, 0) << pk.err;
+  const std::string peak_text = ReadAll(peak_csv);
+  const std::string row = peak_text.substr(peak_text.find('\n') + 1);
+  std::vector<double> fields;
+  for (size_t at = 0; at < row.size();) {
+    size_t end = row.find_first_of(",\n", at);
+    fields.push_back(end == at ? NAN : std::stod(row.substr(at, end - at)));
+    at = end + 1;
+    if (row[end] == '\n') break;
+  }
+  ASSERT_EQ(fields.size(), 13u) << row;
+  EXPECT_NEAR(fields[12], fields[11] / (2 * 0.5), 1e-5 * fields[12]) << row;
   Result p = RunCli("plot " + csv + " -o " + svg);
   ASSERT_EQ(p.exit_code, 0) << p.err;
   const std::string picture = ReadAll(svg);
