@@ -73,6 +73,10 @@ absl::Status CheckFlags(const TrainFlags& f) {
   if (!f.svg.empty()) PW_RETURN_IF_ERROR(CheckOutputPath(f.svg, "--svg"));
   if (!f.calibrate_out.empty()) {
     PW_RETURN_IF_ERROR(CheckOutputPath(f.calibrate_out, "--calibrate-out"));
+    if (f.steps == 0) {
+      return absl::InvalidArgumentError(
+          "--calibrate-out needs a run that takes steps (--steps 0 measures nothing)");
+    }
   }
   if (f.save.empty()) {
     if (f.save_every > 0 || f.keep > 0) {
@@ -610,8 +614,10 @@ absl::Status RunTrain(const TrainFlags& given) {
   // A run already at --steps has nothing to do, and its checkpoint is not written again.
   if (resumed && resumed->step == f.steps) {
     if (root) {
-      std::fprintf(stderr, "nothing to train: %s is already at --steps %lld\n",
-                   resumed->path.c_str(), static_cast<long long>(f.steps));
+      std::fprintf(
+          stderr, "nothing to train: %s is already at --steps %lld%s\n", resumed->path.c_str(),
+          static_cast<long long>(f.steps),
+          f.calibrate_out.empty() ? "" : " (no step measured: --calibrate-out not written)");
       if (f.json) {
         json summary = {{"steps", 0},
                         {"final_step", resumed->step},

@@ -433,6 +433,11 @@ TEST(CliCalibrate, ARunOutputThatDoesNotFitIsRefusedByName) {
   Result refused = RunCli(plan + "gpt-tiny");
   EXPECT_EQ(refused.exit_code, 2) << refused.err;
   EXPECT_NE(refused.err.find("--calibrate-out MODEL.json"), std::string::npos) << refused.err;
+  // A run that measures nothing says so: --steps 0 is refused before it starts.
+  Result none = RunCli("train --steps 0 --calibrate-out " + TempPath("cal_none.json"));
+  EXPECT_EQ(none.exit_code, 2) << none.err;
+  EXPECT_NE(none.err.find("--calibrate-out needs a run that takes steps"), std::string::npos)
+      << none.err;
   // ... and that way works.
   Result direct = RunCli("train --preset gpt-tiny --steps 1 --program " + program +
                          " --calibrate-out " + TempPath("cal_program_model.json"));
