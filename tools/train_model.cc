@@ -63,6 +63,12 @@ absl::StatusOr<std::vector<int>> SplitBoundaries(const std::string& split, int s
   return b;
 }
 
+// --chunks for `kind`: interleaved with one chunk would be plain 1F1B, so without --chunks it
+// takes 2, as `plan` does.
+int ChunksFromFlags(const TrainFlags& f, ScheduleKind kind) {
+  return kind == ScheduleKind::kInterleaved && f.given.count("--chunks") == 0 ? 2 : f.chunks;
+}
+
 // Note [Minimal plans]. A plan file without "format" is a hand-written split:
 //   {"stages": [{"layers": [0, 3]}, {"layers": [3, 6], "recompute": "full"}, ...]}
 // Each stage names its layers [begin, end) (contiguous, from 0 to the model's layer count, in
@@ -136,8 +142,7 @@ absl::StatusOr<LoadedModel> CompleteMinimalPlan(const TrainFlags& f, const json&
                                                    "; the model (", f.preset, ") has ", layers));
   }
   PW_ASSIGN_OR_RETURN(const ScheduleKind kind, ParseScheduleKind(f.schedule));
-  const int chunks =
-      kind == ScheduleKind::kInterleaved && f.given.count("--chunks") == 0 ? 2 : f.chunks;
+  const int chunks = ChunksFromFlags(f, kind);
   const int S = static_cast<int>(plan.stages.size());
   // V schedules place two chunks per rank whatever --chunks says.
   const int per_rank = IsVShaped(kind) && chunks <= 1 ? 2 : chunks;
@@ -231,9 +236,7 @@ absl::StatusOr<RunSpec> RunFromFlags(const TrainFlags& f, const LoadedModel& mod
     schedule = *std::move(parsed);
   } else {
     PW_ASSIGN_OR_RETURN(ScheduleKind kind, ParseScheduleKind(f.schedule));
-    // Interleaved with one chunk would be plain 1F1B: without --chunks it takes 2, as `plan`.
-    const int chunks =
-        kind == ScheduleKind::kInterleaved && f.given.count("--chunks") == 0 ? 2 : f.chunks;
+    const int chunks = ChunksFromFlags(f, kind);
     PW_ASSIGN_OR_RETURN(schedule,
                         GenerateSchedule({kind, f.pp, static_cast<int>(f.micro_batches), chunks}));
   }
