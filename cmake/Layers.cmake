@@ -33,7 +33,8 @@ set(PIPEWRIGHT_LAYER_kernels_BELOW base)
 # runtime: devices, tensors, layers, models, ops, communicators, the engine, training.
 set(PIPEWRIGHT_LAYER_runtime_HEADERS
   device.h tensor.h layer.h init.h ops.h model.h precision.h optimizer.h data.h checkpoint.h
-  comm.h launch.h run_spec.h train.h train_testing.h run_memory.h engine.h trace.h)
+  comm.h tensor_parallel.h launch.h run_spec.h train.h train_testing.h run_memory.h engine.h
+  trace.h)
 set(PIPEWRIGHT_LAYER_runtime_BELOW base io schedules partitioner kernels)
 
 # Every public header is in exactly one layer, and every listed header exists.

@@ -134,11 +134,16 @@ Cost LayerGraph::TotalCost() const {
 }
 
 absl::StatusOr<std::unique_ptr<Stage>> LayerGraph::Instantiate(int begin, int end, uint64_t seed,
-                                                               Allocator* allocator) const {
+                                                               Allocator* allocator, int tp_rank,
+                                                               int tp_size) const {
   if (begin < 0 || end > num_layers() || begin >= end) {
     return absl::InvalidArgumentError(
         absl::StrFormat("layer range [%d, %d) is empty or outside the model's %d layers", begin,
                         end, num_layers()));
+  }
+  if (tp_size < 1 || tp_rank < 0 || tp_rank >= tp_size) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "tensor-parallel rank %d of %d: the rank must be in [0, size)", tp_rank, tp_size));
   }
   std::vector<std::string> names;
   std::vector<std::unique_ptr<Layer>> built;
@@ -149,6 +154,8 @@ absl::StatusOr<std::unique_ptr<Stage>> LayerGraph::Instantiate(int begin, int en
     init.name = nodes_[i].name;
     init.num_blocks = num_blocks_;
     init.allocator = allocator;
+    init.tp_rank = tp_rank;
+    init.tp_size = tp_size;
     PW_ASSIGN_OR_RETURN(std::unique_ptr<Layer> layer, nodes_[i].spec->Create(init));
     names.push_back(nodes_[i].name);
     built.push_back(std::move(layer));

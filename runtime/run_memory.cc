@@ -111,7 +111,7 @@ absl::StatusOr<RunMemoryNeed> Predict(const ModelCosts& costs, const RunSpec& ru
   RunMemoryNeed need;
   need.micro_batch_size = costs.micro_batch_size;
   need.micro_batches = run.micro_batches();
-  const Topology topo{run.pipeline_parallel(), run.data_parallel};
+  const Topology topo{run.pipeline_parallel(), run.data_parallel, run.tensor_parallel};
   const int64_t step_bytes =
       SatMul(SatMul(run.micro_batches(), costs.micro_batch_size), SampleBytes(sample));
   const int last_stage = run.num_stages() - 1;

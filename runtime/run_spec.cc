@@ -30,6 +30,11 @@ absl::Status CheckRunSpec(const RunSpec& run, int num_layers) {
     return absl::InvalidArgumentError(
         absl::StrCat("RunSpec.data_parallel = ", run.data_parallel, ": must be >= 1"));
   }
+  if (run.tensor_parallel < 1 || run.tensor_parallel > kMaxTensorParallel) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("RunSpec.tensor_parallel = ", run.tensor_parallel, ": must be in [1, ",
+                     kMaxTensorParallel, "]"));
+  }
   const int S = sched.num_stages;
   if (S > num_layers) {
     return absl::InvalidArgumentError(

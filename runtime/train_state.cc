@@ -10,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "pipewright/input.h"
+#include "pipewright/tensor_parallel.h"
 
 namespace pipewright::internal {
 namespace {
@@ -306,10 +307,12 @@ absl::Status CheckParameters(const std::string& dir, const std::map<std::string,
       return absl::InvalidArgumentError(
           absl::StrCat(dir, "/model.safetensors: tensor '", name, "' missing"));
     }
-    if (it->second.shape() != p->value.shape() || it->second.dtype() != DType::kF32) {
-      return absl::InvalidArgumentError(absl::StrCat(dir, "/model.safetensors: tensor '", name,
-                                                     "' is ", it->second.ShapeString(),
-                                                     ", expected ", p->value.ShapeString()));
+    // A tensor-parallel part loads its part of the whole tensor.
+    const std::vector<int64_t> whole = WholeShape(*p);
+    if (it->second.shape() != whole || it->second.dtype() != DType::kF32) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(dir, "/model.safetensors: tensor '", name, "' is ", it->second.ShapeString(),
+                       ", expected [", absl::StrJoin(whole, ", "), "]"));
     }
   }
   return absl::OkStatus();

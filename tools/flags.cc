@@ -209,6 +209,7 @@ const std::vector<FieldFlag>& FieldFlags() {
       {"TrainTestingHooks.inject_failure_step", "the --inject-failure step"},
       // RunSpec (pipewright/run_spec.h) and the model's micro-batch: train.
       {"RunSpec.data_parallel", "--dp"},
+      {"RunSpec.tensor_parallel", "--tp"},
       {"RunSpec.recompute", "--recompute"},
       {"MicroBatchShape.batch", "--micro-batch-size"},
       {"ScheduleSpec.micro_batches", "--micro-batches"},

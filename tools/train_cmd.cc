@@ -653,7 +653,8 @@ absl::Status RunTrain(const TrainFlags& given) {
     const Cost cost = model.graph.TotalCost();
     const double per_sample = (cost.forward_flops + cost.backward_flops) /
                               static_cast<double>(std::max<int64_t>(1, model.graph.shape().batch));
-    const double devices = static_cast<double>(t.run().pipeline_parallel()) * t.run().data_parallel;
+    const double devices = static_cast<double>(t.run().pipeline_parallel()) *
+                           t.run().data_parallel * t.run().tensor_parallel;
     PW_ASSIGN_OR_RETURN(metrics,
                         MetricsCsv::Open(f.metrics, per_sample, f.peak_tflops * 1e12 * devices));
   }

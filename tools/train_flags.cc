@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "pipewright/comm.h"
+#include "pipewright/run_spec.h"
 #include "tools/commands.h"
 #include "tools/flags.h"
 
@@ -12,7 +13,7 @@ namespace pipewright::tools {
 
 void RegisterTrain(CLI::App& app, int* exit_code) {
   auto f = std::make_shared<TrainFlags>();
-  CLI::App* cmd = app.add_subcommand("train", "Train a model: pp x dp ranks on CPU threads");
+  CLI::App* cmd = app.add_subcommand("train", "Train a model: pp x dp x tp ranks on CPU threads");
   cmd->add_option("--preset", f->preset, "Model preset: mlp, gpt-tiny, gpt-small, gpt2-124m")
       ->check(CLI::IsMember(TrainablePresets()));
   AddInt(cmd, "--tied", &f->tied, {0, 1},
@@ -25,6 +26,9 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
          "micro-batch (dp >= 2; default: the plan's, else 0)");
   AddInt(cmd, "--pp", &f->pp, {1, kMaxParallel}, "Pipeline-parallel stages");
   AddInt(cmd, "--dp", &f->dp, {1, kMaxParallel}, "Data-parallel replicas");
+  AddInt(cmd, "--tp", &f->tp, {1, kMaxTensorParallel},
+         "Tensor-parallel ranks per pipeline rank: each block's heads and MLP width, the "
+         "embedding's and the LM head's vocabulary split over them (Megatron-style; CPU)");
   cmd->add_option("--schedule", f->schedule, "Pipeline schedule")
       ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"}));
   cmd->add_option("--split", f->split,

@@ -156,13 +156,14 @@ void PrintHeader(const LayerGraph& graph, const Engine& t, const TrainOptions& o
               static_cast<long long>(graph.num_layers()), ParameterCount(graph).c_str(),
               data.c_str());
   std::printf(
-      "  pp=%d dp=%d %s chunks=%d recompute=%s; stages %s\n  %lld micro-batches x %lld "
+      "  pp=%d dp=%d%s %s chunks=%d recompute=%s; stages %s\n  %lld micro-batches x %lld "
       "sequences x %lld tokens per replica, global batch %lld, peak lr %.3g\n",
-      run.pipeline_parallel(), run.data_parallel, run.ScheduleName().c_str(),
-      run.schedule.spec.chunks, run.RecomputeSummary().c_str(), StageSplit(run.boundaries).c_str(),
-      static_cast<long long>(run.micro_batches()), static_cast<long long>(graph.shape().batch),
-      static_cast<long long>(graph.shape().seq_len), static_cast<long long>(t.global_batch()),
-      t.PeakLr());
+      run.pipeline_parallel(), run.data_parallel,
+      run.tensor_parallel > 1 ? absl::StrCat(" tp=", run.tensor_parallel).c_str() : "",
+      run.ScheduleName().c_str(), run.schedule.spec.chunks, run.RecomputeSummary().c_str(),
+      StageSplit(run.boundaries).c_str(), static_cast<long long>(run.micro_batches()),
+      static_cast<long long>(graph.shape().batch), static_cast<long long>(graph.shape().seq_len),
+      static_cast<long long>(t.global_batch()), t.PeakLr());
   std::string precision = PrecisionName(o.precision);
   if (o.precision == Precision::kFp16) {
     absl::StrAppend(&precision,
@@ -209,6 +210,7 @@ json PrintSummary(const ReportInput& in, bool as_json) {
                   {"parameters", cost.params},
                   {"pipeline_parallel", run.pipeline_parallel()},
                   {"data_parallel", run.data_parallel},
+                  {"tensor_parallel", run.tensor_parallel},
                   {"schedule", run.ScheduleName()},
                   {"chunks", run.schedule.spec.chunks},
                   {"recompute", run.RecomputeSummary()},
@@ -319,7 +321,7 @@ json PrintSummary(const ReportInput& in, bool as_json) {
   if (!plan_rows.is_null()) {
     PrintPlanComparison(plan_rows, in.plan->predicted.step_time_s, rs.measured_step_s);
   }
-  const int world = run.pipeline_parallel() * run.data_parallel;
+  const int world = run.pipeline_parallel() * run.data_parallel * run.tensor_parallel;
   const int threads = world * t.threads_per_rank();
   if (cores > 0 && threads > cores) {
     std::printf(

@@ -30,6 +30,18 @@
 
 namespace pipewright {
 
+struct TensorParallelGroup;  // pipewright/tensor_parallel.h
+
+// Which part of a global tensor a tensor-parallel rank holds (Note [Tensor-parallel shards] in
+// pipewright/tensor_parallel.h). The default is the whole tensor.
+struct TensorShard {
+  int axis = -1;       // the split dimension of the whole tensor; -1: whole (replicated)
+  int parts = 1;       // the tensor-parallel size it is split over
+  int index = 0;       // this rank's part
+  int64_t groups = 1;  // the axis as [groups, parts, piece]: the part is piece `index` of each
+  bool sharded() const { return axis >= 0 && parts > 1; }
+};
+
 struct Parameter {
   std::string name;          // global, stable: "blocks.3.attn.qkv.weight"
   Tensor value;              // f32 master weights
@@ -43,6 +55,9 @@ struct Parameter {
   // the optimizer step (Note [Tied parameters] in runtime/model.cc), it is not counted again in
   // the gradient norm, and checkpoints hold the owner only.
   std::string tied_to;
+  // Under tensor parallelism, the part of the global tensor `name` this parameter holds (its
+  // value's shape is the part's); checkpoints store the whole tensor.
+  TensorShard shard;
 };
 
 // The name a parameter is initialised from and stored under: its owner's for a tied copy.
@@ -75,6 +90,9 @@ struct LayerContext {
   // for bit (the transformer block drops its LayerNorm and GELU outputs). Forward and the
   // backward of one micro-batch must see the same value.
   bool selective_recompute = false;
+  // The stage's tensor-parallel group (pipewright/tensor_parallel.h), or null when the run is
+  // not tensor-parallel: what a layer built with InitContext::tp_size > 1 reduces over.
+  const TensorParallelGroup* tp = nullptr;
 };
 
 // Note [Incremental decoding]. Generating text one token at a time (`pipewright generate`,
@@ -174,6 +192,10 @@ struct InitContext {
   std::string name;     // the node's name, prefix of every parameter name
   int num_blocks = 1;   // transformer depth, for GPT-2's residual-projection scaling
   Allocator* allocator = nullptr;
+  // Tensor parallelism (pipewright/tensor_parallel.h): the layer is built as part `tp_rank` of
+  // `tp_size`; a layer without a tensor-parallel form refuses tp_size > 1 or keeps its
+  // parameters whole (replicated), as it documents.
+  int tp_rank = 0, tp_size = 1;
 };
 
 // Describes a layer without allocating it: configuration, cost, and a factory.

@@ -88,9 +88,12 @@ class LayerGraph {
   Cost TotalCost() const;
   // Number of transformer blocks (for GPT-2's residual-projection init scaling).
   int num_blocks() const { return num_blocks_; }
-  // Instantiates layers [begin, end) only. Errors on an empty or out-of-range range.
+  // Instantiates layers [begin, end) only. Errors on an empty or out-of-range range. With
+  // tp_size > 1, tensor-parallel part `tp_rank` of each layer (InitContext::tp_rank): the
+  // layers' specs refuse a size their shapes do not divide by.
   absl::StatusOr<std::unique_ptr<Stage>> Instantiate(int begin, int end, uint64_t seed,
-                                                     Allocator* allocator = nullptr) const;
+                                                     Allocator* allocator = nullptr,
+                                                     int tp_rank = 0, int tp_size = 1) const;
   // Stable digest of names, kinds and configs: "sha256-like" hex of a 64-bit FNV-1a pair.
   std::string Fingerprint() const;
 

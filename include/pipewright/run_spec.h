@@ -23,9 +23,14 @@
 
 namespace pipewright {
 
+inline constexpr int kMaxTensorParallel = 1024;
+
 struct RunSpec {
-  Schedule schedule;                 // lowered and validated; programs.size() = pp
-  int data_parallel = 1;             // replicas of the whole pipeline
+  Schedule schedule;      // lowered and validated; programs.size() = pp
+  int data_parallel = 1;  // replicas of the whole pipeline
+  // Ranks each pipeline rank's layers are split over (Note [Tensor parallelism] in
+  // pipewright/tensor_parallel.h); 1 = no tensor parallelism.
+  int tensor_parallel = 1;
   std::vector<int> boundaries;       // num_stages + 1 increasing layer indices, 0 .. num_layers
   std::vector<Recompute> recompute;  // per virtual stage
 
@@ -39,7 +44,8 @@ struct RunSpec {
 };
 
 // The checks every RunSpec passes before it runs (Engine::Create calls it): the schedule is
-// lowered and proven deadlock-free (Validate), data_parallel >= 1, the boundaries split
+// lowered and proven deadlock-free (Validate), data_parallel >= 1, tensor_parallel in
+// [1, kMaxTensorParallel], the boundaries split
 // `num_layers` layers into num_stages non-empty contiguous ranges, one recompute entry per stage.
 // InvalidArgument naming the field otherwise.
 absl::Status CheckRunSpec(const RunSpec& run, int num_layers);

@@ -30,7 +30,7 @@ class Async final : public WholeOptimizer<AsyncDataParallel> {
 
   // The replica's own gradient: every rank of the replica counts its own tensors.
   absl::Status AddSquaredNorm(ExactSum* sum) override {
-    return AddWholeSquaredNorm(params_.stages, ctx_.alloc, sum);
+    return AddWholeSquaredNorm(params_.stages, ctx_.alloc, ctx_.tensor_rank, sum);
   }
   int gradient_replicas() const override { return 1; }
   bool replicas_step_together() const override { return false; }

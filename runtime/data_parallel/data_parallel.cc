@@ -14,12 +14,12 @@ absl::Status AppendHostState(const Optimizer& optimizer, NamedTensors* out) {
 }
 
 absl::Status AddWholeSquaredNorm(const std::vector<GradSyncStage>& stages, Allocator* exec,
-                                 ExactSum* sum) {
+                                 int tensor_rank, ExactSum* sum) {
   const ops::Exec e{exec};
   for (const GradSyncStage& st : stages) {
     for (const std::vector<Parameter*>& layer : st.layers) {
       for (const Parameter* p : layer) {
-        if (!p->tied_to.empty()) continue;
+        if (!CountsInNorm(*p, tensor_rank)) continue;
         PW_RETURN_IF_ERROR(AddChunkSquares(e, p->grad, 0, p->grad.numel(), sum));
       }
     }

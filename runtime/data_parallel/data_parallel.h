@@ -50,6 +50,9 @@ struct DataParallelContext {
   Communicator* dp = nullptr;  // the stage's data-parallel group (rank = replica); null at dp = 1
   int replica = 0;
   int replicas = 1;
+  // The rank's tensor-parallel rank: a whole (replicated) tensor's gradient is the same on every
+  // one, so only rank 0 counts it in the gradient norm (CountsInNorm).
+  int tensor_rank = 0;
   Allocator* alloc = nullptr;  // the rank's device allocator
   // Waits for `w` with the run's timeout (GradSyncContext::wait).
   std::function<absl::Status(Work& w, const std::string& what)> wait;
@@ -71,6 +74,13 @@ struct DataParallelParams {
   // on the rank for the tie reduction, so a sharded strategy keeps them replicated.
   std::set<const Parameter*> tied;
 };
+
+// Whether `p`'s gradient is this rank's to count in the gradient norm: not a tied copy (its owner
+// holds the tie's sum), and a part of a tensor-parallel tensor or a whole tensor on
+// tensor-parallel rank 0 (the others hold the same whole gradient).
+inline bool CountsInNorm(const Parameter& p, int tensor_rank) {
+  return p.tied_to.empty() && (p.shard.sharded() || tensor_rank == 0);
+}
 
 class DataParallel {
  public:
@@ -150,10 +160,10 @@ absl::StatusOr<std::unique_ptr<DataParallel>> CreateSharded(const DataParallelCo
 
 // Helpers the strategies share. Appends host copies of `optimizer`'s state tensors to `out`.
 absl::Status AppendHostState(const Optimizer& optimizer, NamedTensors* out);
-// Adds the chunk squares of every gradient of `stages` but tied copies (their owners hold the
-// tie's sum) to `sum`: a rank's whole share of the norm when it holds whole gradients.
+// Adds the chunk squares of every gradient of `stages` that CountsInNorm(p, tensor_rank) to
+// `sum`: a rank's whole share of the norm when it holds whole gradients.
 absl::Status AddWholeSquaredNorm(const std::vector<GradSyncStage>& stages, Allocator* exec,
-                                 ExactSum* sum);
+                                 int tensor_rank, ExactSum* sum);
 
 // The part of a strategy that keeps the whole optimizer on every replica (Replicated; Async
 // between runs, after Consolidate): one Optimizer over params.trained, its size and step count,

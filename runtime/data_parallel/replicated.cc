@@ -24,8 +24,9 @@ class Replicated final : public WholeOptimizer<DataParallel> {
 
   // Replica 0 counts every gradient (every replica holds the same sums).
   absl::Status AddSquaredNorm(ExactSum* sum) override {
-    return ctx_.replica != 0 ? absl::OkStatus()
-                             : AddWholeSquaredNorm(params_.stages, ctx_.alloc, sum);
+    return ctx_.replica != 0
+               ? absl::OkStatus()
+               : AddWholeSquaredNorm(params_.stages, ctx_.alloc, ctx_.tensor_rank, sum);
   }
 
   absl::Status Step(float lr, float grad_scale) override {

@@ -309,6 +309,7 @@ class Sharded final : public DataParallel {
     for (Stage& st : stages_) {
       for (Bucket& b : st.buckets) {
         for (const Piece& pc : b.pieces) {
+          if (!CountsInNorm(*pc.param, ctx_.tensor_rank)) continue;
           PW_ASSIGN_OR_RETURN(const Tensor g,
                               b.shard.View(pc.flat + pc.begin - ctx_.replica * b.layout.shard,
                                            {pc.end - pc.begin}));
@@ -316,7 +317,7 @@ class Sharded final : public DataParallel {
         }
         if (ctx_.replica != 0) continue;  // whole tensors: replica 0 counts them
         for (const Parameter* p : b.whole) {
-          if (!p->tied_to.empty()) continue;
+          if (!CountsInNorm(*p, ctx_.tensor_rank)) continue;
           PW_RETURN_IF_ERROR(AddChunkSquares(e, p->grad, 0, p->grad.numel(), sum));
         }
       }

@@ -4,6 +4,7 @@
 
 #include <sched.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <exception>
@@ -55,6 +56,41 @@ absl::Status CheckAsync(const TrainOptions& o, const World& world,
         "TrainOptions.dp_mode = async needs a backend that takes point-to-point operations from "
         "two threads (local, mpi); ",
         CommBackendName(endpoints[0].comm->kind()), " does not"));
+  }
+  return absl::OkStatus();
+}
+
+// What tensor parallelism does not combine with (docs/runtime.md, "Tensor parallelism"): the
+// layers' shapes are checked as the stages are built (each spec names its layer).
+absl::Status CheckTensorParallel(const TrainOptions& o, const World& world, const LayerGraph& graph,
+                                 const RunSpec& run) {
+  const int T = run.tensor_parallel;
+  if (T == 1) return absl::OkStatus();
+  const std::string tp = absl::StrCat("RunSpec.tensor_parallel = ", T);
+  if (world.options().device.is_cuda()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(tp,
+                     " runs on the CPU only in this build (WorldOptions.device = cpu): the "
+                     "vocab-parallel embedding and loss have no CUDA kernels yet"));
+  }
+  if (o.dp_mode == DpMode::kAsync) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("TrainOptions.dp_mode = async does not combine with ", tp,
+                     ": the owners of the asynchronous updates hold whole tensors"));
+  }
+  if (o.grad_compression.enabled()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "TrainOptions.grad_compression does not combine with ", tp,
+        " in this build: its error-feedback state is checkpointed per replica, not per part"));
+  }
+  for (int s = 1; s < run.num_stages(); ++s) {
+    const LayerNode& n = graph.node(run.boundaries[s] - 1);
+    if (n.spec->kind() == "lm_head") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "RunSpec.boundaries: stage ", s, " starts after the LM head '", n.name, "'; with ", tp,
+          " each rank holds only its part of the logits, so the head and the loss must share a "
+          "stage"));
+    }
   }
   return absl::OkStatus();
 }
@@ -144,7 +180,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const LayerGraph& graph, 
   m.ctx.run = &m.run;
   m.ctx.options = &m.options;
   m.ctx.testing = &m.testing;
-  m.ctx.topo = Topology{m.run.pipeline_parallel(), m.run.data_parallel};
+  m.ctx.topo = Topology{m.run.pipeline_parallel(), m.run.data_parallel, m.run.tensor_parallel};
   m.ctx.timeout = m.world->options().timeout;
   m.lr.peak = ScaleLearningRate(options.lr, m.ctx.layout().global_batch(), options.base_batch,
                                 options.lr_scaling);
@@ -152,6 +188,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const LayerGraph& graph, 
   m.lr.total_steps = std::max<int64_t>(1, options.steps);
   m.lr.min_ratio = options.min_lr_ratio;
 
+  PW_RETURN_IF_ERROR(CheckTensorParallel(m.options, *m.world, m.graph, m.run));
   PW_ASSIGN_OR_RETURN(std::vector<RankEndpoint> endpoints, m.world->Connect(m.ctx.topo));
   PW_RETURN_IF_ERROR(
       CheckAsync(m.options, *m.world, endpoints, internal::CrossRankTies(m.graph, m.run)));
@@ -322,13 +359,31 @@ int64_t Engine::RankPeakMemoryBytes(int global_rank) const {
 
 NamedTensors Engine::Weights() const {
   const Impl& m = *impl_;
+  const int T = m.ctx.topo.tp;
   NamedTensors out;
   for (int s = 0; s < m.run.num_stages(); ++s) {
-    // Multi-process: only the stages this process holds (when it is in replica 0).
-    RankExecutor* rp = m.Find(m.ctx.topo.GlobalRank(m.run.schedule.stage_rank[s], 0));
-    if (rp == nullptr) continue;
+    // Multi-process: only the stages this process holds (when it is in replica 0), and under
+    // tensor parallelism only those whose every part it holds.
+    std::vector<RankExecutor*> parts;
+    for (int t = 0; t < T; ++t) {
+      parts.push_back(m.Find(m.ctx.topo.GlobalRank(m.run.schedule.stage_rank[s], 0, t)));
+    }
+    if (std::count(parts.begin(), parts.end(), nullptr) > 0) continue;
     // A device that fails a copy of its own weights has failed; internal invariant.
-    PW_CHECK(rp->AppendWeights(s, &out).ok());
+    std::vector<NamedTensors> held(T);
+    for (int t = 0; t < T; ++t) PW_CHECK(parts[t]->AppendWeights(s, &held[t]).ok());
+    for (size_t i = 0; i < held[0].size(); ++i) {
+      const TensorShard* shard = parts[0]->ShardOfStored(held[0][i].first);
+      if (shard == nullptr) {
+        out.push_back(std::move(held[0][i]));
+        continue;
+      }
+      std::vector<Tensor> pieces;
+      for (int t = 0; t < T; ++t) pieces.push_back(held[t][i].second);
+      absl::StatusOr<Tensor> whole = MergeParts(pieces, *shard);
+      PW_CHECK(whole.ok());  // parts of one layer, built alike
+      out.emplace_back(held[0][i].first, *std::move(whole));
+    }
   }
   return out;
 }
@@ -372,12 +427,28 @@ absl::Status Engine::Save(const std::string& dir) const {
   info.scaler = &m.ranks[0]->scaler();
   // Replica 0 holds every stage: weights in model order; every rank's optimizer state comes to
   // its stage's replica 0 (a sharded strategy gathers it there: collective, so every rank of the
-  // process takes part at once).
-  NamedTensors model = Weights(), opt;
+  // process takes part at once), and tensor-parallel parts to tensor-parallel rank 0 (whole
+  // tensors: checkpoints do not depend on the layout).
+  const int S = m.run.num_stages();
   std::vector<NamedTensors> state(m.ranks.size()), sync(m.ranks.size());
+  std::vector<std::vector<NamedTensors>> weights(m.ranks.size(), std::vector<NamedTensors>(S));
   PW_RETURN_IF_ERROR(const_cast<Impl&>(m).OnEveryRank([&](RankExecutor& r) -> absl::Status {
-    return r.CollectState(&state[r.slot()], &sync[r.slot()]);
+    PW_RETURN_IF_ERROR(r.CollectState(&state[r.slot()], &sync[r.slot()]));
+    if (r.replica() != 0) return absl::OkStatus();
+    for (int s = 0; s < S; ++s) {
+      if (m.run.schedule.stage_rank[s] != r.pipe()) continue;
+      NamedTensors& w = weights[r.slot()][s];
+      PW_RETURN_IF_ERROR(r.AppendWeights(s, &w));
+      PW_RETURN_IF_ERROR(r.MergeTensorParallel(&w, "writing a checkpoint"));
+    }
+    return r.MergeTensorParallel(&state[r.slot()], "writing a checkpoint");
   }));
+  NamedTensors model, opt;
+  for (int s = 0; s < S; ++s) {
+    for (auto& per_rank : weights) {
+      for (auto& named : per_rank[s]) model.push_back(std::move(named));
+    }
+  }
   NamedTensors all_sync;
   for (size_t i = 0; i < m.ranks.size(); ++i) {
     for (auto& named : state[i]) opt.push_back(std::move(named));

@@ -1,7 +1,7 @@
 // The communicators one rank needs, as one component (internal): its world communicator and
 // every group split off it — its stage's data-parallel group, the embedding (tie) groups of the
-// pipeline ranks that share a tied weight, and its replica's pipeline group — made from the
-// run's Topology (pp, dp, and tp reserved at 1 for tensor parallelism).
+// pipeline ranks that share a tied weight, its replica's pipeline group and its tensor-parallel
+// group — made from the run's Topology (pp, dp, tp).
 //
 // Note [Process groups]. Communicator::Split is collective over the world: every world rank
 // calls it, in the same order, with a colour (-1: not a member) and a key (its rank in the new
@@ -40,10 +40,13 @@ class ProcessGroups {
                        absl::Duration timeout);
 
   Communicator* world() const { return world_.get(); }
-  // The stage's data-parallel group (group rank = replica); null when dp = 1.
+  // The stage's data-parallel group (group rank = replica; the ranks of the same pipeline and
+  // tensor-parallel rank in every replica); null when dp = 1.
   Communicator* data_parallel() const { return data_parallel_.get(); }
   // The replica's pipeline group (group rank = pipeline rank), when asked for; else null.
   Communicator* pipeline() const { return pipeline_.get(); }
+  // The ranks that split the same layers (group rank = tensor-parallel rank); null when tp = 1.
+  Communicator* tensor_parallel() const { return tensor_parallel_.get(); }
   // The embedding group of needs.tie_pairs[k] (group rank: the pair's order), or null when this
   // rank is in neither pipeline rank of the pair.
   Communicator* tie(size_t k) const { return k < ties_.size() ? ties_[k].get() : nullptr; }
@@ -54,7 +57,7 @@ class ProcessGroups {
   void ResetWorld() { world_.reset(); }
 
  private:
-  std::unique_ptr<Communicator> world_, data_parallel_, pipeline_;
+  std::unique_ptr<Communicator> world_, data_parallel_, pipeline_, tensor_parallel_;
   std::vector<std::unique_ptr<Communicator>> ties_;  // per tie pair; null where not a member
 };
 

@@ -22,7 +22,7 @@ std::string RankExecutor::Who() const {
 }
 
 int RankExecutor::PeerOf(int stage) const {
-  return ctx_->topo.GlobalRank(ctx_->run->schedule.stage_rank[stage], replica_);
+  return ctx_->topo.GlobalRank(ctx_->run->schedule.stage_rank[stage], replica_, tensor_);
 }
 
 StageRt* RankExecutor::Local(int stage) {
@@ -127,6 +127,7 @@ DataParallelContext RankExecutor::DpContext() {
   c.dp = g.dp;
   c.replica = replica_;
   c.replicas = ctx_->topo.dp;
+  c.tensor_rank = tensor_;
   c.alloc = g.alloc;
   c.wait = g.wait;
   c.sync_device = g.sync_device;
@@ -276,6 +277,34 @@ RankTimes RankExecutor::Totals() const {
     t.stage_w.push_back(mean(st.w_s, st.w_n));
   }
   return t;
+}
+
+absl::Status RankExecutor::MergeTensorParallel(NamedTensors* named, const std::string& what) {
+  Communicator* g = groups_.tensor_parallel();
+  if (g == nullptr) return absl::OkStatus();
+  NamedTensors out;
+  for (auto& [name, t] : *named) {
+    const TensorShard* shard = ShardOfStored(name);
+    if (shard == nullptr) {  // whole on every rank: rank 0's
+      if (tensor_ == 0) out.emplace_back(name, std::move(t));
+      continue;
+    }
+    const int64_t n = t.numel();
+    Tensor all = Tensor::Empty({ctx_->topo.tp * n}, DType::kF32, host_.get());
+    PW_RETURN_IF_ERROR(
+        HostCollective(t, all, absl::StrCat(what, ": tensor-parallel parts of ", name),
+                       [g](const Tensor& in, Tensor& o) { return g->AllGather(in, o); }));
+    if (tensor_ != 0) continue;
+    std::vector<Tensor> parts;
+    for (int r = 0; r < ctx_->topo.tp; ++r) {
+      PW_ASSIGN_OR_RETURN(Tensor v, all.View(r * n, t.shape()));
+      parts.push_back(std::move(v));
+    }
+    PW_ASSIGN_OR_RETURN(Tensor whole, MergeParts(parts, *shard));
+    out.emplace_back(name, std::move(whole));
+  }
+  *named = std::move(out);
+  return absl::OkStatus();
 }
 
 }  // namespace pipewright::internal

@@ -9,6 +9,7 @@
 #define PIPEWRIGHT_RUNTIME_ENGINE_RANK_EXECUTOR_H_
 
 #include <chrono>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -23,6 +24,7 @@
 #include "pipewright/launch.h"
 #include "pipewright/ops.h"
 #include "pipewright/optimizer.h"
+#include "pipewright/tensor_parallel.h"
 #include "pipewright/train_testing.h"
 #include "runtime/data_parallel/async_dp.h"
 #include "runtime/data_parallel/data_parallel.h"
@@ -75,7 +77,8 @@ struct RunContext {
   const TrainOptions* options = nullptr;
   const TrainTestingHooks* testing = nullptr;
   // The parallel sizes: the only copy in the engine (pp and the micro-batch count are the
-  // RunSpec's schedule's, dp its data_parallel; tp is 1). Everything else derives from it.
+  // RunSpec's schedule's, dp its data_parallel, tp its tensor_parallel). Everything else derives
+  // from it.
   Topology topo;
   // The batch's shape: micro-batches and replicas from `run` and `topo`, sequences from the graph.
   BatchLayout layout() const {
@@ -104,6 +107,7 @@ class RankExecutor {
   int global() const { return global_; }
   int pipe() const { return pipe_; }
   int replica() const { return replica_; }
+  int tensor() const { return tensor_; }  // tensor-parallel rank
   int slot() const { return slot_; }
   std::string Who() const;
   double Now() const;  // seconds since the engine's epoch
@@ -140,8 +144,16 @@ class RankExecutor {
   int64_t peak_memory_bytes() const { return alloc_->peak_bytes(); }
 
   // Checkpoints (rank_setup.cc). Host copies of virtual stage `stage`'s weights (tied copies are
-  // stored as their owner), appended to `out`.
+  // stored as their owner), appended to `out`: under tensor parallelism this rank's parts.
   absl::Status AppendWeights(int stage, NamedTensors* out) const;
+  // Collective over the rank's tensor-parallel group (every rank of it calls it with the same
+  // names in the same order): the parts in `named` (weights, or optimizer state named
+  // "<state>.<parameter>") become whole tensors on tensor-parallel rank 0, and `named` empties
+  // on the others. Nothing without tensor parallelism.
+  absl::Status MergeTensorParallel(NamedTensors* named, const std::string& what);
+  // The part of the stored tensor `name` (a parameter's, or "<state>.<parameter>") this rank
+  // holds; null for a whole tensor or a name that is not this rank's.
+  const TensorShard* ShardOfStored(const std::string& name) const;
   // Collective: the optimizer state this rank contributes (a sharded strategy gathers it to
   // replica 0) and its gradient-compression state under "replica<R>/".
   absl::Status CollectState(NamedTensors* optimizer, NamedTensors* sync);
@@ -242,7 +254,7 @@ class RankExecutor {
   absl::Status HostCollective(const Tensor& in, Tensor& out, const std::string& what, Op op);
 
   // Where the rank sits, and the run it belongs to.
-  int global_ = 0, pipe_ = 0, replica_ = 0;
+  int global_ = 0, pipe_ = 0, replica_ = 0, tensor_ = 0;
   int slot_ = 0;  // index among this process's ranks
   const RunContext* ctx_ = nullptr;
   std::shared_ptr<const Dataset> data_;
@@ -255,13 +267,15 @@ class RankExecutor {
   std::unique_ptr<CpuAllocator> host_ = std::make_unique<CpuAllocator>();
   // The rank's communicators: its world and the groups split off it (process_groups.h).
   ProcessGroups groups_;
+  TensorParallelGroup tp_;  // the layers' view of groups_.tensor_parallel() (LayerContext::tp)
   std::unique_ptr<cpu::ThreadPool> pool_;
 
   // The model part: the rank's virtual stages, and what it trains.
   std::vector<StageRt> stages_;
   std::vector<int> local_;  // virtual stage -> index in stages_, or -1
   std::vector<Parameter*> params_;
-  TiedWeights ties_;  // Note [Tied parameters] in runtime/model.cc
+  std::map<std::string, TensorShard> shards_;  // the tensor-parallel parts, by stored name
+  TiedWeights ties_;                           // Note [Tied parameters] in runtime/model.cc
   // Everything data-parallel: the gradient reduction, the optimizer and where its state lives,
   // the parameter synchronisation (runtime/data_parallel/data_parallel.h).
   std::unique_ptr<DataParallel> dp_;

@@ -29,7 +29,8 @@ absl::StatusOr<StageRt> RankExecutor::BuildStage(int s,
   st.last = s == run.num_stages() - 1;
   st.recompute = run.recompute[s];
   PW_ASSIGN_OR_RETURN(st.stage, ctx_->graph->Instantiate(st.begin, st.end, ctx_->options->seed,
-                                                         on_cuda() ? host_.get() : alloc_.get()));
+                                                         on_cuda() ? host_.get() : alloc_.get(),
+                                                         tensor_, ctx_->topo.tp));
   if (on_cuda()) {
     for (Parameter* p : st.stage->Parameters()) {
       Tensor v = Tensor::Empty(p->value.shape(), DType::kF32, alloc_.get());
@@ -72,6 +73,7 @@ absl::StatusOr<std::unique_ptr<RankExecutor>> RankExecutor::Create(
   r->global_ = endpoint.global_rank;
   r->pipe_ = ctx->topo.PipelineRank(r->global_);
   r->replica_ = ctx->topo.Replica(r->global_);
+  r->tensor_ = ctx->topo.TensorRank(r->global_);
   r->groups_ = ProcessGroups(std::move(endpoint.comm));
   r->pool_ = std::make_unique<cpu::ThreadPool>(threads);
   PW_RETURN_IF_ERROR(r->PlaceOnDevice(endpoint.cuda_device));
@@ -91,6 +93,9 @@ absl::StatusOr<std::unique_ptr<RankExecutor>> RankExecutor::Create(
     for (const TiedLink& t : st.stage->tied()) within.push_back(t);
   }
   PW_ASSIGN_OR_RETURN(r->ties_, TiedWeights::Link(std::move(within), all, &r->params_));
+  for (const Parameter* p : all) {
+    if (p->shard.sharded() && p->tied_to.empty()) r->shards_[p->name] = p->shard;
+  }
   if (to.precision == Precision::kFp16) r->scaler_ = LossScaler(to.loss_scale);
   r->total_.global_rank = r->global_;
   r->total_.pipeline_rank = r->pipe_;
@@ -102,6 +107,9 @@ absl::StatusOr<std::unique_ptr<RankExecutor>> RankExecutor::Create(
 absl::Status RankExecutor::Connect(const GroupNeeds& needs, const std::vector<CrossRankTie>& ties) {
   const TrainOptions& to = *ctx_->options;
   PW_RETURN_IF_ERROR(groups_.Connect(ctx_->topo, global_, needs, ctx_->timeout));
+  if (groups_.tensor_parallel() != nullptr) {
+    tp_ = TensorParallelGroup{groups_.tensor_parallel(), tensor_, ctx_->topo.tp, ctx_->timeout};
+  }
   PW_RETURN_IF_ERROR(ties_.LinkRemote(pipe_, ties, params_, groups_, Who()));
   DataParallelParams params;
   for (StageRt& st : stages_) {
@@ -150,6 +158,13 @@ absl::Status RankExecutor::AppendWeights(int stage, NamedTensors* out) const {
   return absl::OkStatus();
 }
 
+const TensorShard* RankExecutor::ShardOfStored(const std::string& name) const {
+  auto it = shards_.find(name);
+  const size_t dot = name.find('.');
+  if (it == shards_.end() && dot != std::string::npos) it = shards_.find(name.substr(dot + 1));
+  return it == shards_.end() ? nullptr : &it->second;
+}
+
 absl::Status RankExecutor::CollectState(NamedTensors* optimizer, NamedTensors* sync) {
   PW_ASSIGN_OR_RETURN(*optimizer, dp_->OptimizerState());
   PW_ASSIGN_OR_RETURN(NamedTensors mine, dp_->SyncState());
@@ -163,7 +178,14 @@ absl::Status RankExecutor::CollectState(NamedTensors* optimizer, NamedTensors* s
 
 absl::Status RankExecutor::Restore(const Checkpoint& ck, const ResumePoint& at) {
   PW_RETURN_IF_ERROR(BindDevice());
-  PW_RETURN_IF_ERROR(dp_->LoadOptimizerState(ck.optimizer, at.optimizer_step));
+  // Checkpoints hold whole tensors: this rank's tensor-parallel parts are cut from them.
+  std::map<std::string, Tensor> optimizer = ck.optimizer;
+  for (auto& [name, t] : optimizer) {
+    if (const TensorShard* shard = ShardOfStored(name)) {
+      PW_ASSIGN_OR_RETURN(t, SlicePart(t, *shard));
+    }
+  }
+  PW_RETURN_IF_ERROR(dp_->LoadOptimizerState(optimizer, at.optimizer_step));
   if (!at.grad_compression.empty()) {
     absl::Status s = dp_->LoadSyncState(ck.grad_sync, absl::StrCat("replica", replica_, "/"));
     if (!s.ok()) {
@@ -171,7 +193,13 @@ absl::Status RankExecutor::Restore(const Checkpoint& ck, const ResumePoint& at) 
     }
   }
   for (Parameter* p : params_) {
-    PW_RETURN_IF_ERROR(ops::Copy(ops::Exec{alloc_.get()}, ck.model.at(StoredName(*p)), p->value));
+    const Tensor& whole = ck.model.at(StoredName(*p));
+    if (!p->shard.sharded()) {
+      PW_RETURN_IF_ERROR(ops::Copy(ops::Exec{alloc_.get()}, whole, p->value));
+      continue;
+    }
+    PW_ASSIGN_OR_RETURN(Tensor part, SlicePart(whole, p->shard));
+    PW_RETURN_IF_ERROR(ops::Copy(ops::Exec{alloc_.get()}, part, p->value));
   }
   PW_RETURN_IF_ERROR(Sync());
   RestoreLossScaler(at, &scaler_);

@@ -186,6 +186,7 @@ absl::StatusOr<LayerContext> RankExecutor::ContextFor(const StageRt& st, int mb)
   }
   LayerContext lc{alloc_.get(), targets, ComputeDType(ctx_->options->precision)};
   lc.selective_recompute = st.recompute == Recompute::kSelective;
+  if (tp_.comm != nullptr) lc.tp = &tp_;
   return lc;
 }
 
@@ -363,7 +364,7 @@ absl::Status RankExecutor::Agree(int64_t step, float lr, StepOutcome* out) {
   Tensor v = Tensor::Zeros({R * M + K + 1}, DType::kF64, host_.get());
   double* d = v.data<double>();
   for (StageRt& st : stages_) {
-    if (st.last) {
+    if (st.last && tensor_ == 0) {  // the tensor-parallel ranks hold the same loss
       for (int64_t j = 0; j < M; ++j) d[me * M + j] = losses_[j];
     }
   }

@@ -13,6 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "pipewright/init.h"
 #include "pipewright/ops.h"
+#include "pipewright/tensor_parallel.h"
 #include "runtime/layers/layers_internal.h"
 #include "runtime/random.h"
 
@@ -66,17 +67,24 @@ Parameter MakeParameter(const InitContext& init, const std::string& local,
   return p;
 }
 
+// A part of a tensor-parallel parameter draws the whole tensor's elements (Note
+// [Tensor-parallel shards] in pipewright/tensor_parallel.h).
 void InitNormal(Parameter& p, const InitContext& init, float std) {
   const uint64_t key = InitKey(p, init);
   float* v = HostValues(p);
-  for (int64_t i = 0; i < p.value.numel(); ++i) v[i] = std * NormalAt(key, i);
+  const std::vector<int64_t>& shape = p.value.shape();
+  for (int64_t i = 0; i < p.value.numel(); ++i) {
+    v[i] = std * NormalAt(key, p.shard.sharded() ? WholeIndex(p.shard, shape, i) : i);
+  }
 }
 
 void InitUniform(Parameter& p, const InitContext& init, float low, float high) {
   const uint64_t key = InitKey(p, init);
   float* v = HostValues(p);
+  const std::vector<int64_t>& shape = p.value.shape();
   for (int64_t i = 0; i < p.value.numel(); ++i) {
-    v[i] = static_cast<float>(low + (static_cast<double>(high) - low) * UniformAt(key, i));
+    const int64_t at = p.shard.sharded() ? WholeIndex(p.shard, shape, i) : i;
+    v[i] = static_cast<float>(low + (static_cast<double>(high) - low) * UniformAt(key, at));
   }
 }
 
@@ -113,14 +121,38 @@ std::vector<int64_t> WithLastDim(const std::vector<int64_t>& shape, int64_t last
 }
 
 // ---------------------------------------------------------------------------------------------
+absl::Status LinearLayer::CheckSplit(const InitContext& init, int64_t in, int64_t out,
+                                     Parallel parallel, int64_t groups, absl::string_view what) {
+  if (parallel == Parallel::kNone || init.tp_size == 1) return absl::OkStatus();
+  const bool column = parallel == Parallel::kColumn;
+  return ShardOf(init, {out, in}, column ? 0 : 1, column ? groups : 1, what).status();
+}
+
 LinearLayer::LinearLayer(const InitContext& init, int64_t in, int64_t out, bool bias, float std,
-                         Activation activation, const std::string& tied_weight)
-    : in_(in), out_(out), has_bias_(bias), activation_(activation) {
-  weight_ = MakeParameter(init, "weight", {out, in}, true);
+                         Activation activation, const std::string& tied_weight, Parallel parallel,
+                         int64_t groups)
+    : in_(in),
+      out_(out),
+      has_bias_(bias),
+      activation_(activation),
+      parallel_(init.tp_size > 1 ? parallel : Parallel::kNone),
+      tp_rank_(init.tp_rank),
+      tp_size_(init.tp_size) {
+  TensorShard w_shard, b_shard;
+  if (parallel_ != Parallel::kNone) {
+    const bool column = parallel_ == Parallel::kColumn;
+    absl::StatusOr<TensorShard> s =
+        ShardOf(init, {out, in}, column ? 0 : 1, column ? groups : 1, init.name);
+    PW_CHECK(s.ok());  // the spec ran CheckSplit
+    w_shard = *s;
+    if (column) b_shard = w_shard;  // a row-parallel layer's bias is whole
+    (column ? out_ : in_) /= init.tp_size;
+  }
+  weight_ = MakeShardedParameter(init, "weight", {out, in}, true, w_shard);
   weight_.tied_to = tied_weight;
   InitNormal(weight_, init, std);
   if (has_bias_) {
-    bias_ = MakeParameter(init, "bias", {out}, false);
+    bias_ = MakeShardedParameter(init, "bias", {out}, false, b_shard);
     InitConstant(bias_, 0.0f);
   }
 }
@@ -152,6 +184,24 @@ absl::StatusOr<Tensor> LinearLayer::ForwardWithResidual(const Tensor& x, const T
 absl::StatusOr<Tensor> LinearLayer::ForwardImpl(const Tensor& x, const Tensor* residual,
                                                 const LayerContext& ctx, Saved* saved) {
   PW_ASSIGN_OR_RETURN(int64_t rows, CheckRows(x, in_, "linear"));
+  if (parallel_ == Parallel::kNone) return ForwardPart(x, rows, residual, has_bias_, ctx, saved);
+  PW_RETURN_IF_ERROR(CheckTensorParallelCall(ctx, tp_rank_, tp_size_, "linear"));
+  if (parallel_ == Parallel::kColumn) {
+    return ForwardPart(x, rows, residual, has_bias_, ctx, saved);
+  }
+  // Row-parallel: the partial products summed over the group, the bias and the residual counted
+  // once (rank 0's part carries them).
+  const bool first = tp_rank_ == 0;
+  PW_ASSIGN_OR_RETURN(
+      Tensor y, ForwardPart(x, rows, first ? residual : nullptr, has_bias_ && first, ctx, saved));
+  PW_RETURN_IF_ERROR(TensorParallelAllReduce(ctx, y, "row-parallel linear's output"));
+  return y;
+}
+
+// act(x W^T (+ b when `bias`)), plus `residual` when not null: this rank's part.
+absl::StatusOr<Tensor> LinearLayer::ForwardPart(const Tensor& x, int64_t rows,
+                                                const Tensor* residual, bool bias,
+                                                const LayerContext& ctx, Saved* saved) {
   const ops::Exec e = ops::ExecOf(ctx);
   Tensor y = Tensor::Empty(WithLastDim(x.shape(), out_), DType::kF32, AllocatorOf(ctx));
   const DType cd = ctx.compute_dtype;
@@ -161,7 +211,7 @@ absl::StatusOr<Tensor> LinearLayer::ForwardImpl(const Tensor& x, const Tensor* r
     PW_RETURN_IF_ERROR(
         ops::Gemm(e, false, true, rows, out_, in_, 1.0f, xh, in_, wh, in_, 0.0f, y, out_));
     saved->tensors = {std::move(xh)};
-  } else if (has_bias_) {
+  } else if (bias) {
     // Product, bias and GELU, or product, bias and residual, in one pass where the CPU's GEMM
     // can (ops::GemmBias).
     const bool gelu = activation_ == Activation::kGelu;
@@ -183,9 +233,9 @@ absl::StatusOr<Tensor> LinearLayer::ForwardImpl(const Tensor& x, const Tensor* r
   Tensor out = y;
   if (activation_ == Activation::kGelu) {
     saved->tensors.push_back(y);  // the pre-activation, completed in place by BiasGeluForward
-    PW_ASSIGN_OR_RETURN(out, has_bias_ ? ops::BiasGeluForward(e, y, bias_.value, rows, out_)
-                                       : ops::GeluForward(e, y));
-  } else if (has_bias_) {
+    PW_ASSIGN_OR_RETURN(
+        out, bias ? ops::BiasGeluForward(e, y, bias_.value, rows, out_) : ops::GeluForward(e, y));
+  } else if (bias) {
     PW_RETURN_IF_ERROR(ops::BiasAdd(e, y, bias_.value, rows, out_));
   }
   if (residual != nullptr) PW_RETURN_IF_ERROR(ops::AddInPlace(e, out, *residual));
@@ -240,6 +290,11 @@ absl::StatusOr<Tensor> LinearLayer::BackwardImpl(const Tensor& dy_out, const Lay
   Tensor dx = Tensor::Empty(WithLastDim(dy.shape(), in_), DType::kF32, AllocatorOf(ctx));
   PW_RETURN_IF_ERROR(
       ops::Gemm(e, false, false, rows, in_, out_, 1.0f, dy, out_, w, in_, 0.0f, dx, in_));
+  if (parallel_ == Parallel::kColumn) {
+    // Each rank's outputs contributed their share of dx: the whole gradient is the sum.
+    PW_RETURN_IF_ERROR(CheckTensorParallelCall(ctx, tp_rank_, tp_size_, "linear backward"));
+    PW_RETURN_IF_ERROR(TensorParallelAllReduce(ctx, dx, "column-parallel linear's input gradient"));
+  }
   return dx;
 }
 
@@ -355,8 +410,10 @@ absl::Status CheckTokens(const Tensor& x, int64_t vocab) {
 }
 
 EmbeddingLayer::EmbeddingLayer(const InitContext& init, int64_t vocab, int64_t max_seq, int64_t dim)
-    : vocab_(vocab), max_seq_(max_seq), dim_(dim) {
-  wte_ = MakeParameter(init, "wte.weight", {vocab, dim}, true);
+    : vocab_(vocab), max_seq_(max_seq), dim_(dim), tp_rank_(init.tp_rank), tp_size_(init.tp_size) {
+  absl::StatusOr<TensorShard> shard = ShardOf(init, {vocab, dim}, 0, 1, init.name);
+  PW_CHECK(shard.ok());  // the spec checked that the size divides the vocabulary
+  wte_ = MakeShardedParameter(init, "wte.weight", {vocab, dim}, true, *shard);
   wpe_ = MakeParameter(init, "wpe.weight", {max_seq, dim}, false);
   InitNormal(wte_, init, 0.02f);
   InitNormal(wpe_, init, 0.01f);
@@ -375,6 +432,10 @@ absl::StatusOr<Tensor> EmbeddingLayer::Forward(const Tensor& x, const LayerConte
         absl::StrFormat("embedding: sequence length %d exceeds the maximum %d", T, max_seq_));
   }
   PW_RETURN_IF_ERROR(CheckTokens(x, vocab_));
+  if (tp_size_ > 1) {
+    saved->tensors = {x};
+    return ForwardParallel(x, ctx);
+  }
   Tensor y = Tensor::Empty({B, T, dim_}, DType::kF32, AllocatorOf(ctx));
   PW_RETURN_IF_ERROR(
       ops::EmbeddingForward(ops::ExecOf(ctx), x, wte_.value, wpe_.value, y, B, T, dim_));
@@ -397,6 +458,11 @@ absl::Status EmbeddingLayer::BackwardWeight(const LayerContext& ctx, Saved* save
     return absl::FailedPreconditionError("embedding: BackwardWeight before BackwardInput");
   }
   const Tensor& tok = saved->tensors[0];
+  if (tp_size_ > 1) {
+    PW_RETURN_IF_ERROR(BackwardWeightParallel(tok, saved->tensors[1]));
+    saved->Clear();
+    return absl::OkStatus();
+  }
   PW_RETURN_IF_ERROR(ops::EmbeddingBackward(ops::ExecOf(ctx), saved->tensors[1], tok, wte_.grad,
                                             wpe_.grad, tok.dim(0), tok.dim(1), dim_));
   saved->Clear();
@@ -416,6 +482,7 @@ absl::StatusOr<Tensor> CrossEntropyLayer::Forward(const Tensor& x, const LayerCo
         absl::StrCat("loss: logits ", x.defined() ? x.ShapeString() : "none",
                      " do not match targets ", targets.ShapeString()));
   }
+  if (tp_size_ > 1) return ForwardParallel(x, targets, ctx, saved);
   int64_t vocab = x.dim(-1), rows = targets.numel();
   if (targets.device().is_cpu()) {  // device targets were checked on the host before their copy
     const int32_t* t = targets.data<int32_t>();
@@ -444,11 +511,12 @@ absl::StatusOr<Tensor> CrossEntropyLayer::BackwardInput(const Tensor& dy, const 
   if (dy.defined() && (dy.dtype() != DType::kF32 || dy.numel() != 1 || !dy.device().is_cpu())) {
     return absl::InvalidArgumentError("loss backward: expected a host f32 [1] gradient scale");
   }
+  float g = dy.defined() ? dy.data<float>()[0] : 1.0f;
+  if (tp_size_ > 1) return BackwardParallel(g, ctx, saved);
   const Tensor& logits = saved->tensors[0];
   const Tensor& targets = saved->tensors[1];
   int64_t vocab = logits.dim(-1), rows = targets.numel();
   const int64_t count = static_cast<int64_t>(saved->tensors[2].data<double>()[0]);
-  float g = dy.defined() ? dy.data<float>()[0] : 1.0f;
   Tensor dx = Tensor::Empty(logits.shape(), DType::kF32, AllocatorOf(ctx));
   PW_RETURN_IF_ERROR(ops::CrossEntropyBackward(ops::ExecOf(ctx), logits, targets, rows, vocab,
                                                count > 0 ? g / static_cast<float>(count) : 0.0f,

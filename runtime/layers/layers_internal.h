@@ -27,12 +27,24 @@ absl::StatusOr<Tensor> DecodePositionwise(Layer& layer, const Tensor& x, const L
 // y = GELU(x W^T + b), the bias and the GELU applied in one fused pass (ops::BiasGeluForward) and
 // their backward likewise (the MLP's first projection). Parameters and their names are those of
 // the plain Linear either way.
+//
+// Tensor parallelism (Note [Tensor parallelism] in pipewright/tensor_parallel.h): kColumn holds
+// its part of the outputs (the output axis of W and b as [groups, tp, piece]) and all-reduces its
+// input gradient; kRow holds its part of the inputs, adds the bias and residual on tensor rank 0
+// only and all-reduces its output. `in` and `out` are the whole layer's; at tp_size 1 both modes
+// are the plain layer.
 class LinearLayer final : public Layer, public IncrementalDecoder {
  public:
   enum class Activation { kNone, kGelu };
+  enum class Parallel { kNone, kColumn, kRow };
   // `tied_weight`: the global name of the parameter the weight is a tied copy of (or "").
+  // The caller checks the split first (CheckLinearSplit).
   LinearLayer(const InitContext& init, int64_t in, int64_t out, bool bias, float std,
-              Activation activation = Activation::kNone, const std::string& tied_weight = "");
+              Activation activation = Activation::kNone, const std::string& tied_weight = "",
+              Parallel parallel = Parallel::kNone, int64_t groups = 1);
+  // InvalidArgument naming `what` when init.tp_size does not split the layer's axis.
+  static absl::Status CheckSplit(const InitContext& init, int64_t in, int64_t out,
+                                 Parallel parallel, int64_t groups, absl::string_view what);
   absl::string_view kind() const override { return "linear"; }
   IncrementalDecoder* decoder() override { return this; }
   absl::Status StartDecode(int64_t capacity, const LayerContext& ctx, DecodeCache* cache) override;
@@ -54,13 +66,17 @@ class LinearLayer final : public Layer, public IncrementalDecoder {
  private:
   absl::StatusOr<Tensor> ForwardImpl(const Tensor& x, const Tensor* residual,
                                      const LayerContext& ctx, Saved* saved);
+  absl::StatusOr<Tensor> ForwardPart(const Tensor& x, int64_t rows, const Tensor* residual,
+                                     bool bias, const LayerContext& ctx, Saved* saved);
   // BackwardInput, or with `weights` the weight gradient first and then the input gradient.
   absl::StatusOr<Tensor> BackwardImpl(const Tensor& dy_out, const LayerContext& ctx, Saved* saved,
                                       bool weights);
 
-  int64_t in_, out_;
+  int64_t in_, out_;  // this rank's part
   bool has_bias_;
   Activation activation_;
+  Parallel parallel_;
+  int tp_rank_, tp_size_;
   Parameter weight_, bias_;
 };
 
@@ -101,6 +117,10 @@ class LayerNormLayer final : public Layer, public IncrementalDecoder {
 // host before their copy); InvalidArgument naming the first one that is not.
 absl::Status CheckTokens(const Tensor& x, int64_t vocab);
 
+// Vocab-parallel at init.tp_size > 1 (runtime/layers/vocab_parallel.cc): the rank holds rows
+// [r V/t, (r+1) V/t) of the token table, looks up the tokens in that range (zero rows for the
+// others), rank 0 adds the positions, and the rows are all-reduced. The spec checks that the size
+// divides the vocabulary.
 class EmbeddingLayer final : public Layer, public IncrementalDecoder {
  public:
   EmbeddingLayer(const InitContext& init, int64_t vocab, int64_t max_seq, int64_t dim);
@@ -116,19 +136,33 @@ class EmbeddingLayer final : public Layer, public IncrementalDecoder {
   std::vector<Parameter*> Parameters() override { return {&wte_, &wpe_}; }
 
  private:
+  absl::StatusOr<Tensor> ForwardParallel(const Tensor& x, const LayerContext& ctx);
+  absl::Status BackwardWeightParallel(const Tensor& tokens, const Tensor& dy);
   int64_t vocab_, max_seq_, dim_;
+  int tp_rank_ = 0, tp_size_ = 1;
   Parameter wte_, wpe_;
 };
 
 // Mean token cross-entropy of logits against ctx.targets; output [1]. The incoming gradient
-// dy[0] scales the result (the engine passes 1 / micro-batches).
+// dy[0] scales the result (the engine passes 1 / micro-batches). Vocab-parallel at tp_size > 1
+// (runtime/layers/vocab_parallel.cc): the input is the rank's part of the logits (a column-parallel
+// LM head's), and the row maxima, sums of exponentials and target logits are reduced over the
+// group.
 class CrossEntropyLayer final : public Layer {
  public:
+  explicit CrossEntropyLayer(const InitContext& init = {})
+      : tp_rank_(init.tp_rank), tp_size_(init.tp_size) {}
   absl::string_view kind() const override { return "cross_entropy"; }
   absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
   absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
                                        Saved* saved) override;
   absl::Status BackwardWeight(const LayerContext&, Saved*) override { return absl::OkStatus(); }
+
+ private:
+  absl::StatusOr<Tensor> ForwardParallel(const Tensor& x, const Tensor& targets,
+                                         const LayerContext& ctx, Saved* saved);
+  absl::StatusOr<Tensor> BackwardParallel(float g, const LayerContext& ctx, Saved* saved);
+  int tp_rank_, tp_size_;
 };
 
 // Identity on [B, T, dim] f32 that sleeps instead of computing (engine overhead benchmarks).
@@ -236,6 +270,10 @@ class TransformerBlockLayer final : public Layer, public IncrementalDecoder {
 absl::StatusOr<Tensor> ChildBackward(Layer& child, const Tensor& dy, const LayerContext& ctx,
                                      Saved* saved, bool weights);
 
+// The MLP and the attention of a GPT block, tensor-parallel at init.tp_size > 1 (the Check
+// functions say first whether the size splits them: InvalidArgument naming the layer).
+absl::Status CheckMlpSplit(const InitContext& init, int64_t dim, int64_t hidden);
+absl::Status CheckAttentionSplit(const InitContext& init, int64_t dim, int64_t heads);
 std::unique_ptr<SequentialLayer> MakeMlp(const InitContext& init, int64_t dim, int64_t hidden);
 std::unique_ptr<SequentialLayer> MakeAttention(const InitContext& init, int64_t dim, int64_t heads);
 

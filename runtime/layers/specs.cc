@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "pipewright/tensor_parallel.h"
 #include "runtime/layers/layers_internal.h"
 
 namespace pipewright {
@@ -154,7 +155,10 @@ LayerSpecPtr Mlp(int64_t dim, int64_t hidden) {
   return MakeSpec(
       "mlp", absl::StrFormat("dim=%d,hidden=%d", dim, hidden),
       [=](const MicroBatchShape& s, int64_t) { return MlpCost(s.tokens(), dim, hidden); },
-      [=](const InitContext& init) { return internal::MakeMlp(init, dim, hidden); });
+      [=](const InitContext& init) -> absl::StatusOr<std::unique_ptr<Layer>> {
+        PW_RETURN_IF_ERROR(internal::CheckMlpSplit(init, dim, hidden));
+        return internal::MakeMlp(init, dim, hidden);
+      });
 }
 
 LayerSpecPtr CausalSelfAttention(int64_t dim, int64_t heads) {
@@ -162,7 +166,10 @@ LayerSpecPtr CausalSelfAttention(int64_t dim, int64_t heads) {
   return MakeSpec(
       "causal_self_attention", absl::StrFormat("dim=%d,heads=%d", dim, heads),
       [=](const MicroBatchShape& s, int64_t) { return AttentionCost(s, dim, heads); },
-      [=](const InitContext& init) { return internal::MakeAttention(init, dim, heads); });
+      [=](const InitContext& init) -> absl::StatusOr<std::unique_ptr<Layer>> {
+        PW_RETURN_IF_ERROR(internal::CheckAttentionSplit(init, dim, heads));
+        return internal::MakeAttention(init, dim, heads);
+      });
 }
 
 LayerSpecPtr TransformerBlock(int64_t dim, int64_t heads) {
@@ -184,7 +191,9 @@ LayerSpecPtr TransformerBlock(int64_t dim, int64_t heads) {
             2 * LayerNormCost(n, dim).forward_flops + GeluCost(n, 4 * dim).forward_flops;
         return c;
       },
-      [=](const InitContext& init) -> std::unique_ptr<Layer> {
+      [=](const InitContext& init) -> absl::StatusOr<std::unique_ptr<Layer>> {
+        PW_RETURN_IF_ERROR(internal::CheckAttentionSplit(init, dim, heads));
+        PW_RETURN_IF_ERROR(internal::CheckMlpSplit(init, dim, 4 * dim));
         return std::make_unique<internal::TransformerBlockLayer>(init, dim, heads);
       });
 }
@@ -202,7 +211,8 @@ LayerSpecPtr Embedding(int64_t vocab, int64_t max_seq, int64_t dim) {
         c.output_bytes = s.tokens() * dim * kF32;
         return c;
       },
-      [=](const InitContext& init) -> std::unique_ptr<Layer> {
+      [=](const InitContext& init) -> absl::StatusOr<std::unique_ptr<Layer>> {
+        PW_RETURN_IF_ERROR(ShardOf(init, {vocab, dim}, 0, 1, init.name).status());
         return std::make_unique<internal::EmbeddingLayer>(init, vocab, max_seq, dim);
       },
       [=](const std::vector<int64_t>& tokens) {  // [B, T] -> [B, T, dim]
@@ -222,9 +232,15 @@ LayerSpecPtr LmHead(int64_t dim, int64_t vocab, const std::string& tied_to) {
   return MakeSpec(
       "lm_head", std::move(config),
       [=](const MicroBatchShape& s, int64_t) { return LinearCost(s.tokens(), dim, vocab, false); },
-      [=](const InitContext& init) -> std::unique_ptr<Layer> {
-        return std::make_unique<internal::LinearLayer>(
-            init, dim, vocab, false, 0.02f, internal::LinearLayer::Activation::kNone, weight);
+      [=](const InitContext& init) -> absl::StatusOr<std::unique_ptr<Layer>> {
+        // Tensor-parallel: column-parallel over the vocabulary, its part of the logits to a
+        // vocab-parallel loss (Note [Tensor parallelism] in pipewright/tensor_parallel.h).
+        constexpr auto kColumn = internal::LinearLayer::Parallel::kColumn;
+        PW_RETURN_IF_ERROR(
+            internal::LinearLayer::CheckSplit(init, dim, vocab, kColumn, 1, init.name));
+        return std::make_unique<internal::LinearLayer>(init, dim, vocab, false, 0.02f,
+                                                       internal::LinearLayer::Activation::kNone,
+                                                       weight, kColumn);
       },
       LastDimShape(vocab), tied_to, weight);
 }
@@ -241,8 +257,8 @@ LayerSpecPtr CrossEntropyLoss() {
         c.output_bytes = kF32;
         return c;
       },
-      [](const InitContext&) -> std::unique_ptr<Layer> {
-        return std::make_unique<internal::CrossEntropyLayer>();
+      [](const InitContext& init) -> std::unique_ptr<Layer> {
+        return std::make_unique<internal::CrossEntropyLayer>(init);
       },
       [](const std::vector<int64_t>&) { return std::vector<int64_t>{1}; });
 }

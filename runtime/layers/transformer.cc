@@ -2,6 +2,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "pipewright/init.h"
 #include "pipewright/ops.h"
 #include "runtime/layers/layers_internal.h"
@@ -142,23 +143,47 @@ absl::StatusOr<Tensor> AttentionCoreLayer::BackwardInput(const Tensor& dy, const
   return dqkv;
 }
 
+// Under tensor parallelism (Note [Tensor parallelism] in pipewright/tensor_parallel.h) the
+// first product of each is column-parallel and the second row-parallel: the rank's hidden units,
+// or its heads (the qkv weight's q, k and v thirds split alike, so the rank's part of qkv is
+// (q | k | v) of its heads and the attention core runs on them unchanged).
+using Parallel = LinearLayer::Parallel;
+
+absl::Status CheckMlpSplit(const InitContext& init, int64_t dim, int64_t hidden) {
+  return LinearLayer::CheckSplit(init, dim, hidden, Parallel::kColumn, 1,
+                                 absl::StrCat(init.name, " (hidden width)"));
+}
+
+absl::Status CheckAttentionSplit(const InitContext& init, int64_t dim, int64_t heads) {
+  if (heads % init.tp_size != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: a tensor-parallel size of %d does not divide its %d heads", init.name,
+                        init.tp_size, heads));
+  }
+  return LinearLayer::CheckSplit(init, dim, 3 * dim, Parallel::kColumn, 3, init.name);
+}
+
 std::unique_ptr<SequentialLayer> MakeMlp(const InitContext& init, int64_t dim, int64_t hidden) {
   std::vector<std::unique_ptr<Layer>> c;
   // fc + bias + GELU as one layer: the bias and GELU are fused (ops::BiasGeluForward).
   c.push_back(std::make_unique<LinearLayer>(ChildInit(init, "fc"), dim, hidden, true, 0.02f,
-                                            LinearLayer::Activation::kGelu));
-  c.push_back(
-      std::make_unique<LinearLayer>(ChildInit(init, "proj"), hidden, dim, true, ResidualStd(init)));
+                                            LinearLayer::Activation::kGelu, "", Parallel::kColumn));
+  c.push_back(std::make_unique<LinearLayer>(ChildInit(init, "proj"), hidden, dim, true,
+                                            ResidualStd(init), LinearLayer::Activation::kNone, "",
+                                            Parallel::kRow));
   return std::make_unique<SequentialLayer>("mlp", std::move(c));
 }
 
 std::unique_ptr<SequentialLayer> MakeAttention(const InitContext& init, int64_t dim,
                                                int64_t heads) {
   std::vector<std::unique_ptr<Layer>> c;
-  c.push_back(std::make_unique<LinearLayer>(ChildInit(init, "qkv"), dim, 3 * dim, true, 0.02f));
-  c.push_back(std::make_unique<AttentionCoreLayer>(dim, heads));
-  c.push_back(
-      std::make_unique<LinearLayer>(ChildInit(init, "proj"), dim, dim, true, ResidualStd(init)));
+  c.push_back(std::make_unique<LinearLayer>(ChildInit(init, "qkv"), dim, 3 * dim, true, 0.02f,
+                                            LinearLayer::Activation::kNone, "", Parallel::kColumn,
+                                            /*groups=*/3));
+  c.push_back(std::make_unique<AttentionCoreLayer>(dim / init.tp_size, heads / init.tp_size));
+  c.push_back(std::make_unique<LinearLayer>(ChildInit(init, "proj"), dim, dim, true,
+                                            ResidualStd(init), LinearLayer::Activation::kNone, "",
+                                            Parallel::kRow));
   return std::make_unique<SequentialLayer>("causal_self_attention", std::move(c));
 }
 

@@ -37,7 +37,7 @@ struct EngineSetup {
   TrainOptions train;
   TrainTestingHooks hooks;    // installed by MakeEngine (Engine::SetTestingHooks)
   int64_t micro_batches = 4;  // per replica
-  int pp = 1, dp = 1;
+  int pp = 1, dp = 1, tp = 1;
   ScheduleKind schedule = ScheduleKind::k1F1B;
   int chunks = 1;
   Recompute recompute = Recompute::kNone;
@@ -60,6 +60,7 @@ inline absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const LayerGraph& grap
   if (!s.stage_recompute.empty()) {
     run.recompute = s.stage_recompute;
   }
+  run.tensor_parallel = s.tp;
   WorldOptions w;
   w.device = s.device;
   w.timeout = s.timeout;

@@ -1,0 +1,265 @@
+// Tensor parallelism's collectives, parts of whole tensors, and the column- and row-parallel
+// Linear building blocks (pipewright/tensor_parallel.h).
+#include "pipewright/tensor_parallel.h"
+
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "pipewright/init.h"
+#include "pipewright/ops.h"
+#include "runtime/layers/layers_internal.h"
+
+namespace pipewright {
+
+namespace {
+
+absl::Status Finish(const LayerContext& ctx, Work& w, absl::string_view what) {
+  absl::Status s = w.Wait(ctx.tp->timeout);
+  if (s.ok()) return s;
+  absl::Status first = ctx.tp->comm->abort_status();
+  if (!first.ok()) return first;  // another rank failed first: report that
+  s = absl::Status(s.code(), absl::StrCat("tensor-parallel rank ", ctx.tp->rank, " of ",
+                                          ctx.tp->size, ", ", what, ": ", s.message()));
+  ctx.tp->comm->Abort(s);  // the group's other ranks stop waiting for this one
+  return s;
+}
+
+bool Active(const LayerContext& ctx) {
+  return ctx.tp != nullptr && ctx.tp->size > 1 && ctx.tp->comm != nullptr;
+}
+
+// The element counts of the part's dimensions before the axis, on it and after it.
+struct AxisSplit {
+  int64_t outer = 1, along = 1, inner = 1;
+};
+AxisSplit SplitAt(const std::vector<int64_t>& shape, int axis) {
+  AxisSplit a;
+  for (int d = 0; d < axis; ++d) a.outer *= shape[d];
+  a.along = shape[axis];
+  for (size_t d = axis + 1; d < shape.size(); ++d) a.inner *= shape[d];
+  return a;
+}
+
+// Copies between a whole tensor and one part: `to_part` copies the part's elements out of
+// `whole`, else into it.
+void CopyPart(float* whole, float* part, const std::vector<int64_t>& part_shape,
+              const TensorShard& shard, bool to_part) {
+  const AxisSplit a = SplitAt(part_shape, shard.axis);
+  const int64_t piece = a.along / shard.groups;  // the part's rows of one group
+  const int64_t whole_along = a.along * shard.parts;
+  for (int64_t o = 0; o < a.outer; ++o) {
+    for (int64_t g = 0; g < shard.groups; ++g) {
+      float* p = part + (o * a.along + g * piece) * a.inner;
+      float* w = whole + (o * whole_along + (g * shard.parts + shard.index) * piece) * a.inner;
+      const size_t bytes = static_cast<size_t>(piece * a.inner) * sizeof(float);
+      if (to_part) {
+        std::memcpy(p, w, bytes);
+      } else {
+        std::memcpy(w, p, bytes);
+      }
+    }
+  }
+}
+
+absl::Status CheckHostF32(const Tensor& t, absl::string_view what) {
+  if (!t.defined() || t.dtype() != DType::kF32 || !t.device().is_cpu()) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": expected a host f32 tensor"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status TensorParallelAllReduce(const LayerContext& ctx, Tensor& t, absl::string_view what) {
+  if (!Active(ctx)) return absl::OkStatus();
+  std::unique_ptr<Work> w = ctx.tp->comm->AllReduce(t);
+  return Finish(ctx, *w, what);
+}
+
+absl::Status TensorParallelAllGather(const LayerContext& ctx, const Tensor& in, Tensor& out,
+                                     absl::string_view what) {
+  if (!Active(ctx)) {
+    if (in.numel() != out.numel()) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": output of another size"));
+    }
+    return ops::Copy(ops::ExecOf(ctx), in, out);
+  }
+  std::unique_ptr<Work> w = ctx.tp->comm->AllGather(in, out);
+  return Finish(ctx, *w, what);
+}
+
+absl::Status CheckTensorParallelCall(const LayerContext& ctx, int rank, int size,
+                                     absl::string_view what) {
+  if (size == 1) return absl::OkStatus();
+  if (ctx.tp == nullptr || ctx.tp->comm == nullptr || ctx.tp->size != size ||
+      ctx.tp->rank != rank) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: built as tensor-parallel part %d of %d, but called %s", what, rank, size,
+        ctx.tp == nullptr
+            ? std::string("without a tensor-parallel group (LayerContext::tp)")
+            : absl::StrFormat("as rank %d of a group of %d", ctx.tp->rank, ctx.tp->size)));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<TensorShard> ShardOf(const InitContext& init, const std::vector<int64_t>& shape,
+                                    int axis, int64_t groups, absl::string_view what) {
+  TensorShard s;
+  if (init.tp_size == 1) return s;
+  if (axis < 0 || axis >= static_cast<int>(shape.size()) || groups < 1) {
+    return absl::InternalError(absl::StrCat(what, ": no axis ", axis, " to split"));
+  }
+  if (shape[axis] % (groups * init.tp_size) != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: a tensor-parallel size of %d does not divide %s%d (dimension %d of [%s]) into "
+        "equal parts",
+        what, init.tp_size, groups > 1 ? absl::StrFormat("each of %d blocks of ", groups) : "",
+        groups > 1 ? shape[axis] / groups : shape[axis], axis, absl::StrJoin(shape, ", ")));
+  }
+  s.axis = axis;
+  s.parts = init.tp_size;
+  s.index = init.tp_rank;
+  s.groups = groups;
+  return s;
+}
+
+std::vector<int64_t> PartShape(std::vector<int64_t> shape, const TensorShard& shard) {
+  if (shard.sharded()) shape[shard.axis] /= shard.parts;
+  return shape;
+}
+
+std::vector<int64_t> WholeShape(const Parameter& p) {
+  std::vector<int64_t> shape = p.value.shape();
+  if (p.shard.sharded()) shape[p.shard.axis] *= p.shard.parts;
+  return shape;
+}
+
+int64_t WholeIndex(const TensorShard& shard, const std::vector<int64_t>& part_shape, int64_t i) {
+  if (!shard.sharded()) return i;
+  const AxisSplit a = SplitAt(part_shape, shard.axis);
+  const int64_t in = i % a.inner, along = i / a.inner % a.along, o = i / a.inner / a.along;
+  const int64_t piece = a.along / shard.groups;
+  const int64_t g = along / piece, j = along % piece;
+  const int64_t whole_along = (g * shard.parts + shard.index) * piece + j;
+  return (o * a.along * shard.parts + whole_along) * a.inner + in;
+}
+
+Parameter MakeShardedParameter(const InitContext& init, const std::string& local,
+                               const std::vector<int64_t>& shape, bool weight_decay,
+                               const TensorShard& shard) {
+  Parameter p = MakeParameter(init, local, PartShape(shape, shard), weight_decay);
+  p.shard = shard;
+  return p;
+}
+
+absl::StatusOr<Tensor> SlicePart(const Tensor& whole, const TensorShard& shard) {
+  PW_RETURN_IF_ERROR(CheckHostF32(whole, "SlicePart"));
+  if (!shard.sharded()) return whole.Clone();
+  if (shard.axis >= whole.rank() || whole.dim(shard.axis) % (shard.groups * shard.parts) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("a tensor of shape %s has no part %d of %d along dimension %d",
+                        whole.ShapeString(), shard.index, shard.parts, shard.axis));
+  }
+  const std::vector<int64_t> part_shape = PartShape(whole.shape(), shard);
+  Tensor part = Tensor::Empty(part_shape, DType::kF32);
+  CopyPart(const_cast<float*>(whole.data<float>()), part.data<float>(), part_shape, shard,
+           /*to_part=*/true);
+  return part;
+}
+
+absl::StatusOr<Tensor> MergeParts(const std::vector<Tensor>& parts, const TensorShard& shard) {
+  if (parts.empty()) return absl::InvalidArgumentError("MergeParts: no parts");
+  if (!shard.sharded()) return parts[0].Clone();
+  if (static_cast<int>(parts.size()) != shard.parts) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("MergeParts: %d parts of a tensor split in %d", parts.size(), shard.parts));
+  }
+  const std::vector<int64_t> part_shape = parts[0].shape();
+  std::vector<int64_t> whole_shape = part_shape;
+  whole_shape[shard.axis] *= shard.parts;
+  Tensor whole = Tensor::Empty(whole_shape, DType::kF32);
+  for (int r = 0; r < shard.parts; ++r) {
+    PW_RETURN_IF_ERROR(CheckHostF32(parts[r], "MergeParts"));
+    if (parts[r].shape() != part_shape) {
+      return absl::InvalidArgumentError(absl::StrFormat("MergeParts: part %d is %s, part 0 %s", r,
+                                                        parts[r].ShapeString(),
+                                                        parts[0].ShapeString()));
+    }
+    TensorShard s = shard;
+    s.index = r;
+    CopyPart(whole.data<float>(), const_cast<float*>(parts[r].data<float>()), part_shape, s,
+             /*to_part=*/false);
+  }
+  return whole;
+}
+
+namespace layers {
+
+namespace {
+constexpr int64_t kF32 = 4;
+
+Cost ParallelLinearCost(int64_t n, int64_t in, int64_t out, bool bias) {
+  Cost c;
+  c.params = in * out + (bias ? out : 0);
+  c.forward_flops = 2.0 * n * in * out;
+  c.backward_flops = 4.0 * n * in * out;
+  c.activation_bytes = n * in * kF32;
+  c.output_bytes = n * out * kF32;
+  return c;
+}
+
+class ParallelLinearSpec final : public LayerSpec {
+ public:
+  ParallelLinearSpec(internal::LinearLayer::Parallel parallel, int64_t in, int64_t out, bool bias,
+                     int64_t groups, float std)
+      : parallel_(parallel), in_(in), out_(out), bias_(bias), groups_(groups), std_(std) {}
+  std::string kind() const override {
+    return parallel_ == internal::LinearLayer::Parallel::kColumn ? "column_parallel_linear"
+                                                                 : "row_parallel_linear";
+  }
+  // The whole layer's cost (the planner divides by the tensor-parallel size).
+  Cost GetCost(const MicroBatchShape& shape, int64_t) const override {
+    return ParallelLinearCost(shape.tokens(), in_, out_, bias_);
+  }
+  std::string Config() const override {
+    return absl::StrFormat("in=%d,out=%d,bias=%d,groups=%d", in_, out_, bias_ ? 1 : 0, groups_);
+  }
+  absl::StatusOr<std::unique_ptr<Layer>> Create(const InitContext& init) const override {
+    PW_RETURN_IF_ERROR(
+        internal::LinearLayer::CheckSplit(init, in_, out_, parallel_, groups_, init.name));
+    return std::make_unique<internal::LinearLayer>(init, in_, out_, bias_, std_,
+                                                   internal::LinearLayer::Activation::kNone, "",
+                                                   parallel_, groups_);
+  }
+  // A column-parallel layer's output is its rank's part ([.., out / tp]) when it runs
+  // tensor-parallel; as a node of a graph (tp = 1) both are plain Linear layers.
+  std::vector<int64_t> OutputShape(const std::vector<int64_t>& input) const override {
+    return input.empty() ? input : internal::WithLastDim(input, out_);
+  }
+
+ private:
+  internal::LinearLayer::Parallel parallel_;
+  int64_t in_, out_;
+  bool bias_;
+  int64_t groups_;
+  float std_;
+};
+}  // namespace
+
+LayerSpecPtr ColumnParallelLinear(int64_t in, int64_t out, bool bias, int64_t groups, float std) {
+  PW_CHECK(in > 0 && out > 0 && groups > 0 && out % groups == 0);
+  return std::make_shared<ParallelLinearSpec>(internal::LinearLayer::Parallel::kColumn, in, out,
+                                              bias, groups, std);
+}
+
+LayerSpecPtr RowParallelLinear(int64_t in, int64_t out, bool bias, float std) {
+  PW_CHECK(in > 0 && out > 0);
+  return std::make_shared<ParallelLinearSpec>(internal::LinearLayer::Parallel::kRow, in, out, bias,
+                                              1, std);
+}
+
+}  // namespace layers
+}  // namespace pipewright
