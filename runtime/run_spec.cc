@@ -35,6 +35,11 @@ absl::Status CheckRunSpec(const RunSpec& run, int num_layers) {
         absl::StrCat("RunSpec.tensor_parallel = ", run.tensor_parallel, ": must be in [1, ",
                      kMaxTensorParallel, "]"));
   }
+  if (run.sequence_parallel && run.tensor_parallel < 2) {
+    return absl::InvalidArgumentError(
+        "RunSpec.sequence_parallel splits sequences over the tensor-parallel ranks: it needs "
+        "RunSpec.tensor_parallel >= 2");
+  }
   const int S = sched.num_stages;
   if (S > num_layers) {
     return absl::InvalidArgumentError(

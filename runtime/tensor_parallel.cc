@@ -91,6 +91,77 @@ absl::Status TensorParallelAllGather(const LayerContext& ctx, const Tensor& in, 
   return Finish(ctx, *w, what);
 }
 
+namespace {
+// Elements of one position of one sequence: x [B, T, ...] -> the product of the dims after T.
+int64_t PerPosition(const Tensor& x) {
+  int64_t n = 1;
+  for (int d = 2; d < x.rank(); ++d) n *= x.dim(d);
+  return n;
+}
+absl::Status CheckSequenceTensor(const Tensor& x, absl::string_view what) {
+  if (!x.defined() || x.rank() < 2 || !x.device().is_cpu()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": sequence parallelism takes host tensors of [batch, positions, ...], got ",
+        x.defined() ? x.ShapeString() : std::string("none")));
+  }
+  return absl::OkStatus();
+}
+}  // namespace
+
+absl::StatusOr<Tensor> SequenceAllGather(const LayerContext& ctx, const Tensor& x,
+                                         absl::string_view what) {
+  if (!SequenceParallel(ctx)) return x;
+  PW_RETURN_IF_ERROR(CheckSequenceTensor(x, what));
+  const int t = ctx.tp->size;
+  const int64_t B = x.dim(0), part = x.dim(1), inner = PerPosition(x);
+  const size_t es = DTypeSize(x.dtype());
+  Tensor all = Tensor::Empty({t * x.numel()}, x.dtype());
+  PW_RETURN_IF_ERROR(TensorParallelAllGather(ctx, x, all, what));
+  std::vector<int64_t> shape = x.shape();
+  shape[1] = part * t;
+  Tensor out = Tensor::Empty(shape, x.dtype(), AllocatorOf(ctx));
+  const char* from = static_cast<const char*>(all.raw());
+  char* to = static_cast<char*>(out.raw());
+  const size_t block = static_cast<size_t>(part * inner) * es;  // one rank's rows of a sequence
+  for (int r = 0; r < t; ++r) {
+    for (int64_t b = 0; b < B; ++b) {
+      std::memcpy(to + (static_cast<size_t>(b) * t + r) * block,
+                  from + (static_cast<size_t>(r) * B + b) * block, block);
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<Tensor> SequenceReduceScatter(const LayerContext& ctx, const Tensor& y,
+                                             absl::string_view what) {
+  if (!SequenceParallel(ctx)) return y;
+  PW_RETURN_IF_ERROR(CheckSequenceTensor(y, what));
+  const int t = ctx.tp->size;
+  if (y.dim(1) % t != 0 || y.dtype() != DType::kF32) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: %d positions do not split over %d tensor-parallel ranks", what, y.dim(1), t));
+  }
+  const int64_t B = y.dim(0), part = y.dim(1) / t, inner = PerPosition(y);
+  // Rank r's positions of every sequence, contiguous, in rank order: the chunks ReduceScatter
+  // hands out.
+  Tensor grouped = Tensor::Empty({y.numel()}, DType::kF32);
+  const size_t block = static_cast<size_t>(part * inner) * sizeof(float);
+  const char* from = static_cast<const char*>(y.raw());
+  char* to = static_cast<char*>(grouped.raw());
+  for (int r = 0; r < t; ++r) {
+    for (int64_t b = 0; b < B; ++b) {
+      std::memcpy(to + (static_cast<size_t>(r) * B + b) * block,
+                  from + (static_cast<size_t>(b) * t + r) * block, block);
+    }
+  }
+  std::vector<int64_t> shape = y.shape();
+  shape[1] = part;
+  Tensor out = Tensor::Empty(shape, DType::kF32, AllocatorOf(ctx));
+  std::unique_ptr<Work> w = ctx.tp->comm->ReduceScatter(grouped, out);
+  PW_RETURN_IF_ERROR(Finish(ctx, *w, what));
+  return out;
+}
+
 absl::Status CheckTensorParallelCall(const LayerContext& ctx, int rank, int size,
                                      absl::string_view what) {
   if (size == 1) return absl::OkStatus();

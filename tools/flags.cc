@@ -210,6 +210,7 @@ const std::vector<FieldFlag>& FieldFlags() {
       // RunSpec (pipewright/run_spec.h) and the model's micro-batch: train.
       {"RunSpec.data_parallel", "--dp"},
       {"RunSpec.tensor_parallel", "--tp"},
+      {"RunSpec.sequence_parallel", "--sequence-parallel"},
       {"RunSpec.recompute", "--recompute"},
       {"MicroBatchShape.batch", "--micro-batch-size"},
       {"ScheduleSpec.micro_batches", "--micro-batches"},

@@ -29,6 +29,9 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
   AddInt(cmd, "--tp", &f->tp, {1, kMaxTensorParallel},
          "Tensor-parallel ranks per pipeline rank: each block's heads and MLP width, the "
          "embedding's and the LM head's vocabulary split over them (Megatron-style; CPU)");
+  cmd->add_flag("--sequence-parallel", f->sequence_parallel,
+                "With --tp: split the activations between the products (LayerNorms, residuals, "
+                "what stages send) along the sequence too (GPT models)");
   cmd->add_option("--schedule", f->schedule, "Pipeline schedule")
       ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"}));
   cmd->add_option("--split", f->split,

@@ -15,6 +15,7 @@ namespace pipewright::tools {
 struct TrainFlags {
   std::string preset = "gpt-tiny";
   int pp = 1, dp = 1, tp = 1, chunks = 1, threads_per_rank = 0;
+  bool sequence_parallel = false;
   std::string schedule = "1f1b", recompute = "none", plan, program, trace, svg;
   double timeout_s = 60, bucket_mb = 1;
   int64_t micro_batches = 4, micro_batch_size = 0, steps = 60, warmup = 5, base_batch = 32;

@@ -247,7 +247,10 @@ absl::StatusOr<RunSpec> RunFromFlags(const TrainFlags& f, const LoadedModel& mod
   if (!run.ok() && !f.program.empty()) {
     return absl::Status(run.status().code(), absl::StrCat(f.program, ": ", run.status().message()));
   }
-  if (run.ok()) run->tensor_parallel = f.tp;
+  if (run.ok()) {
+    run->tensor_parallel = f.tp;
+    run->sequence_parallel = f.sequence_parallel;
+  }
   return run;
 }
 

@@ -159,7 +159,10 @@ void PrintHeader(const LayerGraph& graph, const Engine& t, const TrainOptions& o
       "  pp=%d dp=%d%s %s chunks=%d recompute=%s; stages %s\n  %lld micro-batches x %lld "
       "sequences x %lld tokens per replica, global batch %lld, peak lr %.3g\n",
       run.pipeline_parallel(), run.data_parallel,
-      run.tensor_parallel > 1 ? absl::StrCat(" tp=", run.tensor_parallel).c_str() : "",
+      run.tensor_parallel > 1 ? absl::StrCat(" tp=", run.tensor_parallel,
+                                             run.sequence_parallel ? " (sequence-parallel)" : "")
+                                    .c_str()
+                              : "",
       run.ScheduleName().c_str(), run.schedule.spec.chunks, run.RecomputeSummary().c_str(),
       StageSplit(run.boundaries).c_str(), static_cast<long long>(run.micro_batches()),
       static_cast<long long>(graph.shape().batch), static_cast<long long>(graph.shape().seq_len),
@@ -211,6 +214,7 @@ json PrintSummary(const ReportInput& in, bool as_json) {
                   {"pipeline_parallel", run.pipeline_parallel()},
                   {"data_parallel", run.data_parallel},
                   {"tensor_parallel", run.tensor_parallel},
+                  {"sequence_parallel", run.sequence_parallel},
                   {"schedule", run.ScheduleName()},
                   {"chunks", run.schedule.spec.chunks},
                   {"recompute", run.RecomputeSummary()},

@@ -31,6 +31,9 @@ struct RunSpec {
   // Ranks each pipeline rank's layers are split over (Note [Tensor parallelism] in
   // pipewright/tensor_parallel.h); 1 = no tensor parallelism.
   int tensor_parallel = 1;
+  // Note [Sequence parallelism] (pipewright/tensor_parallel.h): the activations between the
+  // products split along the sequence too; needs tensor_parallel > 1.
+  bool sequence_parallel = false;
   std::vector<int> boundaries;       // num_stages + 1 increasing layer indices, 0 .. num_layers
   std::vector<Recompute> recompute;  // per virtual stage
 

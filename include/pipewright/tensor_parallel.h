@@ -52,7 +52,14 @@ struct TensorParallelGroup {
   Communicator* comm = nullptr;  // group rank = tensor-parallel rank
   int rank = 0, size = 1;
   absl::Duration timeout = absl::InfiniteDuration();
+  // Note [Sequence parallelism]: activations outside the products are split along the sequence.
+  bool sequence_parallel = false;
 };
+
+// Whether the call runs with sequence parallelism (a group of 2 or more that splits sequences).
+inline bool SequenceParallel(const LayerContext& ctx) {
+  return ctx.tp != nullptr && ctx.tp->size > 1 && ctx.tp->sequence_parallel;
+}
 
 // In-place sum of `t` over ctx.tp's group, in rank order (nothing without a group or at size
 // 1). A failure or timeout aborts the group (so the other ranks stop waiting) and names `what`.
@@ -60,6 +67,27 @@ absl::Status TensorParallelAllReduce(const LayerContext& ctx, Tensor& t, absl::s
 // Every rank's `in` concatenated in rank order into `out` (Communicator::AllGather).
 absl::Status TensorParallelAllGather(const LayerContext& ctx, const Tensor& in, Tensor& out,
                                      absl::string_view what);
+// Note [Sequence parallelism] (Korthikanti et al. 2022). With RunSpec.sequence_parallel the
+// activations between the tensor-parallel products — the LayerNorms, the residual stream, what
+// pipeline stages send each other — are split along the sequence: rank r of t holds positions
+// [r T/t, (r+1) T/t) of every sequence, [B, T/t, ...], so their memory and the pipeline's
+// messages shrink t-fold. A column-parallel product all-gathers its input's sequence first
+// (SequenceAllGather) and reduce-scatters its input gradient (SequenceReduceScatter) where it
+// all-reduced it; a row-parallel product reduce-scatters its output where it all-reduced it (the
+// bias and residual then added by every rank to its rows) and all-gathers its output gradient.
+// The same bytes on a ring as the all-reduce it replaces. A LayerNorm's weight gradient is then
+// a sum over the rank's positions only: its BackwardWeight all-reduces it over the group. The
+// column-parallel layer keeps its input's rows (not the gathered sequence) for the weight
+// gradient and gathers them again there. Host tensors only (the regroupings are CPU copies).
+//
+// [B, T/t, ...] of every rank -> [B, T, ...] in rank order along the sequence (dimension 1).
+absl::StatusOr<Tensor> SequenceAllGather(const LayerContext& ctx, const Tensor& x,
+                                         absl::string_view what);
+// y [B, T, ...] summed over the group; rank r keeps positions [r T/t, (r+1) T/t): [B, T/t, ...].
+// T must be a multiple of t. f32.
+absl::StatusOr<Tensor> SequenceReduceScatter(const LayerContext& ctx, const Tensor& y,
+                                             absl::string_view what);
+
 // FailedPrecondition unless `ctx` carries a group of `size` ranks with this rank `rank` (a layer
 // built as part `rank` of `size` checks its call): nothing to check at size 1.
 absl::Status CheckTensorParallelCall(const LayerContext& ctx, int rank, int size,

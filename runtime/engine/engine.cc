@@ -83,6 +83,28 @@ absl::Status CheckTensorParallel(const TrainOptions& o, const World& world, cons
         "TrainOptions.grad_compression does not combine with ", tp,
         " in this build: its error-feedback state is checkpointed per replica, not per part"));
   }
+  if (run.sequence_parallel) {
+    // Note [Sequence parallelism]: every activation between layers must be one the built-in
+    // layers split along the sequence (a GPT: embedding, blocks, LayerNorm, LM head, loss).
+    for (int i = 0; i < graph.num_layers(); ++i) {
+      const LayerNode& n = graph.node(i);
+      const std::string kind = n.spec->kind();
+      const bool ok = i == 0 ? kind == "embedding"
+                             : kind == "transformer_block" || kind == "layernorm" ||
+                                   kind == "lm_head" || kind == "cross_entropy";
+      if (!ok) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "RunSpec.sequence_parallel: layer ", i, " '", n.name, "' (", kind,
+            ") does not take sequence-split activations; it supports GPT models (an embedding, "
+            "then transformer blocks, LayerNorms, the LM head and the loss)"));
+      }
+    }
+    if (graph.shape().seq_len % T != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("RunSpec.sequence_parallel: the sequence length ", graph.shape().seq_len,
+                       " does not split over ", tp, " ranks"));
+    }
+  }
   for (int s = 1; s < run.num_stages(); ++s) {
     const LayerNode& n = graph.node(run.boundaries[s] - 1);
     if (n.spec->kind() == "lm_head") {
@@ -139,13 +161,22 @@ absl::Status CheckData(const Dataset& data, const LayerGraph& graph) {
 }
 
 // Activation shape at every layer boundary of one micro-batch, from the data's input shape and
-// the layers' shape functions (nothing allocated).
-std::vector<std::vector<int64_t>> BoundaryShapes(const LayerGraph& graph, const SampleSpec& spec) {
+// the layers' shape functions (nothing allocated): what one rank holds, so under sequence
+// parallelism the activations [B, T, C] between layers (not the logits) are [B, T / tp, C].
+std::vector<std::vector<int64_t>> BoundaryShapes(const LayerGraph& graph, const SampleSpec& spec,
+                                                 const RunSpec& run) {
   const int L = graph.num_layers();
   std::vector<std::vector<int64_t>> at(L + 1);
   at[0] = {graph.shape().batch};
   at[0].insert(at[0].end(), spec.input_shape.begin(), spec.input_shape.end());
   for (int i = 0; i < L; ++i) at[i + 1] = graph.node(i).spec->OutputShape(at[i]);
+  if (run.sequence_parallel) {
+    for (int i = 1; i < L; ++i) {
+      if (at[i].size() == 3 && graph.node(i - 1).spec->kind() != "lm_head") {
+        at[i][1] /= run.tensor_parallel;
+      }
+    }
+  }
   return at;
 }
 
@@ -207,7 +238,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const LayerGraph& graph, 
     PW_RETURN_IF_ERROR(b->Wait(m.ctx.timeout));
   }
   m.ctx.epoch = Clock::now();
-  const auto shape_at = BoundaryShapes(graph, m.data->Spec());
+  const auto shape_at = BoundaryShapes(graph, m.data->Spec(), m.run);
   m.threads_per_rank =
       ThreadsPerRank(m.options, *m.world, static_cast<int>(std::max<size_t>(1, endpoints.size())));
   // The ranks split their products over their own threads; OpenBLAS's own (process-wide) would

@@ -108,7 +108,8 @@ absl::Status RankExecutor::Connect(const GroupNeeds& needs, const std::vector<Cr
   const TrainOptions& to = *ctx_->options;
   PW_RETURN_IF_ERROR(groups_.Connect(ctx_->topo, global_, needs, ctx_->timeout));
   if (groups_.tensor_parallel() != nullptr) {
-    tp_ = TensorParallelGroup{groups_.tensor_parallel(), tensor_, ctx_->topo.tp, ctx_->timeout};
+    tp_ = TensorParallelGroup{groups_.tensor_parallel(), tensor_, ctx_->topo.tp, ctx_->timeout,
+                              ctx_->run->sequence_parallel};
   }
   PW_RETURN_IF_ERROR(ties_.LinkRemote(pipe_, ties, params_, groups_, Who()));
   DataParallelParams params;

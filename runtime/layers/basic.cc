@@ -186,8 +186,29 @@ absl::StatusOr<Tensor> LinearLayer::ForwardImpl(const Tensor& x, const Tensor* r
   PW_ASSIGN_OR_RETURN(int64_t rows, CheckRows(x, in_, "linear"));
   if (parallel_ == Parallel::kNone) return ForwardPart(x, rows, residual, has_bias_, ctx, saved);
   PW_RETURN_IF_ERROR(CheckTensorParallelCall(ctx, tp_rank_, tp_size_, "linear"));
+  const bool sp = SequenceParallel(ctx);
   if (parallel_ == Parallel::kColumn) {
-    return ForwardPart(x, rows, residual, has_bias_, ctx, saved);
+    if (!sp) return ForwardPart(x, rows, residual, has_bias_, ctx, saved);
+    // Note [Sequence parallelism]: the whole sequences in, this rank's rows kept.
+    PW_ASSIGN_OR_RETURN(Tensor whole, SequenceAllGather(ctx, x, "column-parallel linear's input"));
+    PW_ASSIGN_OR_RETURN(Tensor y,
+                        ForwardPart(whole, whole.numel() / in_, residual, has_bias_, ctx, saved));
+    if (IsHalf(ctx.compute_dtype)) {
+      PW_ASSIGN_OR_RETURN(saved->tensors[0], ops::Cast(ops::ExecOf(ctx), x, ctx.compute_dtype));
+    } else {
+      saved->tensors[0] = x;
+    }
+    return y;
+  }
+  if (sp) {
+    // Each rank's rows of the sum, then the bias and its rows of the residual.
+    PW_ASSIGN_OR_RETURN(Tensor partial, ForwardPart(x, rows, nullptr, false, ctx, saved));
+    PW_ASSIGN_OR_RETURN(Tensor y,
+                        SequenceReduceScatter(ctx, partial, "row-parallel linear's output"));
+    const ops::Exec e = ops::ExecOf(ctx);
+    if (has_bias_) PW_RETURN_IF_ERROR(ops::BiasAdd(e, y, bias_.value, y.numel() / out_, out_));
+    if (residual != nullptr) PW_RETURN_IF_ERROR(ops::AddInPlace(e, y, *residual));
+    return y;
   }
   // Row-parallel: the partial products summed over the group, the bias and the residual counted
   // once (rank 0's part carries them).
@@ -252,15 +273,26 @@ absl::StatusOr<Tensor> LinearLayer::Backward(const Tensor& dy_out, const LayerCo
   return BackwardImpl(dy_out, ctx, saved, /*weights=*/true);
 }
 
-absl::StatusOr<Tensor> LinearLayer::BackwardImpl(const Tensor& dy_out, const LayerContext& ctx,
+absl::StatusOr<Tensor> LinearLayer::BackwardImpl(const Tensor& dy_given, const LayerContext& ctx,
                                                  Saved* saved, bool weights) {
+  const bool sp = parallel_ != Parallel::kNone && SequenceParallel(ctx);
+  // Sequence parallelism: a row-parallel layer's output gradient arrives as this rank's rows.
+  Tensor dy_out = dy_given;
+  if (sp && parallel_ == Parallel::kRow) {
+    PW_RETURN_IF_ERROR(CheckTensorParallelCall(ctx, tp_rank_, tp_size_, "linear backward"));
+    PW_ASSIGN_OR_RETURN(dy_out,
+                        SequenceAllGather(ctx, dy_given, "row-parallel linear's output gradient"));
+  }
   PW_ASSIGN_OR_RETURN(int64_t rows, CheckRows(dy_out, out_, "linear backward"));
   const size_t forward_saved = activation_ == Activation::kGelu ? 2 : 1;
   if (saved->tensors.size() != forward_saved) {
     return absl::FailedPreconditionError("linear: no forward saved");
   }
-  PW_RETURN_IF_ERROR(
-      CheckGradShape(dy_out, WithLastDim(saved->tensors[0].shape(), out_), "linear backward"));
+  // A sequence-parallel column-parallel layer kept its input's rows: its output has t times
+  // their positions.
+  std::vector<int64_t> out_shape = WithLastDim(saved->tensors[0].shape(), out_);
+  if (sp && parallel_ == Parallel::kColumn && out_shape.size() >= 2) out_shape[1] *= tp_size_;
+  PW_RETURN_IF_ERROR(CheckGradShape(dy_out, out_shape, "linear backward"));
   const ops::Exec e = ops::ExecOf(ctx);
   const DType cd = saved->tensors[0].dtype();  // the precision the forward ran in
   // dy: the gradient at x W^T + b (through the GELU when there is one).
@@ -291,8 +323,10 @@ absl::StatusOr<Tensor> LinearLayer::BackwardImpl(const Tensor& dy_out, const Lay
   PW_RETURN_IF_ERROR(
       ops::Gemm(e, false, false, rows, in_, out_, 1.0f, dy, out_, w, in_, 0.0f, dx, in_));
   if (parallel_ == Parallel::kColumn) {
-    // Each rank's outputs contributed their share of dx: the whole gradient is the sum.
+    // Each rank's outputs contributed their share of dx: the whole gradient is the sum (under
+    // sequence parallelism, each rank keeps the sum's rows of its positions).
     PW_RETURN_IF_ERROR(CheckTensorParallelCall(ctx, tp_rank_, tp_size_, "linear backward"));
+    if (sp) return SequenceReduceScatter(ctx, dx, "column-parallel linear's input gradient");
     PW_RETURN_IF_ERROR(TensorParallelAllReduce(ctx, dx, "column-parallel linear's input gradient"));
   }
   return dx;
@@ -304,7 +338,10 @@ absl::Status LinearLayer::BackwardWeight(const LayerContext& ctx, Saved* saved) 
     return absl::FailedPreconditionError("linear: BackwardWeight before BackwardInput");
   }
   const ops::Exec e = ops::ExecOf(ctx);
-  const Tensor& x = saved->tensors[0];
+  Tensor x = saved->tensors[0];
+  if (parallel_ == Parallel::kColumn && SequenceParallel(ctx)) {  // the kept rows, whole again
+    PW_ASSIGN_OR_RETURN(x, SequenceAllGather(ctx, x, "column-parallel linear's saved input"));
+  }
   const Tensor& dy = saved->tensors[1];
   int64_t rows = x.numel() / in_;
   PW_RETURN_IF_ERROR(
@@ -388,9 +425,25 @@ absl::Status LayerNormLayer::BackwardWeight(const LayerContext& ctx, Saved* save
     return absl::FailedPreconditionError("layernorm: BackwardWeight before BackwardInput");
   }
   const Tensor& x = saved->tensors[0];
-  PW_RETURN_IF_ERROR(ops::LayerNormBackwardWeight(ops::ExecOf(ctx), x, saved->tensors[1],
-                                                  saved->tensors[2], saved->tensors[3], gamma_.grad,
-                                                  beta_.grad, x.numel() / dim_, dim_));
+  const ops::Exec e = ops::ExecOf(ctx);
+  if (SequenceParallel(ctx)) {
+    // Note [Sequence parallelism]: this rank saw its positions only; the weights' gradient is
+    // the sum over the group (in rank order, so the same on every rank).
+    Tensor g = Tensor::Zeros({2, dim_}, DType::kF32, AllocatorOf(ctx));
+    PW_ASSIGN_OR_RETURN(Tensor dgamma, g.View(0, {dim_}));
+    PW_ASSIGN_OR_RETURN(Tensor dbeta, g.View(dim_, {dim_}));
+    PW_RETURN_IF_ERROR(ops::LayerNormBackwardWeight(e, x, saved->tensors[1], saved->tensors[2],
+                                                    saved->tensors[3], dgamma, dbeta,
+                                                    x.numel() / dim_, dim_));
+    PW_RETURN_IF_ERROR(TensorParallelAllReduce(ctx, g, "layernorm's weight gradient"));
+    PW_RETURN_IF_ERROR(ops::AddInPlace(e, gamma_.grad, dgamma));
+    PW_RETURN_IF_ERROR(ops::AddInPlace(e, beta_.grad, dbeta));
+    saved->Clear();
+    return absl::OkStatus();
+  }
+  PW_RETURN_IF_ERROR(ops::LayerNormBackwardWeight(e, x, saved->tensors[1], saved->tensors[2],
+                                                  saved->tensors[3], gamma_.grad, beta_.grad,
+                                                  x.numel() / dim_, dim_));
   saved->Clear();
   return absl::OkStatus();
 }
@@ -447,8 +500,10 @@ absl::StatusOr<Tensor> EmbeddingLayer::BackwardInput(const Tensor& dy, const Lay
                                                      Saved* saved) {
   if (saved->tensors.size() != 1) return absl::FailedPreconditionError("embedding: no forward");
   const Tensor& tokens = saved->tensors[0];
-  PW_RETURN_IF_ERROR(
-      CheckGradShape(dy, {tokens.dim(0), tokens.dim(1), dim_}, "embedding backward"));
+  // Under sequence parallelism the gradient of this rank's positions (Note [Sequence
+  // parallelism]).
+  const int64_t positions = SequenceParallel(ctx) ? tokens.dim(1) / ctx.tp->size : tokens.dim(1);
+  PW_RETURN_IF_ERROR(CheckGradShape(dy, {tokens.dim(0), positions, dim_}, "embedding backward"));
   saved->tensors.push_back(dy);
   return Tensor();  // token inputs have no gradient
 }
@@ -459,7 +514,9 @@ absl::Status EmbeddingLayer::BackwardWeight(const LayerContext& ctx, Saved* save
   }
   const Tensor& tok = saved->tensors[0];
   if (tp_size_ > 1) {
-    PW_RETURN_IF_ERROR(BackwardWeightParallel(tok, saved->tensors[1]));
+    PW_ASSIGN_OR_RETURN(Tensor dy,
+                        SequenceAllGather(ctx, saved->tensors[1], "embedding's output gradient"));
+    PW_RETURN_IF_ERROR(BackwardWeightParallel(tok, dy));
     saved->Clear();
     return absl::OkStatus();
   }

@@ -55,6 +55,9 @@ absl::StatusOr<Tensor> EmbeddingLayer::ForwardParallel(const Tensor& x, const La
       }
     }
   }
+  // Under sequence parallelism each rank keeps the sum's rows of its positions.
+  if (SequenceParallel(ctx))
+    return SequenceReduceScatter(ctx, y, "vocab-parallel embedding's rows");
   PW_RETURN_IF_ERROR(TensorParallelAllReduce(ctx, y, "vocab-parallel embedding's rows"));
   return y;
 }
