@@ -100,9 +100,11 @@ class StageCosts {
   // `split_backward`: the schedule runs input and weight gradients apart (I, W), so a selective
   // stage holds its remade tensors from I to W: selective counts as none there (an upper bound).
   // `sharding`: what ZeRO splits over the data-parallel replicas (optimizer state, gradients).
+  // `tp`: the seconds each layer's tensor-parallel collectives add to its forward and backward
+  // (model is then one tensor-parallel device's view, ShardForTensorParallel).
   StageCosts(const ModelCosts& model, const DeviceSpec& dev, const ParamBytes& param_bytes,
              std::vector<int> inflight, int chunks, bool split_backward = false,
-             const ZeroSharding& sharding = {})
+             const ZeroSharding& sharding = {}, const TensorParallelCosts* tp = nullptr)
       : model_(model),
         pb_(param_bytes),
         inflight_(std::move(inflight)),
@@ -123,8 +125,10 @@ class StageCosts {
                                         : l.forward_flops / flops_per_s + dev.layer_overhead_s;
       const double b = l.backward_time_s ? *l.backward_time_s
                                          : l.backward_flops / flops_per_s + dev.layer_overhead_s;
-      f_[i + 1] = f_[i] + f;
-      b_[i + 1] = b_[i] + b;
+      const double f_comm = tp ? tp->forward_comm_s[i] : 0,
+                   b_comm = tp ? tp->backward_comm_s[i] : 0;
+      f_[i + 1] = f_[i] + f + f_comm;
+      b_[i + 1] = b_[i] + b + b_comm;
       params_[i + 1] = SatAdd(params_[i], l.params);
       act_[i + 1] = SatAdd(act_[i], l.activation_bytes);
       sel_layer_[i] = std::min(l.selective_saving_bytes, l.activation_bytes);
@@ -134,7 +138,7 @@ class StageCosts {
                          : l.forward_flops > 0 ? f * l.selective_recompute_flops / l.forward_flops
                                                : l.selective_recompute_flops / flops_per_s;
       sel_time_[i + 1] = sel_time_[i] + sel;
-      max_layer_ = std::max(max_layer_, f + b);
+      max_layer_ = std::max(max_layer_, f + f_comm + b + b_comm);
       // ZeRO-2's buckets hold whole layers: one can exceed the bucket size by a layer.
       sharding_.largest_layer_bytes =
           std::max(sharding_.largest_layer_bytes, SatMul(l.params, pb_.grads));
@@ -532,76 +536,6 @@ std::string DescribeStageMemory(const StageMemory& m) {
                       Bytes(m.optimizer), ", activations ", Bytes(m.activations));
 }
 
-// What would fit instead, tried for real: each alternative is partitioned without further
-// suggestions.
-std::vector<std::string> Suggestions(const ModelCosts& model, const DeviceSpec& dev,
-                                     const PartitionOptions& o, int64_t b, int S, int64_t budget,
-                                     int64_t static_bytes) {
-  std::vector<std::string> out;
-  auto fits = [&](PartitionOptions alt) {
-    alt.suggest = false;
-    alt.micro_batch_size = alt.micro_batch_size ? alt.micro_batch_size : b;
-    absl::StatusOr<Plan> p = Partition(model, dev, alt);
-    return p.ok();
-  };
-  if (!o.allow_recompute) {
-    PartitionOptions alt = o;
-    alt.allow_recompute = true;
-    if (fits(alt)) out.push_back("allowing activation recomputation");
-  }
-  for (int zero = o.zero + 1; zero <= 2 && o.dp >= 2; ++zero) {
-    PartitionOptions alt = o;
-    alt.zero = zero;
-    if (fits(alt)) {
-      out.push_back(absl::StrCat("PartitionOptions.zero = ", zero, " (splits the optimizer state",
-                                 zero == 2 ? " and the gradients" : "", " over the ", o.dp,
-                                 " replicas)"));
-      break;
-    }
-  }
-  if (o.schedule == ScheduleKind::kGpipe) {
-    PartitionOptions alt = o;
-    alt.schedule = ScheduleKind::k1F1B;
-    if (fits(alt)) {
-      out.push_back("PartitionOptions.schedule = 1f1b (holds at most p micro-batches, not m)");
-    }
-  }
-  for (int64_t smaller = b / 2; smaller >= 1; smaller /= 2) {
-    PartitionOptions alt = o;
-    alt.micro_batch_size = smaller;
-    alt.micro_batches = static_cast<int>(
-        std::min<int64_t>(int64_t{o.micro_batches} * b / smaller, std::numeric_limits<int>::max()));
-    if (fits(alt)) {
-      out.push_back(absl::StrCat("PartitionOptions.micro_batch_size = ", smaller,
-                                 ", PartitionOptions.micro_batches = ", alt.micro_batches,
-                                 " (same global batch)"));
-      break;
-    }
-  }
-  for (int pp = o.pp * 2; pp <= dev.count && pp <= model.num_layers(); pp *= 2) {
-    if (dev.count % pp != 0) break;
-    PartitionOptions alt = o;
-    alt.pp = pp;
-    alt.dp = dev.count / pp;
-    if (alt.schedule == ScheduleKind::kInterleaved && alt.micro_batches % pp != 0) break;
-    if (fits(alt)) {
-      out.push_back(absl::StrCat("PartitionOptions.pp = ", pp, ", PartitionOptions.dp = ", alt.dp));
-      break;
-    }
-  }
-  const int64_t min_devices = static_bytes / std::max<int64_t>(1, budget) +
-                              (static_bytes % std::max<int64_t>(1, budget) != 0);
-  if (out.empty()) {
-    out.push_back(absl::StrCat(
-        "weights, gradients and optimizer state alone need ", Bytes(static_bytes),
-        ", i.e. at "
-        "least ",
-        min_devices, " pipeline stages of ", Bytes(budget), " (", S,
-        " now): use more devices, more device memory, bf16/fp16 weights or a smaller model"));
-  }
-  return out;
-}
-
 }  // namespace
 
 absl::StatusOr<Plan> Partition(const ModelCosts& model, const DeviceSpec& dev,
@@ -615,7 +549,11 @@ absl::StatusOr<Plan> internal::Partition(const ModelCosts& model, const DeviceSp
   *shortfall = 0;
   PW_RETURN_IF_ERROR(ValidatePartitionOptions(model, dev, o));
   const int64_t b = o.micro_batch_size ? o.micro_batch_size : model.micro_batch_size;
-  const ModelCosts scaled = model.WithMicroBatchSize(b);
+  // One tensor-parallel device's share of the model at this micro-batch size.
+  PW_ASSIGN_OR_RETURN(
+      const TensorParallelCosts tpc,
+      ShardForTensorParallel(model.WithMicroBatchSize(b), dev, o.tp, o.sequence_parallel));
+  const ModelCosts& scaled = tpc.rank;
   ScheduleSpec spec{o.schedule, o.pp, o.micro_batches, o.chunks};
   PW_ASSIGN_OR_RETURN(Schedule sched, GenerateSchedule(spec));
   spec = sched.spec;  // zb-v's chunks = 2
@@ -631,10 +569,12 @@ absl::StatusOr<Plan> internal::Partition(const ModelCosts& model, const DeviceSp
                                                    " stages; a plan has at most ", kMaxPlanStages));
   }
   StageCosts c(scaled, dev, BytesPerParam(o.precision), PeakInflightPerStage(sched), spec.chunks,
-               SplitsBackward(sched), ZeroSharding{o.zero, o.dp});
+               SplitsBackward(sched), ZeroSharding{o.zero, o.dp}, &tpc);
   const double bottleneck = OptimalBottleneck(c, S, o.allow_recompute);
   Plan plan = EmptyPlan(scaled, dev, spec, o.dp, b);
   plan.zero = o.zero;
+  plan.tensor_parallel = o.tp;
+  plan.sequence_parallel = o.sequence_parallel;
   Split split;
   if (bottleneck == kInf) {
     split = LeastOverflow(c, S, o.allow_recompute);
@@ -665,7 +605,8 @@ absl::StatusOr<Plan> internal::Partition(const ModelCosts& model, const DeviceSp
     const int64_t all = c.params(0, L);
     const int64_t static_bytes = SatAdd(SatMul(all, c.param_bytes().weights),
                                         SatAdd(c.GradientBytes(all), c.OptimizerBytes(all)));
-    std::vector<std::string> ideas = Suggestions(model, dev, o, b, S, c.budget(), static_bytes);
+    std::vector<std::string> ideas =
+        internal::Suggestions(model, dev, o, b, S, c.budget(), static_bytes);
     return absl::FailedPreconditionError(
         absl::StrCat(message, ".\nwould fit: ", absl::StrJoin(ideas, "; or ")));
   }
@@ -686,12 +627,14 @@ absl::StatusOr<Plan> internal::Partition(const ModelCosts& model, const DeviceSp
 
 absl::Status Predict(const ModelCosts& model, const DeviceSpec& dev, Precision precision,
                      Plan& plan) {
-  const ModelCosts scaled = model.WithMicroBatchSize(plan.micro_batch_size);
+  PW_ASSIGN_OR_RETURN(const TensorParallelCosts tpc,
+                      ShardForTensorParallel(model.WithMicroBatchSize(plan.micro_batch_size), dev,
+                                             plan.tensor_parallel, plan.sequence_parallel));
   PW_ASSIGN_OR_RETURN(Schedule sched, GenerateSchedule(plan.schedule));
-  StageCosts c(scaled, dev, BytesPerParam(precision), PeakInflightPerStage(sched),
+  StageCosts c(tpc.rank, dev, BytesPerParam(precision), PeakInflightPerStage(sched),
                sched.spec.chunks, SplitsBackward(sched),
-               ZeroSharding{plan.zero, plan.data_parallel});
-  return PredictWith(c, scaled, dev, plan);
+               ZeroSharding{plan.zero, plan.data_parallel}, &tpc);
+  return PredictWith(c, tpc.rank, dev, plan);
 }
 
 absl::StatusOr<std::vector<RankMemory>> PredictRankMemory(const ModelCosts& model,

@@ -2,6 +2,7 @@
 // message names the field (Note [Field names in errors] in pipewright/train.h).
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -59,10 +60,23 @@ absl::Status ValidatePartitionOptions(const ModelCosts& model, const DeviceSpec&
         "PartitionOptions.zero = ", o.zero, " splits the optimizer state",
         o.zero == 2 ? " and the gradients" : "", " over PartitionOptions.dp >= 2 replicas"));
   }
-  if (int64_t{o.pp} * o.dp != dev.count) {
+  if (absl::Status s = CheckTensorParallel(model, dev, o.tp, o.sequence_parallel); !s.ok()) {
+    return s;
+  }
+  // pp x dp fits an int64 (two ints); a product that overflows is no device count either.
+  int64_t devices = 0;
+  if (__builtin_mul_overflow(int64_t{o.pp} * o.dp, int64_t{o.tp}, &devices)) devices = -1;
+  if (o.tp == 1 && devices != dev.count) {
     return absl::InvalidArgumentError(absl::StrCat(
         "PartitionOptions.pp = ", o.pp, " x PartitionOptions.dp = ", o.dp, " = ",
         int64_t{o.pp} * o.dp, " ranks, but there are ", dev.count, " devices (DeviceSpec.count)"));
+  }
+  if (devices != dev.count) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("PartitionOptions.pp = ", o.pp, " x PartitionOptions.dp = ", o.dp,
+                     " x PartitionOptions.tp = ", o.tp, " = ",
+                     devices < 0 ? std::string("more than 2^63") : absl::StrCat(devices),
+                     " devices, but there are ", dev.count, " (DeviceSpec.count)"));
   }
   if (o.micro_batch_size < 0) {
     return absl::InvalidArgumentError(

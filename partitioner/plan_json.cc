@@ -22,6 +22,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "partitioner/json_reader.h"
+#include "partitioner/partition_internal.h"
 #include "pipewright/input.h"
 #include "pipewright/plan.h"
 #include "pipewright/schedule.h"
@@ -257,10 +258,10 @@ void ReadLayers(const json& layers, ModelCosts& m, Problems& p) {
 }
 
 void ReadModel(const json& doc, ModelCosts& m, Problems& p) {
-  Fields top(
-      &doc, "",
-      {"format", "name", "fingerprint", "micro_batch_size", "seq_len", "input_bytes", "layers"}, p,
-      "model");
+  Fields top(&doc, "",
+             {"format", "name", "fingerprint", "micro_batch_size", "seq_len", "input_bytes",
+              "layers", "transformer"},
+             p, "model");
   if (!top.ok()) return;
   top.Format(kModelFormat);
   if (auto s = top.String("name")) m.name = *s;
@@ -272,6 +273,23 @@ void ReadModel(const json& doc, ModelCosts& m, Problems& p) {
   if (auto v = top.Int("seq_len", 1, kInt64Max)) m.seq_len = *v;
   if (auto v = top.Int("input_bytes", 0, kInt64Max)) m.input_bytes = *v;
   if (const json* layers = top.Array("layers")) ReadLayers(*layers, m, p);
+  if (top.Find("transformer") != nullptr) {
+    Fields t(top.Object("transformer"), "transformer", {"hidden", "heads", "ffn_hidden", "vocab"},
+             p);
+    TransformerShape shape;
+    std::optional<int64_t> dims[] = {t.Int("hidden", 1, kInt64Max), t.Int("heads", 1, kInt64Max),
+                                     t.Int("ffn_hidden", 1, kInt64Max),
+                                     t.Int("vocab", 1, kInt64Max)};
+    if (t.ok() && dims[0] && dims[1] && dims[2] && dims[3]) {
+      shape = {*dims[0], *dims[1], *dims[2], *dims[3]};
+      if (shape.hidden % shape.heads != 0) {
+        p.Add(
+            "transformer.heads",
+            absl::StrCat(shape.heads, " does not divide transformer.hidden (", shape.hidden, ")"));
+      }
+      m.transformer = shape;
+    }
+  }
 }
 
 // --- pipewright.plan/v1 ----------------------------------------------------------------------
@@ -461,8 +479,8 @@ void ReadStages(const json& stages, const StageContext& ctx, Plan& plan, Problem
 
 void ReadPlan(const json& doc, const ModelCosts* model, Plan& plan, Problems& p) {
   Fields top(&doc, "",
-             {"format", "model", "devices", "pipeline_parallel", "data_parallel", "zero",
-              "schedule", "stages", "predicted"},
+             {"format", "model", "devices", "pipeline_parallel", "data_parallel", "tensor_parallel",
+              "sequence_parallel", "zero", "schedule", "stages", "predicted"},
              p, "plan");
   if (!top.ok()) return;
   top.Format(kPlanFormat);
@@ -497,9 +515,35 @@ void ReadPlan(const json& doc, const ModelCosts* model, Plan& plan, Problems& p)
       }
     }
   }
-  if (ctx.pp && dp && count && *ctx.pp * *dp != *count) {
+  // Absent in plans written before tensor parallelism: 1 and false.
+  std::optional<int64_t> tp = 1;
+  if (top.Find("tensor_parallel") != nullptr) tp = top.Int("tensor_parallel", 1, kIntMax);
+  if (tp) plan.tensor_parallel = static_cast<int>(*tp);
+  if (const json* v = top.Find("sequence_parallel")) {
+    if (!v->is_boolean()) {
+      p.Add("sequence_parallel", absl::StrCat("must be true or false, got ", Describe(*v)));
+    } else {
+      plan.sequence_parallel = v->get<bool>();
+      if (plan.sequence_parallel && tp && *tp < 2) {
+        p.Add("sequence_parallel",
+              "true splits activations along the sequence over the "
+              "tensor-parallel group: it needs tensor_parallel >= 2");
+      }
+    }
+  }
+  if (ctx.pp && dp && tp && count && *tp == 1 && *ctx.pp * *dp != *count) {
     p.Add("pipeline_parallel", absl::StrCat(*ctx.pp, " x data_parallel ", *dp, " = ", *ctx.pp * *dp,
                                             " ranks but devices.count is ", *count));
+  } else if (ctx.pp && dp && tp && count && *tp > 1) {
+    // Three ints: the product can pass 2^63, and is then no device count either.
+    int64_t devices = 0;
+    const bool overflow = __builtin_mul_overflow(*ctx.pp * *dp, *tp, &devices);
+    if (overflow || devices != *count) {
+      p.Add("pipeline_parallel",
+            absl::StrCat(*ctx.pp, " x data_parallel ", *dp, " x tensor_parallel ", *tp, " = ",
+                         overflow ? std::string("more than 2^63") : absl::StrCat(devices),
+                         " devices but devices.count is ", *count));
+    }
   }
 
   Fields sj(top.Object("schedule"), "schedule",
@@ -570,6 +614,21 @@ void ReadPlan(const json& doc, const ModelCosts* model, Plan& plan, Problems& p)
   if (auto v = pj.Number("lower_bound_gap")) pred.lower_bound_gap = *v;
 
   if (model != nullptr) {
+    if (tp && *tp > 1 && !model->transformer) {
+      p.Add("tensor_parallel", absl::StrCat(*tp,
+                                            " but the model's layer graph has no transformer "
+                                            "shape (heads, hidden size, vocabulary) to split"));
+    } else if (tp && *tp > 1) {
+      if (std::string problem = TensorParallelShapeProblem(*model->transformer, *tp);
+          !problem.empty()) {
+        p.Add("tensor_parallel", absl::StrCat(*tp, " ", problem));
+      } else if (plan.sequence_parallel && model->seq_len % *tp != 0) {
+        p.Add("sequence_parallel",
+              absl::StrCat("true splits the sequence over tensor_parallel ", *tp,
+                           " devices, which does not divide the model's sequence length ",
+                           model->seq_len));
+      }
+    }
     if (name && *name != model->name) {
       p.Add("model.name", absl::StrCat("the plan is for ", Quote(*name), " but the model is ",
                                        Quote(model->name)));
@@ -615,6 +674,12 @@ std::string ModelCostsToJson(const ModelCosts& model) {
     layers.push_back(std::move(o));
   }
   j["layers"] = std::move(layers);
+  if (const std::optional<TransformerShape>& t = model.transformer) {
+    j["transformer"] = {{"hidden", t->hidden},
+                        {"heads", t->heads},
+                        {"ffn_hidden", t->ffn_hidden},
+                        {"vocab", t->vocab}};
+  }
   return Dump(j);
 }
 
@@ -635,6 +700,10 @@ std::string PlanToJson(const Plan& plan) {
   j["devices"] = {{"count", plan.devices}, {"memory_bytes", plan.device_memory_bytes}};
   j["pipeline_parallel"] = plan.pipeline_parallel;
   j["data_parallel"] = plan.data_parallel;
+  // Written when not the default (like zero), so that a plan without tensor parallelism is the
+  // same file it was before, and reads in builds that predate the keys.
+  if (plan.tensor_parallel != 1) j["tensor_parallel"] = plan.tensor_parallel;
+  if (plan.sequence_parallel) j["sequence_parallel"] = true;
   if (plan.zero != 0) j["zero"] = plan.zero;
   j["schedule"] = {{"kind", ScheduleKindName(plan.schedule.kind)},
                    {"micro_batches", plan.schedule.micro_batches},

@@ -33,6 +33,22 @@ std::vector<Choice> Schedules(const SearchOptions& o, int pp) {
   return all;
 }
 
+// The (tp, sequence_parallel) pairs to try: every divisor of the devices that the model and the
+// node allow (or the fixed one), sequence parallelism off and on where tp >= 2 (or as fixed).
+std::vector<std::pair<int, bool>> TensorParallelChoices(const ModelCosts& model,
+                                                        const DeviceSpec& dev,
+                                                        const SearchOptions& o) {
+  std::vector<std::pair<int, bool>> out;
+  for (int tp = 1; tp <= dev.count && tp <= std::max(1, dev.devices_per_node); ++tp) {
+    if (dev.count % tp != 0 || (o.tp && *o.tp != tp)) continue;
+    for (bool sp : {false, true}) {
+      if (o.sequence_parallel && *o.sequence_parallel != sp) continue;
+      if (CheckTensorParallel(model, dev, tp, sp).ok()) out.emplace_back(tp, sp);
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 absl::StatusOr<SearchResult> SearchPlans(const ModelCosts& model, const DeviceSpec& dev,
@@ -49,77 +65,100 @@ absl::StatusOr<SearchResult> SearchPlans(const ModelCosts& model, const DeviceSp
     return absl::InvalidArgumentError(
         absl::StrCat("SearchOptions.zero = ", *o.zero, ": must be 0, 1 or 2"));
   }
+  if (o.tp) {
+    // A fixed degree is checked here, so that its error names what is wrong with it; searched
+    // degrees that the model or node rule out are skipped.
+    PW_RETURN_IF_ERROR(CheckTensorParallel(model, dev, *o.tp, o.sequence_parallel.value_or(false)));
+    if (dev.count % *o.tp != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("SearchOptions.tp = ", *o.tp,
+                                                     " does not divide the ", dev.count,
+                                                     " devices (DeviceSpec.count)"));
+    }
+  }
+  const std::vector<std::pair<int, bool>> tp_choices = TensorParallelChoices(model, dev, o);
+  if (tp_choices.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "SearchOptions.sequence_parallel needs a tensor-parallel degree >= 2, and none divides "
+        "the ",
+        dev.count, " devices, fits DeviceSpec.devices_per_node (", dev.devices_per_node,
+        ") and splits ", model.name,
+        model.transformer ? "" : " (its layer graph has no transformer shape)"));
+  }
   SearchResult result;
   // Why each infeasible candidate did not fit, by shortfall in bytes.
   std::vector<std::pair<int64_t, std::string>> misses;
   std::string last_invalid;
-  for (int pp = 1; pp <= dev.count; ++pp) {
-    if (dev.count % pp != 0 || (o.pp && *o.pp != pp)) continue;
-    const int dp = dev.count / pp;
-    if (o.dp && *o.dp != dp) continue;
-    if (pp > model.num_layers()) continue;
-    if (G % dp != 0) {
-      last_invalid = absl::StrCat("the global batch ", G, " is not divisible by dp ", dp);
-      continue;
-    }
-    for (int64_t b = 1; b <= G / dp; ++b) {
-      if ((G / dp) % b != 0 || (o.micro_batch_size && *o.micro_batch_size != b)) continue;
-      const int64_t m = G / dp / b;
-      if (m > (int64_t{1} << 20)) continue;
-      for (const Choice& ch : Schedules(o, pp))
-        for (int zero : {0, 1, 2}) {
-          if (o.zero && *o.zero != zero) continue;
-          if (zero >= 1 && dp < 2) {
-            if (o.zero) {
-              last_invalid = absl::StrCat("SearchOptions.zero = ", zero,
-                                          " needs dp >= 2: it splits the optimizer state",
-                                          zero == 2 ? " and the gradients" : "");
+  for (const auto& [tp, sp] : tp_choices)
+    for (int pp = 1; pp <= dev.count / tp; ++pp) {
+      if ((dev.count / tp) % pp != 0 || (o.pp && *o.pp != pp)) continue;
+      const int dp = dev.count / tp / pp;
+      if (o.dp && *o.dp != dp) continue;
+      if (pp > model.num_layers()) continue;
+      if (G % dp != 0) {
+        last_invalid = absl::StrCat("the global batch ", G, " is not divisible by dp ", dp);
+        continue;
+      }
+      for (int64_t b = 1; b <= G / dp; ++b) {
+        if ((G / dp) % b != 0 || (o.micro_batch_size && *o.micro_batch_size != b)) continue;
+        const int64_t m = G / dp / b;
+        if (m > (int64_t{1} << 20)) continue;
+        for (const Choice& ch : Schedules(o, pp))
+          for (int zero : {0, 1, 2}) {
+            if (o.zero && *o.zero != zero) continue;
+            if (zero >= 1 && dp < 2) {
+              if (o.zero) {
+                last_invalid = absl::StrCat("SearchOptions.zero = ", zero,
+                                            " needs dp >= 2: it splits the optimizer state",
+                                            zero == 2 ? " and the gradients" : "");
+              }
+              continue;
             }
-            continue;
+            PartitionOptions po;
+            po.pp = pp;
+            po.dp = dp;
+            po.zero = zero;
+            po.tp = tp;
+            po.sequence_parallel = sp;
+            po.schedule = ch.kind;
+            po.chunks = ch.chunks;
+            po.micro_batches = static_cast<int>(m);
+            po.micro_batch_size = b;
+            po.precision = o.precision;
+            po.allow_recompute = o.allow_recompute;
+            po.suggest = false;
+            // Configurations the schedule or the layer count rule out are not candidates.
+            absl::StatusOr<Schedule> sched =
+                GenerateSchedule({ch.kind, pp, static_cast<int>(m), ch.chunks});
+            if (!sched.ok()) {
+              last_invalid = std::string(sched.status().message());
+              continue;
+            }
+            if (sched->num_stages > model.num_layers() || sched->num_stages > kMaxPlanStages) {
+              continue;
+            }
+            ++result.candidates;
+            int64_t shortfall = 0;
+            absl::StatusOr<Plan> plan = internal::Partition(model, dev, po, &shortfall);
+            if (plan.ok()) {
+              ++result.feasible;
+              result.best.push_back(*std::move(plan));
+            } else if (plan.status().code() == absl::StatusCode::kFailedPrecondition) {
+              misses.emplace_back(
+                  shortfall,
+                  absl::StrCat("pp=", pp, " dp=", dp, tp > 1 ? absl::StrCat(" tp=", tp) : "",
+                               sp ? " sp" : "", zero ? absl::StrCat(" zero=", zero) : "", " b=", b,
+                               " m=", m, " ", ScheduleKindName(ch.kind), ": ",
+                               plan.status().message()));
+            } else {
+              return plan.status();
+            }
           }
-          PartitionOptions po;
-          po.pp = pp;
-          po.dp = dp;
-          po.zero = zero;
-          po.schedule = ch.kind;
-          po.chunks = ch.chunks;
-          po.micro_batches = static_cast<int>(m);
-          po.micro_batch_size = b;
-          po.precision = o.precision;
-          po.allow_recompute = o.allow_recompute;
-          po.suggest = false;
-          // Configurations the schedule or the layer count rule out are not candidates.
-          absl::StatusOr<Schedule> sched =
-              GenerateSchedule({ch.kind, pp, static_cast<int>(m), ch.chunks});
-          if (!sched.ok()) {
-            last_invalid = std::string(sched.status().message());
-            continue;
-          }
-          if (sched->num_stages > model.num_layers() || sched->num_stages > kMaxPlanStages) {
-            continue;
-          }
-          ++result.candidates;
-          int64_t shortfall = 0;
-          absl::StatusOr<Plan> plan = internal::Partition(model, dev, po, &shortfall);
-          if (plan.ok()) {
-            ++result.feasible;
-            result.best.push_back(*std::move(plan));
-          } else if (plan.status().code() == absl::StatusCode::kFailedPrecondition) {
-            misses.emplace_back(
-                shortfall,
-                absl::StrCat("pp=", pp, " dp=", dp, zero ? absl::StrCat(" zero=", zero) : "",
-                             " b=", b, " m=", m, " ", ScheduleKindName(ch.kind), ": ",
-                             plan.status().message()));
-          } else {
-            return plan.status();
-          }
-        }
+      }
     }
-  }
   if (result.best.empty()) {
     if (result.candidates == 0) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "no pp x dp x micro-batch x schedule combination is possible for ", dev.count,
+          "no pp x dp x tp x micro-batch x schedule combination is possible for ", dev.count,
           " devices, global batch ", G, " and ", model.num_layers(), " layers",
           last_invalid.empty() ? "" : absl::StrCat(" (", last_invalid, ")")));
     }

@@ -31,9 +31,11 @@ struct PlanFlags {
   int devices = 1;
   std::string device_memory = "80GiB", reserve = "0";
   int pp = 0, dp = 0, chunks = 0, zero = -1;  // zero -1: try 0, 1 and 2
+  int tp = 0, devices_per_node = 8;           // tp 0: try every degree
+  std::string sequence_parallel;              // "on", "off" or "" (try both)
   std::string schedule, precision = "fp32";
   int64_t micro_batch_size = 0, micro_batches = 0, global_batch = 0;
-  double tflops = 100, link_gbps = 25, latency_us = 10, hbm_gbps = 2000;
+  double tflops = 100, link_gbps = 25, latency_us = 10, hbm_gbps = 2000, tp_gbps = 450;
   bool no_recompute = false, json = false;
 };
 
@@ -41,7 +43,14 @@ absl::StatusOr<ModelCosts> LoadModel(const PlanFlags& f) {
   if (f.model.empty() == f.preset.empty()) {
     return absl::InvalidArgumentError("give exactly one of --model FILE and --preset NAME");
   }
-  if (!f.preset.empty()) return PresetModelCosts(f.preset, 0);  // with its LM-head tie
+  if (!f.preset.empty()) {
+    PW_ASSIGN_OR_RETURN(ModelCosts m, PresetModelCosts(f.preset, 0));  // with its LM-head tie
+    // A GPT preset's shape, for tensor parallelism (a --model file carries its own).
+    if (absl::StatusOr<GptConfig> c = PresetGptConfig(f.preset); c.ok()) {
+      m.transformer = TransformerShape{c->hidden, c->heads, 4 * c->hidden, c->vocab};
+    }
+    return m;
+  }
   PW_ASSIGN_OR_RETURN(std::string text, ReadJsonFile(f.model, "--model"));
   absl::StatusOr<ModelCosts> m = ModelCostsFromJson(text);
   if (!m.ok()) {
@@ -53,6 +62,8 @@ absl::StatusOr<ModelCosts> LoadModel(const PlanFlags& f) {
 json PlanRow(const Plan& p) {
   return {{"pipeline_parallel", p.pipeline_parallel},
           {"data_parallel", p.data_parallel},
+          {"tensor_parallel", p.tensor_parallel},
+          {"sequence_parallel", p.sequence_parallel},
           {"zero", p.zero},
           {"schedule", ScheduleKindName(p.schedule.kind)},
           {"chunks", p.schedule.chunks},
@@ -69,17 +80,18 @@ json PlanRow(const Plan& p) {
 
 void PrintTable(const std::vector<Plan>& plans) {
   std::printf(
-      "  #   pp  dp zero  schedule     v     b      m    step time   bubble   peak memory  "
+      "  #   pp  dp  tp sp zero  schedule     v     b      m    step time   bubble   peak memory  "
       "bottleneck  gap to bound\n");
   for (size_t i = 0; i < plans.size(); ++i) {
     const Plan& p = plans[i];
-    std::printf("  %-3zu %3d %3d %4d  %-11s %2d %5lld %6d %12s %7.1f%% %13s  stage %-4d %8.1f%%\n",
-                i + 1, p.pipeline_parallel, p.data_parallel, p.zero,
-                ScheduleKindName(p.schedule.kind), p.schedule.chunks,
-                static_cast<long long>(p.micro_batch_size), p.schedule.micro_batches,
-                HumanSeconds(p.predicted.step_time_s).c_str(), 100 * p.predicted.bubble_fraction,
-                HumanBytes(p.predicted.peak_memory_bytes).c_str(), p.predicted.bottleneck_stage,
-                100 * p.predicted.lower_bound_gap);
+    std::printf(
+        "  %-3zu %3d %3d %3d %2s %4d  %-11s %2d %5lld %6d %12s %7.1f%% %13s  stage %-4d %8.1f%%\n",
+        i + 1, p.pipeline_parallel, p.data_parallel, p.tensor_parallel,
+        p.sequence_parallel ? "on" : "-", p.zero, ScheduleKindName(p.schedule.kind),
+        p.schedule.chunks, static_cast<long long>(p.micro_batch_size), p.schedule.micro_batches,
+        HumanSeconds(p.predicted.step_time_s).c_str(), 100 * p.predicted.bubble_fraction,
+        HumanBytes(p.predicted.peak_memory_bytes).c_str(), p.predicted.bottleneck_stage,
+        100 * p.predicted.lower_bound_gap);
   }
 }
 
@@ -127,11 +139,27 @@ int RunPlan(const PlanFlags& f) {
   dev.link_bandwidth = f.link_gbps * 1e9;
   dev.link_latency_s = f.latency_us * 1e-6;
   dev.memory_bandwidth = f.hbm_gbps * 1e9;
+  dev.devices_per_node = f.devices_per_node;
+  dev.tp_bandwidth = f.tp_gbps * 1e9;
   SearchOptions o;
   if (f.pp) o.pp = f.pp;
   if (f.dp) o.dp = f.dp;
-  if (f.pp && !f.dp) o.dp = f.devices / f.pp;
-  if (f.dp && !f.pp) o.pp = f.devices / f.dp;
+  if (f.tp) o.tp = f.tp;
+  if (!f.sequence_parallel.empty()) o.sequence_parallel = f.sequence_parallel == "on";
+  // Two of pp, dp and tp given fix the third (a divisor of the devices, checked below); with
+  // --micro-batches and one of --pp / --dp, tp is --tp or 1, so that dp is known.
+  const int64_t tp_or_1 = f.tp ? f.tp : 1;
+  if (f.pp && f.dp && !f.tp && f.devices % (int64_t{f.pp} * f.dp) == 0) {
+    o.tp = static_cast<int>(f.devices / (int64_t{f.pp} * f.dp));
+  }
+  if (f.pp && !f.dp && (f.tp || f.micro_batches)) {
+    o.dp = static_cast<int>(f.devices / (f.pp * tp_or_1));
+    o.tp = static_cast<int>(tp_or_1);
+  }
+  if (f.dp && !f.pp && (f.tp || f.micro_batches)) {
+    o.pp = static_cast<int>(f.devices / (f.dp * tp_or_1));
+    o.tp = static_cast<int>(tp_or_1);
+  }
   if (f.chunks) o.chunks = f.chunks;
   if (f.micro_batch_size) o.micro_batch_size = f.micro_batch_size;
   if (!f.schedule.empty()) {
@@ -163,9 +191,10 @@ int RunPlan(const PlanFlags& f) {
     // Default: eight micro-batches of the model's size per device, enough to fill a pipeline.
     o.global_batch = int64_t{f.devices} * 8 * model->micro_batch_size;
   }
-  if (o.pp && o.dp && int64_t{*o.pp} * *o.dp != f.devices) {
+  if (o.pp && o.dp && int64_t{*o.pp} * *o.dp * o.tp.value_or(1) != f.devices) {
     return ReportError(absl::InvalidArgumentError(
-        absl::StrCat("--pp ", *o.pp, " x --dp ", *o.dp, " must equal --devices ", f.devices)));
+        absl::StrCat("--pp ", *o.pp, " x --dp ", *o.dp, f.tp ? absl::StrCat(" x --tp ", f.tp) : "",
+                     " must equal --devices ", f.devices)));
   }
   absl::StatusOr<SearchResult> r = SearchPlans(*model, dev, o);
   if (!r.ok()) {
@@ -206,10 +235,14 @@ int RunPlan(const PlanFlags& f) {
       static_cast<long long>(best.global_batch()), r->candidates, r->feasible, r->best.size());
   PrintTable(r->best);
   const std::string zero = best.zero ? absl::StrCat(" zero=", best.zero) : "";
+  const std::string tp =
+      best.tensor_parallel > 1
+          ? absl::StrCat(" tp=", best.tensor_parallel, best.sequence_parallel ? " sp" : "")
+          : "";
   std::printf(
-      "best: pp=%d dp=%d%s %s, %d x %lld per replica: %s per step, %.4g samples/s, "
+      "best: pp=%d dp=%d%s%s %s, %d x %lld per replica: %s per step, %.4g samples/s, "
       "lower bound %s (gap %.1f%%)\n",
-      best.pipeline_parallel, best.data_parallel, zero.c_str(),
+      best.pipeline_parallel, best.data_parallel, tp.c_str(), zero.c_str(),
       ScheduleKindName(best.schedule.kind), best.schedule.micro_batches,
       static_cast<long long>(best.micro_batch_size),
       HumanSeconds(best.predicted.step_time_s).c_str(), best.predicted.samples_per_s,
@@ -254,17 +287,29 @@ absl::StatusOr<int64_t> ParseByteSize(const std::string& text) {
 void RegisterPlan(CLI::App& app, int* exit_code) {
   auto f = std::make_shared<PlanFlags>();
   CLI::App* cmd = app.add_subcommand(
-      "plan", "Partition a model over devices: search pp x dp, micro-batch size and schedule");
+      "plan", "Partition a model over devices: search pp x dp x tp, micro-batch size and schedule");
   cmd->add_option("--model", f->model, "Layer graph JSON (pipewright model -o)");
   cmd->add_option("--preset", f->preset, "A built-in model instead of --model");
-  AddInt(cmd, "--devices", &f->devices, {1, kMaxParallel}, "Number of devices (pp x dp)")
+  AddInt(cmd, "--devices", &f->devices, {1, kMaxParallel}, "Number of devices (pp x dp x tp)")
       ->required();
   AddByteSize(cmd, "--device-memory", &f->device_memory, {1, kMaxDeviceBytes},
               "Memory per device, e.g. 80GiB");
   AddByteSize(cmd, "--reserve", &f->reserve, {0, kMaxDeviceBytes},
               "Memory kept free per device, e.g. 2GiB");
   AddInt(cmd, "--pp", &f->pp, {1, kMaxParallel}, "Pipeline stages (default: try every divisor)");
-  AddInt(cmd, "--dp", &f->dp, {1, kMaxParallel}, "Data-parallel replicas (default: devices / pp)");
+  AddInt(cmd, "--dp", &f->dp, {1, kMaxParallel},
+         "Data-parallel replicas (default: devices / (pp x tp))");
+  AddInt(cmd, "--tp", &f->tp, {1, kMaxParallel},
+         "Tensor-parallel degree, inside a node (default: try every degree that divides the "
+         "devices, the heads, hidden size and vocabulary, up to --devices-per-node)");
+  AddInt(cmd, "--devices-per-node", &f->devices_per_node, {1, kMaxParallel},
+         "Devices per node: the largest tensor-parallel group (default 8)");
+  AddReal(cmd, "--tp-bandwidth", &f->tp_gbps, RealRange::LeftOpen(0, 1e9),
+          "Tensor-parallel collectives' bus bandwidth in GB/s per device, inside a node "
+          "(default 450: H100 NVLink 4, per direction)");
+  cmd->add_option("--sequence-parallel", f->sequence_parallel,
+                  "on|off: sequence parallelism with tp >= 2 (default: try both)")
+      ->check(CLI::IsMember({"on", "off"}));
   cmd->add_option("--schedule", f->schedule,
                   "gpipe|1f1b|interleaved|zb-h1|zb-v|dualpipev (default: all but dualpipev)")
       ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"}));

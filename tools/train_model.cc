@@ -206,6 +206,12 @@ absl::StatusOr<LoadedModel> LoadModel(const TrainFlags& f) {
   if (!plan.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(f.plan, ":\n", plan.status().message()));
   }
+  if (plan->tensor_parallel > 1) {
+    // The planner plans tensor parallelism (docs/plan.md); the engine does not run it yet.
+    return absl::InvalidArgumentError(
+        absl::StrCat(f.plan, ": tensor_parallel ", plan->tensor_parallel,
+                     ": this build's runtime trains tensor_parallel 1 only (plan with --tp 1)"));
+  }
   const std::string preset = f.given.count("--preset") > 0 ? f.preset : plan->model_name;
   const std::vector<std::string>& runnable = TrainablePresets();
   if (std::find(runnable.begin(), runnable.end(), preset) == runnable.end()) {

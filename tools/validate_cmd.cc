@@ -39,12 +39,13 @@ int InputError(const ValidateFlags& f, const absl::Status& status) {
 std::string Summary(const std::string& path, const Plan& p) {
   std::string schedule = ScheduleKindName(p.schedule.kind);
   if (p.schedule.chunks > 1) absl::StrAppend(&schedule, " v=", p.schedule.chunks);
-  return absl::StrCat(path, ": valid: ", p.model_name, ", ", p.num_layers,
-                      " layers, pp=", p.pipeline_parallel, " dp=", p.data_parallel,
-                      p.zero ? absl::StrCat(" zero=", p.zero) : "", " ", schedule, ", ",
-                      p.schedule.micro_batches,
-                      p.schedule.micro_batches == 1 ? " micro-batch x " : " micro-batches x ",
-                      p.micro_batch_size, ", ", p.stages.size(), " stages");
+  return absl::StrCat(
+      path, ": valid: ", p.model_name, ", ", p.num_layers, " layers, pp=", p.pipeline_parallel,
+      " dp=", p.data_parallel, p.tensor_parallel > 1 ? absl::StrCat(" tp=", p.tensor_parallel) : "",
+      p.sequence_parallel ? " sp" : "", p.zero ? absl::StrCat(" zero=", p.zero) : "", " ", schedule,
+      ", ", p.schedule.micro_batches,
+      p.schedule.micro_batches == 1 ? " micro-batch x " : " micro-batches x ", p.micro_batch_size,
+      ", ", p.stages.size(), " stages");
 }
 
 int RunValidate(const ValidateFlags& f) {

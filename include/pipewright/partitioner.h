@@ -38,6 +38,14 @@ struct DeviceSpec {
   // inefficiency): what makes tiny micro-batches slower than their FLOPs. Profiled times
   // already include it.
   double layer_overhead_s = 20e-6;
+  // Tensor parallelism's collectives run inside a node (docs/memory.md, "Tensor parallelism"):
+  // a tensor-parallel group is at most devices_per_node devices, and its ring all-reduces,
+  // reduce-scatters and all-gathers move their bytes at tp_bandwidth (bytes per second per
+  // device, NCCL's "bus bandwidth": an H100 SXM's NVLink 4 carries 450 GB/s each way) with
+  // tp_latency_s per ring step. Data-parallel and pipeline traffic stay on link_bandwidth.
+  int devices_per_node = 8;
+  double tp_bandwidth = 450e9;
+  double tp_latency_s = 5e-6;
 };
 
 // Bytes per parameter on a stage's device (docs/memory.md).
@@ -102,6 +110,11 @@ struct PartitionOptions {
   // ZeRO (ZeroSharding): 1 splits each stage's optimizer state over the dp replicas, 2 its
   // gradients too (dp >= 2 for either).
   int zero = 0;
+  // Tensor parallelism (Plan::tensor_parallel, sequence_parallel): pp x dp x tp = devices.count;
+  // tp divides the model's heads, hidden and MLP sizes and vocabulary and is at most
+  // DeviceSpec::devices_per_node (CheckTensorParallel).
+  int tp = 1;
+  bool sequence_parallel = false;
   bool allow_recompute = true;  // recompute a stage when (and only when) it does not fit without
   // When nothing fits, partition alternatives (recomputation, 1f1b, smaller micro-batches, more
   // stages) and name those that would fit in the error.
@@ -136,7 +149,8 @@ std::vector<int> PeakInflightPerStage(const Schedule& schedule);
 absl::StatusOr<Plan> Partition(const ModelCosts& model, const DeviceSpec& devices,
                                const PartitionOptions& options);
 // What Partition checks first: a model with layers, devices with positive counts, memory,
-// throughputs and bandwidths, pp, dp >= 1 with pp x dp = devices.count, zero 0, 1 or 2 (1 and 2
+// throughputs and bandwidths, pp, dp >= 1 with pp x dp x tp = devices.count, a tp that
+// CheckTensorParallel accepts, zero 0, 1 or 2 (1 and 2
 // with dp >= 2), micro_batch_size >= 0. InvalidArgument naming the field otherwise
 // (`PartitionOptions.pp = 0`, `DeviceSpec.memory_bytes`, `PartitionOptions.zero = 3`;
 // Note [Field names in errors] in train.h).
@@ -205,8 +219,11 @@ absl::StatusOr<ModelCosts> CalibrateModelCosts(const ModelCosts& model, const De
 
 struct SearchOptions {
   int64_t global_batch = 0;  // sequences per step; 0: devices * the model's micro-batch size
-  // Fixed choices; unset means "try every value".
-  std::optional<int> pp, dp, chunks;
+  // Fixed choices; unset means "try every value". tp: every divisor of the devices that
+  // CheckTensorParallel accepts (1 for a model without a TransformerShape); sequence_parallel:
+  // both where tp >= 2.
+  std::optional<int> pp, dp, chunks, tp;
+  std::optional<bool> sequence_parallel;
   // ZeRO stage (Plan::zero: 0, 1 or 2); unset: all three where dp >= 2, 0 otherwise.
   std::optional<int> zero;
   std::optional<ScheduleKind> schedule;
@@ -223,12 +240,46 @@ struct SearchResult {
   std::vector<std::string> infeasible;  // why the closest misses did not fit (a few)
 };
 
-// Tries every pp x dp = devices.count, micro-batch sizes b with dp * b dividing the global
+// Tries every pp x dp x tp = devices.count, sequence parallelism on and off where tp >= 2,
+// micro-batch sizes b with dp * b dividing the global
 // batch, the schedules (gpipe, 1f1b, interleaved with 2 chunks, zb-h1, zb-v) and, where dp >= 2,
 // ZeRO 0, 1 and 2, each partitioned optimally; fastest first, equal times by less memory. An error
 // when no combination fits, with the closest shortfall.
 absl::StatusOr<SearchResult> SearchPlans(const ModelCosts& model, const DeviceSpec& devices,
                                          const SearchOptions& options);
+
+// ---------------------------------------------------------------------------------------------
+// Tensor parallelism (docs/memory.md, "Tensor parallelism"; partitioner/tensor_parallel.cc).
+
+// Whether `model` can be split over tp devices of `devices`: tp >= 1, at most
+// DeviceSpec::devices_per_node, and for tp >= 2 a model with a TransformerShape whose heads,
+// hidden size, MLP hidden size and vocabulary tp divides; sequence_parallel needs tp >= 2.
+// InvalidArgument naming the field (`PartitionOptions.tp = 3 does not divide the model's 8
+// attention heads`).
+absl::Status CheckTensorParallel(const ModelCosts& model, const DeviceSpec& devices, int tp,
+                                 bool sequence_parallel);
+
+// Seconds of one ring collective over a tensor-parallel group of tp devices on a buffer of
+// `bytes` (what each device holds before a reduce-scatter or after an all-gather):
+// all-reduce 2 (tp - 1)/tp x bytes / tp_bandwidth + 2 (tp - 1) x tp_latency_s, reduce-scatter
+// and all-gather half of it. 0 for tp = 1.
+enum class TpCollective { kAllReduce, kReduceScatter, kAllGather };
+double TensorParallelCollectiveSeconds(TpCollective kind, double bytes, int tp,
+                                       const DeviceSpec& devices);
+
+// One tensor-parallel device's view of a model: every layer's parameters, FLOPs (and measured
+// times), saved and output bytes as one of the tp devices holds and computes them, and the
+// seconds its layers' tensor-parallel collectives add to their forward and backward (not
+// overlapped with compute, Megatron-LM's default). tp = 1 returns the model unchanged and no
+// communication. The model's costs are at the micro-batch size they are given at.
+struct TensorParallelCosts {
+  ModelCosts rank;                      // per device
+  std::vector<double> forward_comm_s;   // per layer, seconds per micro-batch
+  std::vector<double> backward_comm_s;  // per layer
+};
+absl::StatusOr<TensorParallelCosts> ShardForTensorParallel(const ModelCosts& model,
+                                                           const DeviceSpec& devices, int tp,
+                                                           bool sequence_parallel);
 
 }  // namespace pipewright
 

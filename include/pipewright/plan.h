@@ -74,6 +74,18 @@ struct LayerCost {
   std::string tied_to;
 };
 
+// The dimensions tensor parallelism splits (Megatron-LM: attention heads and the MLP hidden size
+// column-wise, the vocabulary of the embedding, LM head and loss), for a GPT layer graph: an
+// embedding, transformer blocks, a final LayerNorm, an LM head and a cross-entropy loss
+// (docs/memory.md, "Tensor parallelism"). A layer graph without it can be planned at tensor
+// parallel degree 1 only.
+struct TransformerShape {
+  int64_t hidden = 0;      // h
+  int64_t heads = 0;       // a
+  int64_t ffn_hidden = 0;  // the MLP's inner size (4h in a GPT)
+  int64_t vocab = 0;       // V
+};
+
 struct ModelCosts {
   std::string name;
   std::string fingerprint;  // LayerGraph::Fingerprint() of the model these costs describe
@@ -81,6 +93,8 @@ struct ModelCosts {
   int64_t seq_len = 1;
   int64_t input_bytes = 0;  // bytes of one micro-batch's input to layer 0 (token ids)
   std::vector<LayerCost> layers;
+  // Optional in the JSON ("transformer"): what tensor parallelism splits.
+  std::optional<TransformerShape> transformer;
 
   int num_layers() const { return static_cast<int>(layers.size()); }
   int64_t UniqueParams() const;  // parameters not tied to an earlier layer
@@ -133,6 +147,14 @@ struct Plan {
   // over its data_parallel replicas; 2 splits its gradients too (reduce-scattered every
   // micro-batch). Optional in the JSON ("zero", default 0); 1 and 2 need data_parallel >= 2.
   int zero = 0;
+  // Tensor parallelism (Megatron-LM): each of the pipeline_parallel x data_parallel ranks is a
+  // group of tensor_parallel devices that split every layer's heads, MLP hidden size and
+  // vocabulary; sequence_parallel also splits the LayerNorm and residual regions along the
+  // sequence. Optional in the JSON ("tensor_parallel", default 1; "sequence_parallel", default
+  // false, true only with tensor_parallel >= 2). devices = pipeline_parallel x data_parallel x
+  // tensor_parallel, and every predicted figure is one device's.
+  int tensor_parallel = 1;
+  bool sequence_parallel = false;
   ScheduleSpec schedule;          // kind, ranks (= pipeline_parallel), micro_batches, chunks
   int64_t micro_batch_size = 1;   // sequences per micro-batch
   std::vector<PlanStage> stages;  // model order; pipeline_parallel * chunks of them

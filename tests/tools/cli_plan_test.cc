@@ -444,4 +444,63 @@ TEST(CliCalibrate, ARunOutputThatDoesNotFitIsRefusedByName) {
   EXPECT_EQ(direct.exit_code, 0) << direct.err;
 }
 
+// Tensor parallelism (docs/plan.md, "Tensor parallelism"): searched and shown, written to the
+// plan, validated, and refused by this build's `train` with the field named.
+TEST(CliPlan, TensorParallelismIsPlannedShownAndRefusedByTrain) {
+  const std::string plan = TempPath("plan_tp_" + std::to_string(getpid()) + ".json");
+  Result r =
+      RunCli("plan --preset gpt-small --devices 4 --tp 2 --device-memory 1GiB --json -o " + plan);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  json j = json::parse(r.out, nullptr, false);
+  ASSERT_TRUE(j.is_object()) << r.out;
+  ASSERT_FALSE(j["best"].empty());
+  for (const json& row : j["best"]) {
+    EXPECT_EQ(row["tensor_parallel"], 2);
+    EXPECT_EQ(row["pipeline_parallel"].get<int>() * row["data_parallel"].get<int>(), 2);
+    EXPECT_TRUE(row["sequence_parallel"].is_boolean());
+  }
+  json pj = ReadJson(plan);
+  EXPECT_EQ(pj["tensor_parallel"], 2);
+  EXPECT_EQ(pj["devices"]["count"], 4);
+  Result v = RunCli("validate " + plan);
+  EXPECT_EQ(v.exit_code, 0) << v.err;
+  EXPECT_NE(v.out.find(" tp=2"), std::string::npos) << v.out;
+  Result t = RunCli("train --plan " + plan + " --steps 1");
+  EXPECT_EQ(t.exit_code, 2) << t.err;
+  EXPECT_NE(t.err.find("tensor_parallel 2: this build's runtime trains tensor_parallel 1 only"),
+            std::string::npos)
+      << t.err;
+  // The human table has a tp column; the default search tries tp too.
+  Result human = RunCli("plan --preset gpt-small --devices 4 --device-memory 1GiB");
+  ASSERT_EQ(human.exit_code, 0) << human.err;
+  EXPECT_NE(human.out.find("  pp  dp  tp sp zero"), std::string::npos) << human.out;
+  Result all = RunCli("plan --preset gpt-small --devices 4 --device-memory 1GiB --json");
+  ASSERT_EQ(all.exit_code, 0) << all.err;
+  EXPECT_GT(json::parse(all.out)["candidates"].get<int>(),
+            json::parse(r.out)["candidates"].get<int>());
+}
+
+TEST(CliPlan, TensorParallelFlagsAreCheckedInFlagTerms) {
+  struct Case {
+    std::string args, message;
+  } cases[] = {
+      {"--devices 6 --tp 3", "--tp 3 does not divide the model's 8 attention heads"},
+      {"--devices 16 --tp 16", "--tp 16 is more than --devices-per-node (8)"},
+      {"--devices 4 --tp 4 --devices-per-node 2", "--tp 4 is more than --devices-per-node (2)"},
+      {"--devices 4 --tp 1 --sequence-parallel on", "needs --tp >= 2"},
+      {"--devices 4 --pp 2 --dp 1 --tp 4", "--pp 2 x --dp 1 x --tp 4 must equal --devices 4"},
+  };
+  for (const Case& c : cases) {
+    Result r = RunCli("plan --preset gpt-small --device-memory 1GiB " + c.args);
+    EXPECT_EQ(r.exit_code, 2) << c.args << ": " << r.err;
+    EXPECT_NE(r.err.find(c.message), std::string::npos) << c.args << ": " << r.err;
+  }
+  // A layer graph written by `pipewright model` carries its shape, so --model plans tp too.
+  const std::string model = TempPath("model_tp_" + std::to_string(getpid()) + ".json");
+  ASSERT_EQ(RunCli("model --preset gpt-small -o " + model).exit_code, 0);
+  Result m = RunCli("plan --model " + model + " --devices 4 --tp 4 --json");
+  ASSERT_EQ(m.exit_code, 0) << m.err;
+  EXPECT_EQ(json::parse(m.out)["best"][0]["tensor_parallel"], 4);
+}
+
 }  // namespace
