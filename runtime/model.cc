@@ -291,6 +291,10 @@ ModelCosts ToModelCosts(const LayerGraph& graph) {
     c.tied_to = n.spec->tied_to();
     m.layers.push_back(std::move(c));
   }
+  // A GPT's shape, which tensor parallelism splits (the planner's TransformerShape).
+  if (absl::StatusOr<GptConfig> gpt = GptConfigOf(graph); gpt.ok()) {
+    m.transformer = TransformerShape{gpt->hidden, gpt->heads, 4 * gpt->hidden, gpt->vocab};
+  }
   return m;
 }
 

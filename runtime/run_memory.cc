@@ -99,10 +99,20 @@ int64_t SampleBytes(const SampleSpec& spec) {
 int64_t LoaderSteps(int data_workers) { return std::max(2, data_workers) + 1; }
 
 // PredictRunMemory with `costs` (the model at the run's micro-batch size) and `recompute`.
-absl::StatusOr<RunMemoryNeed> Predict(const ModelCosts& costs, const RunSpec& run,
+absl::StatusOr<RunMemoryNeed> Predict(const ModelCosts& whole, const RunSpec& run,
                                       const std::vector<Recompute>& recompute,
                                       const TrainOptions& options, const SampleSpec& sample,
                                       const std::vector<RankPlace>& places) {
+  // Under tensor parallelism, what one of the tp ranks holds (the planner's per-device view).
+  ModelCosts costs = whole;
+  if (run.tensor_parallel > 1) {
+    DeviceSpec node;
+    node.devices_per_node = run.tensor_parallel;
+    PW_ASSIGN_OR_RETURN(
+        TensorParallelCosts split,
+        ShardForTensorParallel(whole, node, run.tensor_parallel, run.sequence_parallel));
+    costs = std::move(split.rank);
+  }
   PW_ASSIGN_OR_RETURN(
       std::vector<RankMemory> ranks,
       PredictRankMemory(costs, run.schedule, run.boundaries, recompute,

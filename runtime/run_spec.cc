@@ -87,6 +87,8 @@ absl::StatusOr<RunSpec> RunSpecFromPlan(const Plan& plan) {
   PW_ASSIGN_OR_RETURN(run.schedule, GenerateSchedule(plan.schedule));
   PW_RETURN_IF_ERROR(LowerComm(run.schedule));
   run.data_parallel = plan.data_parallel;
+  run.tensor_parallel = plan.tensor_parallel;
+  run.sequence_parallel = plan.sequence_parallel;
   run.boundaries = plan.Boundaries();
   for (const PlanStage& st : plan.stages) run.recompute.push_back(st.recompute);
   PW_RETURN_IF_ERROR(CheckRunSpec(run, plan.num_layers));

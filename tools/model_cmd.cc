@@ -62,11 +62,6 @@ absl::StatusOr<BuiltModel> Build(const ModelFlags& f) {
       m.graph = std::move(g);
     }
   }
-  // What tensor parallelism splits (docs/plan.md, "transformer"): written with the costs so that
-  // `plan --model` can search tp.
-  if (m.gpt)
-    m.costs.transformer =
-        TransformerShape{m.gpt->hidden, m.gpt->heads, 4 * m.gpt->hidden, m.gpt->vocab};
   if (f.profile) {
     // One BLAS thread, as `pipewright train` runs every rank: the measured times are then
     // the ones a CPU pipeline stage sees.

@@ -44,12 +44,8 @@ absl::StatusOr<ModelCosts> LoadModel(const PlanFlags& f) {
     return absl::InvalidArgumentError("give exactly one of --model FILE and --preset NAME");
   }
   if (!f.preset.empty()) {
-    PW_ASSIGN_OR_RETURN(ModelCosts m, PresetModelCosts(f.preset, 0));  // with its LM-head tie
-    // A GPT preset's shape, for tensor parallelism (a --model file carries its own).
-    if (absl::StatusOr<GptConfig> c = PresetGptConfig(f.preset); c.ok()) {
-      m.transformer = TransformerShape{c->hidden, c->heads, 4 * c->hidden, c->vocab};
-    }
-    return m;
+    // With its LM-head tie and, for a GPT, its TransformerShape (ToModelCosts).
+    return PresetModelCosts(f.preset, 0);
   }
   PW_ASSIGN_OR_RETURN(std::string text, ReadJsonFile(f.model, "--model"));
   absl::StatusOr<ModelCosts> m = ModelCostsFromJson(text);

@@ -162,7 +162,9 @@ absl::StatusOr<LoadedModel> CompleteMinimalPlan(const TrainFlags& f, const json&
   plan.fingerprint = costs.fingerprint;
   plan.pipeline_parallel = pp;
   plan.data_parallel = f.dp;
-  plan.devices = pp * f.dp;
+  plan.tensor_parallel = f.tp;
+  plan.sequence_parallel = f.sequence_parallel;
+  plan.devices = pp * f.dp * f.tp;
   plan.zero = std::max(0, f.zero);
   plan.schedule = {kind, pp, static_cast<int>(f.micro_batches), per_rank};
   plan.micro_batch_size = graph.shape().batch;
@@ -192,12 +194,12 @@ absl::StatusOr<LoadedModel> LoadModel(const TrainFlags& f) {
   PW_ASSIGN_OR_RETURN(std::string text, ReadJsonFile(f.plan, "--plan"));
   const json doc = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (doc.is_object() && !doc.contains("format")) return CompleteMinimalPlan(f, doc);
-  for (const char* flag : {"--pp", "--dp", "--schedule", "--chunks", "--micro-batches",
-                           "--micro-batch-size", "--recompute"}) {
+  for (const char* flag : {"--pp", "--dp", "--tp", "--sequence-parallel", "--schedule", "--chunks",
+                           "--micro-batches", "--micro-batch-size", "--recompute"}) {
     if (f.given.count(flag) > 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           flag,
-          " conflicts with --plan: the plan sets pp, dp, the schedule, the stages' layers, "
+          " conflicts with --plan: the plan sets pp, dp, tp, the schedule, the stages' layers, "
           "the micro-batching and recomputation (a minimal plan of only stages[].layers "
           "leaves them to the flags)"));
     }
@@ -205,12 +207,6 @@ absl::StatusOr<LoadedModel> LoadModel(const TrainFlags& f) {
   absl::StatusOr<Plan> plan = PlanFromJson(text);
   if (!plan.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(f.plan, ":\n", plan.status().message()));
-  }
-  if (plan->tensor_parallel > 1) {
-    // The planner plans tensor parallelism (docs/plan.md); the engine does not run it yet.
-    return absl::InvalidArgumentError(
-        absl::StrCat(f.plan, ": tensor_parallel ", plan->tensor_parallel,
-                     ": this build's runtime trains tensor_parallel 1 only (plan with --tp 1)"));
   }
   const std::string preset = f.given.count("--preset") > 0 ? f.preset : plan->model_name;
   const std::vector<std::string>& runnable = TrainablePresets();

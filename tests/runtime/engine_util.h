@@ -38,6 +38,7 @@ struct EngineSetup {
   TrainTestingHooks hooks;    // installed by MakeEngine (Engine::SetTestingHooks)
   int64_t micro_batches = 4;  // per replica
   int pp = 1, dp = 1, tp = 1;
+  bool sequence_parallel = false;
   ScheduleKind schedule = ScheduleKind::k1F1B;
   int chunks = 1;
   Recompute recompute = Recompute::kNone;
@@ -61,6 +62,7 @@ inline absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const LayerGraph& grap
     run.recompute = s.stage_recompute;
   }
   run.tensor_parallel = s.tp;
+  run.sequence_parallel = s.sequence_parallel;
   WorldOptions w;
   w.device = s.device;
   w.timeout = s.timeout;

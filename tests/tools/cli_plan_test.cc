@@ -445,8 +445,8 @@ TEST(CliCalibrate, ARunOutputThatDoesNotFitIsRefusedByName) {
 }
 
 // Tensor parallelism (docs/plan.md, "Tensor parallelism"): searched and shown, written to the
-// plan, validated, and refused by this build's `train` with the field named.
-TEST(CliPlan, TensorParallelismIsPlannedShownAndRefusedByTrain) {
+// plan, validated, and trained by `train --plan` at the plan's tp.
+TEST(CliPlan, TensorParallelismIsPlannedShownAndTrained) {
   const std::string plan = TempPath("plan_tp_" + std::to_string(getpid()) + ".json");
   Result r =
       RunCli("plan --preset gpt-small --devices 4 --tp 2 --device-memory 1GiB --json -o " + plan);
@@ -465,11 +465,12 @@ TEST(CliPlan, TensorParallelismIsPlannedShownAndRefusedByTrain) {
   Result v = RunCli("validate " + plan);
   EXPECT_EQ(v.exit_code, 0) << v.err;
   EXPECT_NE(v.out.find(" tp=2"), std::string::npos) << v.out;
-  Result t = RunCli("train --plan " + plan + " --steps 1");
-  EXPECT_EQ(t.exit_code, 2) << t.err;
-  EXPECT_NE(t.err.find("tensor_parallel 2: this build's runtime trains tensor_parallel 1 only"),
-            std::string::npos)
-      << t.err;
+  Result t = RunCli("train --plan " + plan + " --steps 1 --json");
+  EXPECT_EQ(t.exit_code, 0) << t.err;
+  EXPECT_NE(t.out.find("\"tensor_parallel\":2"), std::string::npos) << t.out;
+  Result conflict = RunCli("train --plan " + plan + " --steps 1 --tp 1");
+  EXPECT_EQ(conflict.exit_code, 2) << conflict.err;
+  EXPECT_NE(conflict.err.find("--tp conflicts with --plan"), std::string::npos) << conflict.err;
   // The human table has a tp column; the default search tries tp too.
   Result human = RunCli("plan --preset gpt-small --devices 4 --device-memory 1GiB");
   ASSERT_EQ(human.exit_code, 0) << human.err;
