@@ -212,6 +212,7 @@ const std::vector<FieldFlag>& FieldFlags() {
       {"RunSpec.tensor_parallel", "--tp"},
       {"RunSpec.sequence_parallel", "--sequence-parallel"},
       {"RunSpec.recompute", "--recompute"},
+      {"RunSpec.boundaries", "--split"},
       {"MicroBatchShape.batch", "--micro-batch-size"},
       {"ScheduleSpec.micro_batches", "--micro-batches"},
       // WorldOptions (pipewright/launch.h): train.

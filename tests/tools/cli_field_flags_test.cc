@@ -283,7 +283,6 @@ const std::set<std::string>& FieldsWithoutAFlag() {
       "DeviceSpec.layer_overhead_s",      // fixed by the CLI
       "DeviceSpec.tp_latency_s",          // fixed by the CLI
       "ModelCosts.transformer",           // the layer graph's own (a --model file's "transformer")
-      "Topology.tp",                      // reserved for tensor parallelism (issue 37): 1
       // Filled from a run's summary (tools/calibration.cc names the file), not from flags.
       "RunMeasurement.micro_batch_size",
       "RunMeasurement.boundaries",
