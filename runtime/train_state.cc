@@ -43,8 +43,11 @@ std::string BuildManifest(const ManifestInfo& info) {
     m["model"]["gpt"] = {{"layers", c->layers}, {"hidden", c->hidden}, {"heads", c->heads},
                          {"seq", c->seq},       {"vocab", c->vocab},   {"tied", c->tied}};
   }
+  // (The layout only describes the run: tensors are whole, any layout resumes them.)
   m["plan"] = {{"pipeline_parallel", info.pp},
                {"data_parallel", info.dp},
+               {"tensor_parallel", info.tp},
+               {"sequence_parallel", info.sequence_parallel},
                {"schedule", info.schedule},
                {"chunks", info.chunks},
                {"micro_batches", info.layout.micro_batches},

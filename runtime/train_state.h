@@ -23,7 +23,8 @@ struct ManifestInfo {
   const TrainOptions* options = nullptr;
   std::string data_source;  // Dataset::Describe()
   BatchLayout layout;
-  int pp = 1, dp = 1, chunks = 1;
+  int pp = 1, dp = 1, tp = 1, chunks = 1;
+  bool sequence_parallel = false;
   std::string schedule = "1f1b";
   int64_t step = 0;            // next step to run
   int64_t optimizer_step = 0;  // optimizer updates applied

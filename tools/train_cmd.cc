@@ -481,8 +481,12 @@ std::string CheckpointRunDescription(const std::string& path) {
     return v.get<int64_t>();
   };
   const std::optional<int64_t> pp = number("plan", "pipeline_parallel"),
-                               dp = number("plan", "data_parallel");
-  if (pp && dp) parts.push_back(absl::StrCat("saved by a pp ", *pp, " x dp ", *dp, " run"));
+                               dp = number("plan", "data_parallel"),
+                               tp = number("plan", "tensor_parallel");  // absent before tp
+  if (pp && dp) {
+    parts.push_back(absl::StrCat("saved by a pp ", *pp, " x dp ", *dp,
+                                 tp && *tp > 1 ? absl::StrCat(" x tp ", *tp) : "", " run"));
+  }
   if (m.contains("rng") && m["rng"].is_object() && m["rng"].value("seed", json()).is_number()) {
     parts.push_back(absl::StrCat("seed ", m["rng"]["seed"].dump()));
   }

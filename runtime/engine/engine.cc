@@ -450,6 +450,8 @@ absl::Status Engine::Save(const std::string& dir) const {
   info.layout = m.ctx.layout();
   info.pp = m.ctx.topo.pp;
   info.dp = m.ctx.topo.dp;
+  info.tp = m.ctx.topo.tp;
+  info.sequence_parallel = m.run.sequence_parallel;
   info.chunks = m.run.schedule.spec.chunks;
   info.schedule = m.run.ScheduleName();
   info.step = m.step;
