@@ -109,6 +109,16 @@ absl::StatusOr<ModelCosts> CalibrateFromSummary(const ModelCosts& model, const j
   PW_ASSIGN_OR_RETURN(m.micro_batch_size, Field<int64_t>(summary, "micro_batch_size", where));
   PW_ASSIGN_OR_RETURN(const int pp, Field<int>(summary, "pipeline_parallel", where));
   PW_ASSIGN_OR_RETURN(const int dp, Field<int>(summary, "data_parallel", where));
+  // A tensor-parallel rank computes a part of each layer (and its collectives): its times are
+  // not the whole layers' that the calibration writes back.
+  if (summary.contains("tensor_parallel")) {
+    PW_ASSIGN_OR_RETURN(const int tp, Field<int>(summary, "tensor_parallel", where));
+    if (tp != 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": tensor_parallel ", tp,
+                       ": a run at tp > 1 measures parts of layers; calibrate from a run at tp 1"));
+    }
+  }
   PW_ASSIGN_OR_RETURN(const int chunks, Field<int>(summary, "chunks", where));
   PW_ASSIGN_OR_RETURN(const int micro_batches, Field<int>(summary, "micro_batches", where));
   PW_ASSIGN_OR_RETURN(const int zero, Field<int>(summary, "zero", where));

@@ -77,6 +77,12 @@ absl::Status CheckFlags(const TrainFlags& f) {
       return absl::InvalidArgumentError(
           "--calibrate-out needs a run that takes steps (--steps 0 measures nothing)");
     }
+    if (f.tp > 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--calibrate-out with --tp ", f.tp,
+          ": a tensor-parallel rank measures parts of layers, not the whole layers the model "
+          "file describes (calibrate at --tp 1)"));
+    }
   }
   if (f.save.empty()) {
     if (f.save_every > 0 || f.keep > 0) {
