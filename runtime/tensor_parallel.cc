@@ -270,30 +270,24 @@ absl::StatusOr<Tensor> MergeParts(const std::vector<Tensor>& parts, const Tensor
 namespace layers {
 
 namespace {
-constexpr int64_t kF32 = 4;
-
-Cost ParallelLinearCost(int64_t n, int64_t in, int64_t out, bool bias) {
-  Cost c;
-  c.params = in * out + (bias ? out : 0);
-  c.forward_flops = 2.0 * n * in * out;
-  c.backward_flops = 4.0 * n * in * out;
-  c.activation_bytes = n * in * kF32;
-  c.output_bytes = n * out * kF32;
-  return c;
-}
-
 class ParallelLinearSpec final : public LayerSpec {
  public:
   ParallelLinearSpec(internal::LinearLayer::Parallel parallel, int64_t in, int64_t out, bool bias,
                      int64_t groups, float std)
-      : parallel_(parallel), in_(in), out_(out), bias_(bias), groups_(groups), std_(std) {}
+      : parallel_(parallel),
+        in_(in),
+        out_(out),
+        bias_(bias),
+        groups_(groups),
+        std_(std),
+        whole_(Linear(in, out, bias)) {}
   std::string kind() const override {
     return parallel_ == internal::LinearLayer::Parallel::kColumn ? "column_parallel_linear"
                                                                  : "row_parallel_linear";
   }
-  // The whole layer's cost (the planner divides by the tensor-parallel size).
-  Cost GetCost(const MicroBatchShape& shape, int64_t) const override {
-    return ParallelLinearCost(shape.tokens(), in_, out_, bias_);
+  // The whole layer's cost, a Linear's (the planner divides by the tensor-parallel size).
+  Cost GetCost(const MicroBatchShape& shape, int64_t input_bytes) const override {
+    return whole_->GetCost(shape, input_bytes);
   }
   std::string Config() const override {
     return absl::StrFormat("in=%d,out=%d,bias=%d,groups=%d", in_, out_, bias_ ? 1 : 0, groups_);
@@ -317,6 +311,7 @@ class ParallelLinearSpec final : public LayerSpec {
   bool bias_;
   int64_t groups_;
   float std_;
+  LayerSpecPtr whole_;  // the same layer at tp 1
 };
 }  // namespace
 
