@@ -98,11 +98,29 @@ int64_t PerPosition(const Tensor& x) {
   for (int d = 2; d < x.rank(); ++d) n *= x.dim(d);
   return n;
 }
+
 absl::Status CheckSequenceTensor(const Tensor& x, absl::string_view what) {
-  if (!x.defined() || x.rank() < 2 || !x.device().is_cpu()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, ": sequence parallelism takes host tensors of [batch, positions, ...], got ",
-        x.defined() ? x.ShapeString() : std::string("none")));
+  if (!x.defined() || x.rank() < 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": sequence parallelism takes tensors of [batch, positions, ...], got ",
+                     x.defined() ? x.ShapeString() : std::string("none")));
+  }
+  return absl::OkStatus();
+}
+
+// Copies `blocks` runs of `block` elements between the sequence-major layout ([B, t, block]: each
+// sequence's t ranks' positions in turn) and the rank-major one ([t, B, block]: each rank's
+// positions of every sequence in turn, what the collectives exchange), on the tensors' device.
+absl::Status Regroup(const LayerContext& ctx, const Tensor& from, Tensor& to, int64_t B, int t,
+                     int64_t block, bool to_rank_major) {
+  const ops::Exec e = ops::ExecOf(ctx);
+  for (int r = 0; r < t; ++r) {
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t seq = (b * t + r) * block, rank = (r * B + b) * block;
+      PW_ASSIGN_OR_RETURN(Tensor src, from.View(to_rank_major ? seq : rank, {block}));
+      PW_ASSIGN_OR_RETURN(Tensor dst, to.View(to_rank_major ? rank : seq, {block}));
+      PW_RETURN_IF_ERROR(ops::Copy(e, src, dst));
+    }
   }
   return absl::OkStatus();
 }
@@ -113,22 +131,13 @@ absl::StatusOr<Tensor> SequenceAllGather(const LayerContext& ctx, const Tensor& 
   if (!SequenceParallel(ctx)) return x;
   PW_RETURN_IF_ERROR(CheckSequenceTensor(x, what));
   const int t = ctx.tp->size;
-  const int64_t B = x.dim(0), part = x.dim(1), inner = PerPosition(x);
-  const size_t es = DTypeSize(x.dtype());
-  Tensor all = Tensor::Empty({t * x.numel()}, x.dtype());
+  Tensor all = Tensor::Empty({t * x.numel()}, x.dtype(), AllocatorOf(ctx));
   PW_RETURN_IF_ERROR(TensorParallelAllGather(ctx, x, all, what));
   std::vector<int64_t> shape = x.shape();
-  shape[1] = part * t;
+  shape[1] *= t;
   Tensor out = Tensor::Empty(shape, x.dtype(), AllocatorOf(ctx));
-  const char* from = static_cast<const char*>(all.raw());
-  char* to = static_cast<char*>(out.raw());
-  const size_t block = static_cast<size_t>(part * inner) * es;  // one rank's rows of a sequence
-  for (int r = 0; r < t; ++r) {
-    for (int64_t b = 0; b < B; ++b) {
-      std::memcpy(to + (static_cast<size_t>(b) * t + r) * block,
-                  from + (static_cast<size_t>(r) * B + b) * block, block);
-    }
-  }
+  PW_RETURN_IF_ERROR(
+      Regroup(ctx, all, out, x.dim(0), t, x.dim(1) * PerPosition(x), /*to_rank_major=*/false));
   return out;
 }
 
@@ -141,19 +150,12 @@ absl::StatusOr<Tensor> SequenceReduceScatter(const LayerContext& ctx, const Tens
     return absl::InvalidArgumentError(absl::StrFormat(
         "%s: %d positions do not split over %d tensor-parallel ranks", what, y.dim(1), t));
   }
-  const int64_t B = y.dim(0), part = y.dim(1) / t, inner = PerPosition(y);
+  const int64_t part = y.dim(1) / t;
   // Rank r's positions of every sequence, contiguous, in rank order: the chunks ReduceScatter
   // hands out.
-  Tensor grouped = Tensor::Empty({y.numel()}, DType::kF32);
-  const size_t block = static_cast<size_t>(part * inner) * sizeof(float);
-  const char* from = static_cast<const char*>(y.raw());
-  char* to = static_cast<char*>(grouped.raw());
-  for (int r = 0; r < t; ++r) {
-    for (int64_t b = 0; b < B; ++b) {
-      std::memcpy(to + (static_cast<size_t>(r) * B + b) * block,
-                  from + (static_cast<size_t>(b) * t + r) * block, block);
-    }
-  }
+  Tensor grouped = Tensor::Empty({y.numel()}, DType::kF32, AllocatorOf(ctx));
+  PW_RETURN_IF_ERROR(
+      Regroup(ctx, y, grouped, y.dim(0), t, part * PerPosition(y), /*to_rank_major=*/true));
   std::vector<int64_t> shape = y.shape();
   shape[1] = part;
   Tensor out = Tensor::Empty(shape, DType::kF32, AllocatorOf(ctx));

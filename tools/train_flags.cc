@@ -28,7 +28,7 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
   AddInt(cmd, "--dp", &f->dp, {1, kMaxParallel}, "Data-parallel replicas");
   AddInt(cmd, "--tp", &f->tp, {1, kMaxTensorParallel},
          "Tensor-parallel ranks per pipeline rank: each block's heads and MLP width, the "
-         "embedding's and the LM head's vocabulary split over them (Megatron-style; CPU)");
+         "embedding's and the LM head's vocabulary split over them (Megatron-style)");
   cmd->add_flag("--sequence-parallel", f->sequence_parallel,
                 "With --tp: split the activations between the products (LayerNorms, residuals, "
                 "what stages send) along the sequence too (GPT models)");

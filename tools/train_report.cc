@@ -19,6 +19,7 @@ json RankJson(const RankTimes& t) {
   return {{"rank", t.global_rank},
           {"pipeline_rank", t.pipeline_rank},
           {"replica", t.replica},
+          {"tensor_rank", t.tensor_rank},
           {"threads", t.threads},
           {"stages", t.stages},
           {"compute_s", t.compute},
@@ -44,16 +45,22 @@ json RankJson(const RankTimes& t) {
 
 void PrintRankTable(const RunSummary& s) {
   const double n = std::max<int64_t>(1, s.steps);
+  // A tensor-parallel run adds its ranks' tp column.
+  const bool tp = std::any_of(s.ranks.begin(), s.ranks.end(),
+                              [](const RankTimes& t) { return t.tensor_rank > 0; });
   std::printf(
-      "  rank  pp dp  stages      compute  recompute   p2p wait  all-reduce  agreement  optimizer"
-      "  data wait       idle   peak MiB  act MiB  optim MiB  grad MiB\n");
+      "  rank  pp dp%s  stages      compute  recompute   p2p wait  all-reduce  agreement  optimizer"
+      "  data wait       idle   peak MiB  act MiB  optim MiB  grad MiB\n",
+      tp ? " tp" : "");
   for (const RankTimes& t : s.ranks) {
     std::string stages;
     for (int st : t.stages) stages += absl::StrCat(stages.empty() ? "" : ",", st);
     std::printf(
-        "  %4d  %2d %2d  %-8s %8.1fms %8.1fms %8.1fms %9.1fms %8.1fms %8.1fms %8.1fms %8.1fms"
+        "  %4d  %2d %2d%s  %-8s %8.1fms %8.1fms %8.1fms %9.1fms %8.1fms %8.1fms %8.1fms %8.1fms"
         " %10.2f %8.2f %10.2f %9.2f%s\n",
-        t.global_rank, t.pipeline_rank, t.replica, stages.c_str(), 1e3 * t.compute / n,
+        t.global_rank, t.pipeline_rank, t.replica,
+        tp ? absl::StrFormat(" %2d", t.tensor_rank).c_str() : "", stages.c_str(),
+        1e3 * t.compute / n,
         1e3 * t.recompute / n, 1e3 * t.p2p_wait / n, 1e3 * t.all_reduce / n, 1e3 * t.agreement / n,
         1e3 * t.optimizer / n, 1e3 * t.data_wait / n, 1e3 * t.idle / n,
         t.peak_memory_bytes / 1048576.0, t.peak_activation_bytes / 1048576.0,

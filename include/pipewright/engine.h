@@ -79,7 +79,7 @@ struct RankEvent {
 
 // Time of one rank over the steps taken so far, by category (seconds).
 struct RankTimes {
-  int global_rank = 0, pipeline_rank = 0, replica = 0;
+  int global_rank = 0, pipeline_rank = 0, replica = 0, tensor_rank = 0;
   int threads = 1;  // threads its CPU kernels ran on (TrainOptions::threads_per_rank)
   // all_reduce: gradient reductions (and ZeRO's parameter gathers, async DP's pulls);
   // agreement: the step agreement, which every run has, dp = 1 included (rank_step.cc, Agree).

@@ -188,6 +188,39 @@ absl::Status EmbeddingForward(const Exec& e, const Tensor& tokens, const Tensor&
 absl::Status EmbeddingBackward(const Exec& e, const Tensor& dout, const Tensor& tokens,
                                Tensor& dwte, Tensor& dwpe, int64_t B, int64_t T, int64_t C);
 
+// ---- vocab-parallel embedding and loss (tensor parallelism) ----
+// One tensor-parallel rank's part of the vocabulary, [begin, begin + part) (Note [Tensor
+// parallelism] in pipewright/tensor_parallel.h). On the CPU the same operations in the same order
+// as the loops the layers ran before these ops existed.
+
+// out[b, t, :] = wte_part[tokens[b, t] - begin, :] for a token in the range (a zero row for the
+// others), plus wpe[t, :] when `wpe` is defined (one rank adds the positions), computed as
+// wte + wpe where both are added. wte_part [part, C]; tokens [B, T] i32 (checked by the caller).
+absl::Status EmbeddingPartForward(const Exec& e, const Tensor& tokens, const Tensor& wte_part,
+                                  int64_t begin, const Tensor& wpe, Tensor& out, int64_t B,
+                                  int64_t T, int64_t C);
+// dwte_part[tokens[b, t] - begin, :] += dout[b, t, :] for the tokens in the range, row by row in
+// (b, t) order as EmbeddingBackward adds them, and dwpe[t, :] += sum over b of dout[b, t, :].
+absl::Status EmbeddingPartBackward(const Exec& e, const Tensor& dout, const Tensor& tokens,
+                                   int64_t begin, Tensor& dwte_part, Tensor& dwpe, int64_t B,
+                                   int64_t T, int64_t C);
+// max [rows] f32 = the largest logit of each row of logits [rows, cols].
+absl::Status RowMax(const Exec& e, const Tensor& logits, int64_t rows, int64_t cols, Tensor& max);
+// For the rank's logits [rows, cols] (vocabulary [begin, begin + cols)), every rank's RowMax
+// `maxima` [ranks, rows] f32 (all-gathered) and targets [rows] i32 (negative: an ignored row):
+// stats [3, rows] f64 = (sum over the rank's columns of exp(logit - M), the target's logit where
+// this rank's range holds it else 0, M = the row's largest maximum over the ranks). An ignored
+// row gets zero sums. All-reducing the first 2 rows of stats over the group gives each row's
+// whole sum and target logit.
+absl::Status CrossEntropyPartStats(const Exec& e, const Tensor& logits, const Tensor& targets,
+                                   int64_t begin, const Tensor& maxima, int64_t ranks, int64_t rows,
+                                   int64_t cols, Tensor& stats);
+// dlogits [rows, cols] = scale * (exp(logit - M) / sum - [begin + j is the target]) from the
+// all-reduced stats; zero rows for ignored rows.
+absl::Status CrossEntropyPartBackward(const Exec& e, const Tensor& logits, const Tensor& targets,
+                                      int64_t begin, const Tensor& stats, int64_t rows,
+                                      int64_t cols, float scale, Tensor& dlogits);
+
 // ---- optimizer updates (in place; step t >= 1) ----
 
 // One AdamW update of many tensors (a single multi-tensor launch on CUDA): decoupled weight

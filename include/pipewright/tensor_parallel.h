@@ -78,7 +78,7 @@ absl::Status TensorParallelAllGather(const LayerContext& ctx, const Tensor& in, 
 // The same bytes on a ring as the all-reduce it replaces. A LayerNorm's weight gradient is then
 // a sum over the rank's positions only: its BackwardWeight all-reduces it over the group. The
 // column-parallel layer keeps its input's rows (not the gathered sequence) for the weight
-// gradient and gathers them again there. Host tensors only (the regroupings are CPU copies).
+// gradient and gathers them again there. The regroupings are copies on the tensors' device.
 //
 // [B, T/t, ...] of every rank -> [B, T, ...] in rank order along the sequence (dimension 1).
 absl::StatusOr<Tensor> SequenceAllGather(const LayerContext& ctx, const Tensor& x,

@@ -103,6 +103,60 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
+// Tensor parallelism's vocab-parallel loss: one block per row, the CPU's expressions per element
+// (the sums in the block's tree order).
+__global__ void __launch_bounds__(kRowThreads)
+    RowMaxKernel(const float* logits, int cols, float* max) {
+  __shared__ float fscratch[32];
+  const size_t r = blockIdx.x;
+  float mx = -CUDART_INF_F;
+  for (int j = threadIdx.x; j < cols; j += blockDim.x) mx = fmaxf(mx, logits[r * cols + j]);
+  mx = internal::BlockMax(mx, fscratch, -CUDART_INF_F);
+  if (threadIdx.x == 0) max[r] = mx;
+}
+
+__global__ void __launch_bounds__(kRowThreads)
+    CrossEntropyPartStatsKernel(const float* logits, const int32_t* targets, int64_t begin,
+                                const float* maxima, int ranks, int rows, int cols, double* stats) {
+  __shared__ double dscratch[32];
+  const int r = blockIdx.x;
+  float m = -CUDART_INF_F;
+  for (int k = 0; k < ranks; ++k) m = fmaxf(m, maxima[static_cast<size_t>(k) * rows + r]);
+  const int32_t t = targets[r];  // uniform across the block
+  const float* row = logits + static_cast<size_t>(r) * cols;
+  double sum = 0.0;
+  if (t >= 0) {
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) {
+      sum += exp(static_cast<double>(row[j]) - static_cast<double>(m));
+    }
+    sum = internal::BlockSum(sum, dscratch);
+  }
+  if (threadIdx.x == 0) {
+    const int64_t v = static_cast<int64_t>(t) - begin;
+    stats[r] = t >= 0 ? sum : 0.0;
+    stats[rows + r] = t >= 0 && v >= 0 && v < cols ? static_cast<double>(row[v]) : 0.0;
+    stats[2 * static_cast<size_t>(rows) + r] = m;
+  }
+}
+
+__global__ void CrossEntropyPartBackwardKernel(const float* logits, const int32_t* targets,
+                                               int64_t begin, const double* stats, int rows,
+                                               int cols, float scale, float* dlogits) {
+  const size_t total = static_cast<size_t>(rows) * cols;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const int r = static_cast<int>(i / cols), j = static_cast<int>(i % cols);
+    const int32_t t = targets[r];
+    if (t < 0) {
+      dlogits[i] = 0.0f;
+      continue;
+    }
+    const double m = stats[2 * static_cast<size_t>(rows) + r], inv = 1.0 / stats[r];
+    const double p = exp(static_cast<double>(logits[i]) - m) * inv;
+    dlogits[i] = static_cast<float>(scale * (p - (begin + j == t ? 1.0 : 0.0)));
+  }
+}
+
 absl::Status CheckShape(const char* op, int rows, int vocab) {
   if (rows < 0 || vocab <= 0) {
     return absl::InvalidArgumentError(
@@ -134,6 +188,38 @@ absl::Status SoftmaxCrossEntropyBackward(cudaStream_t stream, const float* logit
   CrossEntropyBackwardKernel<<<rows, kRowThreads, 0, stream>>>(logits, targets, vocab, scale,
                                                                dlogits);
   PW_CUDA_LAUNCH_CHECK("CrossEntropyBackwardKernel");
+  return absl::OkStatus();
+}
+
+absl::Status RowMax(cudaStream_t stream, const float* logits, int rows, int cols, float* max) {
+  PW_RETURN_IF_ERROR(CheckShape("RowMax", rows, cols));
+  if (rows == 0) return absl::OkStatus();
+  RowMaxKernel<<<rows, kRowThreads, 0, stream>>>(logits, cols, max);
+  PW_CUDA_LAUNCH_CHECK("RowMaxKernel");
+  return absl::OkStatus();
+}
+
+absl::Status CrossEntropyPartStats(cudaStream_t stream, const float* logits, const int32_t* targets,
+                                   int64_t begin, const float* maxima, int ranks, int rows,
+                                   int cols, double* stats) {
+  PW_RETURN_IF_ERROR(CheckShape("CrossEntropyPartStats", rows, cols));
+  if (rows == 0) return absl::OkStatus();
+  CrossEntropyPartStatsKernel<<<rows, kRowThreads, 0, stream>>>(logits, targets, begin, maxima,
+                                                                ranks, rows, cols, stats);
+  PW_CUDA_LAUNCH_CHECK("CrossEntropyPartStatsKernel");
+  return absl::OkStatus();
+}
+
+absl::Status CrossEntropyPartBackward(cudaStream_t stream, const float* logits,
+                                      const int32_t* targets, int64_t begin, const double* stats,
+                                      int rows, int cols, float scale, float* dlogits) {
+  PW_RETURN_IF_ERROR(CheckShape("CrossEntropyPartBackward", rows, cols));
+  const size_t total = static_cast<size_t>(rows) * cols;
+  if (total == 0) return absl::OkStatus();
+  CrossEntropyPartBackwardKernel<<<internal::GridFor(total), internal::kElementwiseThreads, 0,
+                                   stream>>>(logits, targets, begin, stats, rows, cols, scale,
+                                             dlogits);
+  PW_CUDA_LAUNCH_CHECK("CrossEntropyPartBackwardKernel");
   return absl::OkStatus();
 }
 

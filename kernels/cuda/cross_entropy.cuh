@@ -26,6 +26,16 @@ absl::Status SoftmaxCrossEntropyForward(cudaStream_t stream, const float* logits
 
 // dlogits[r, :] = scale * (softmax(logits[r]) - onehot(targets[r])); zero for ignored rows.
 // dlogits may alias logits.
+// Tensor parallelism's vocab-parallel loss (ops::RowMax, CrossEntropyPartStats,
+// CrossEntropyPartBackward): stats is [3, rows] f64 = (sum of exp(logit - M), target logit, M).
+absl::Status RowMax(cudaStream_t stream, const float* logits, int rows, int cols, float* max);
+absl::Status CrossEntropyPartStats(cudaStream_t stream, const float* logits, const int32_t* targets,
+                                   int64_t begin, const float* maxima, int ranks, int rows,
+                                   int cols, double* stats);
+absl::Status CrossEntropyPartBackward(cudaStream_t stream, const float* logits,
+                                      const int32_t* targets, int64_t begin, const double* stats,
+                                      int rows, int cols, float scale, float* dlogits);
+
 absl::Status SoftmaxCrossEntropyBackward(cudaStream_t stream, const float* logits,
                                          const int32_t* targets, int rows, int vocab, float scale,
                                          float* dlogits);

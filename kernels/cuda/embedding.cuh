@@ -26,6 +26,15 @@ absl::Status EmbeddingForward(cudaStream_t stream, const int32_t* tokens, const 
 absl::Status EmbeddingBackward(cudaStream_t stream, const float* dout, const int32_t* tokens,
                                float* dwte, float* dwpe, int B, int T, int C);
 
+// Tensor parallelism's vocab-parallel embedding (ops::EmbeddingPartForward/Backward): the token
+// rows [begin, begin + part) only; `wpe` may be null in the forward (no positions added).
+absl::Status EmbeddingPartForward(cudaStream_t stream, const int32_t* tokens, const float* wte_part,
+                                  int64_t begin, int64_t part, const float* wpe, float* out, int B,
+                                  int T, int C);
+absl::Status EmbeddingPartBackward(cudaStream_t stream, const float* dout, const int32_t* tokens,
+                                   int64_t begin, int64_t part, float* dwte_part, float* dwpe,
+                                   int B, int T, int C);
+
 }  // namespace pipewright::cuda
 
 #endif  // PIPEWRIGHT_KERNELS_CUDA_EMBEDDING_CUH_

@@ -62,17 +62,11 @@ absl::Status CheckAsync(const TrainOptions& o, const World& world,
 
 // What tensor parallelism does not combine with (docs/runtime.md, "Tensor parallelism"): the
 // layers' shapes are checked as the stages are built (each spec names its layer).
-absl::Status CheckTensorParallel(const TrainOptions& o, const World& world, const LayerGraph& graph,
+absl::Status CheckTensorParallel(const TrainOptions& o, const LayerGraph& graph,
                                  const RunSpec& run) {
   const int T = run.tensor_parallel;
   if (T == 1) return absl::OkStatus();
   const std::string tp = absl::StrCat("RunSpec.tensor_parallel = ", T);
-  if (world.options().device.is_cuda()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(tp,
-                     " runs on the CPU only in this build (WorldOptions.device = cpu): the "
-                     "vocab-parallel embedding and loss have no CUDA kernels yet"));
-  }
   if (o.dp_mode == DpMode::kAsync) {
     return absl::InvalidArgumentError(
         absl::StrCat("TrainOptions.dp_mode = async does not combine with ", tp,
@@ -219,7 +213,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const LayerGraph& graph, 
   m.lr.total_steps = std::max<int64_t>(1, options.steps);
   m.lr.min_ratio = options.min_lr_ratio;
 
-  PW_RETURN_IF_ERROR(CheckTensorParallel(m.options, *m.world, m.graph, m.run));
+  PW_RETURN_IF_ERROR(CheckTensorParallel(m.options, m.graph, m.run));
   PW_ASSIGN_OR_RETURN(std::vector<RankEndpoint> endpoints, m.world->Connect(m.ctx.topo));
   PW_RETURN_IF_ERROR(
       CheckAsync(m.options, *m.world, endpoints, internal::CrossRankTies(m.graph, m.run)));

@@ -100,6 +100,7 @@ absl::StatusOr<std::unique_ptr<RankExecutor>> RankExecutor::Create(
   r->total_.global_rank = r->global_;
   r->total_.pipeline_rank = r->pipe_;
   r->total_.replica = r->replica_;
+  r->total_.tensor_rank = r->tensor_;
   r->total_.threads = r->pool_->size();
   return r;
 }

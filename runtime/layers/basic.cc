@@ -516,7 +516,7 @@ absl::Status EmbeddingLayer::BackwardWeight(const LayerContext& ctx, Saved* save
   if (tp_size_ > 1) {
     PW_ASSIGN_OR_RETURN(Tensor dy,
                         SequenceAllGather(ctx, saved->tensors[1], "embedding's output gradient"));
-    PW_RETURN_IF_ERROR(BackwardWeightParallel(tok, dy));
+    PW_RETURN_IF_ERROR(BackwardWeightParallel(tok, dy, ctx));
     saved->Clear();
     return absl::OkStatus();
   }
@@ -564,7 +564,9 @@ absl::StatusOr<Tensor> CrossEntropyLayer::Forward(const Tensor& x, const LayerCo
 
 absl::StatusOr<Tensor> CrossEntropyLayer::BackwardInput(const Tensor& dy, const LayerContext& ctx,
                                                         Saved* saved) {
-  if (saved->tensors.size() != 3) return absl::FailedPreconditionError("loss: no forward saved");
+  if (saved->tensors.size() != (tp_size_ > 1 ? 4u : 3u)) {
+    return absl::FailedPreconditionError("loss: no forward saved");
+  }
   if (dy.defined() && (dy.dtype() != DType::kF32 || dy.numel() != 1 || !dy.device().is_cpu())) {
     return absl::InvalidArgumentError("loss backward: expected a host f32 [1] gradient scale");
   }

@@ -137,7 +137,8 @@ class EmbeddingLayer final : public Layer, public IncrementalDecoder {
 
  private:
   absl::StatusOr<Tensor> ForwardParallel(const Tensor& x, const LayerContext& ctx);
-  absl::Status BackwardWeightParallel(const Tensor& tokens, const Tensor& dy);
+  absl::Status BackwardWeightParallel(const Tensor& tokens, const Tensor& dy,
+                                      const LayerContext& ctx);
   int64_t vocab_, max_seq_, dim_;
   int tp_rank_ = 0, tp_size_ = 1;
   Parameter wte_, wpe_;

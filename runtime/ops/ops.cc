@@ -11,6 +11,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <limits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -514,6 +516,143 @@ absl::Status EmbeddingBackward(const Exec& e, const Tensor& dout, const Tensor& 
   }
   cpu::EmbeddingBackward(dout.data<float>(), tokens.data<int32_t>(), dwte.data<float>(),
                          dwpe.data<float>(), B, T, C);
+  return absl::OkStatus();
+}
+
+absl::Status EmbeddingPartForward(const Exec& e, const Tensor& tokens, const Tensor& wte_part,
+                                  int64_t begin, const Tensor& wpe, Tensor& out, int64_t B,
+                                  int64_t T, int64_t C) {
+  PW_RETURN_IF_ERROR(CheckDevice(e, "embedding part", {&tokens, &wte_part, &wpe, &out}));
+  if constexpr (kWithCuda) {
+    if (e.device().is_cuda()) {
+      return cuda_impl::EmbeddingPartForward(e, tokens, wte_part, begin, wpe, out, B, T, C);
+    }
+  }
+  const int64_t part = wte_part.dim(0);
+  const int32_t* tok = tokens.data<int32_t>();
+  const float* wte = wte_part.data<float>();
+  const float* pos = wpe.defined() ? wpe.data<float>() : nullptr;
+  float* o = out.data<float>();
+  OnThreads(B * T, RowGrain(C), [&](int64_t first, int64_t n) {
+    for (int64_t bt = first; bt < first + n; ++bt) {
+      const int64_t v = tok[bt] - begin;
+      const float* w = v >= 0 && v < part ? wte + v * C : nullptr;
+      const float* p = pos != nullptr ? pos + (bt % T) * C : nullptr;
+      float* row = o + bt * C;
+      for (int64_t c = 0; c < C; ++c) {
+        row[c] = w != nullptr ? (p != nullptr ? w[c] + p[c] : w[c]) : (p != nullptr ? p[c] : 0.0f);
+      }
+    }
+  });
+  return absl::OkStatus();
+}
+
+absl::Status EmbeddingPartBackward(const Exec& e, const Tensor& dout, const Tensor& tokens,
+                                   int64_t begin, Tensor& dwte_part, Tensor& dwpe, int64_t B,
+                                   int64_t T, int64_t C) {
+  PW_RETURN_IF_ERROR(
+      CheckDevice(e, "embedding part backward", {&dout, &tokens, &dwte_part, &dwpe}));
+  if constexpr (kWithCuda) {
+    if (e.device().is_cuda()) {
+      return cuda_impl::EmbeddingPartBackward(e, dout, tokens, begin, dwte_part, dwpe, B, T, C);
+    }
+  }
+  const int64_t part = dwte_part.dim(0);
+  const int32_t* tok = tokens.data<int32_t>();
+  const float* d = dout.data<float>();
+  float* dwte = dwte_part.data<float>();
+  float* dpos = dwpe.data<float>();
+  for (int64_t bt = 0; bt < B * T; ++bt) {  // one thread: rows may share a token
+    const int64_t v = tok[bt] - begin;
+    const float* g = d + bt * C;
+    if (v >= 0 && v < part) {
+      float* w = dwte + v * C;
+      for (int64_t c = 0; c < C; ++c) w[c] += g[c];
+    }
+    float* p = dpos + (bt % T) * C;
+    for (int64_t c = 0; c < C; ++c) p[c] += g[c];
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RowMax(const Exec& e, const Tensor& logits, int64_t rows, int64_t cols, Tensor& max) {
+  PW_RETURN_IF_ERROR(CheckDevice(e, "row max", {&logits, &max}));
+  if constexpr (kWithCuda) {
+    if (e.device().is_cuda()) return cuda_impl::RowMax(e, logits, rows, cols, max);
+  }
+  const float* l = logits.data<float>();
+  float* m = max.data<float>();
+  OnThreads(rows, RowGrain(cols), [&](int64_t first, int64_t n) {
+    for (int64_t r = first; r < first + n; ++r) {
+      float v = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < cols; ++j) v = std::max(v, l[r * cols + j]);
+      m[r] = v;
+    }
+  });
+  return absl::OkStatus();
+}
+
+absl::Status CrossEntropyPartStats(const Exec& e, const Tensor& logits, const Tensor& targets,
+                                   int64_t begin, const Tensor& maxima, int64_t ranks, int64_t rows,
+                                   int64_t cols, Tensor& stats) {
+  PW_RETURN_IF_ERROR(CheckDevice(e, "cross-entropy part", {&logits, &targets, &maxima, &stats}));
+  if constexpr (kWithCuda) {
+    if (e.device().is_cuda()) {
+      return cuda_impl::CrossEntropyPartStats(e, logits, targets, begin, maxima, ranks, rows, cols,
+                                              stats);
+    }
+  }
+  const float* l = logits.data<float>();
+  const int32_t* t = targets.data<int32_t>();
+  const float* all = maxima.data<float>();
+  double* st = stats.data<double>();
+  OnThreads(rows, RowGrain(cols), [&](int64_t first, int64_t n) {
+    for (int64_t i = first; i < first + n; ++i) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t r = 0; r < ranks; ++r) m = std::max(m, all[r * rows + i]);
+      st[2 * rows + i] = m;
+      st[i] = 0;
+      st[rows + i] = 0;
+      if (t[i] < 0) continue;  // an ignored row
+      double s = 0;
+      for (int64_t j = 0; j < cols; ++j) s += std::exp(static_cast<double>(l[i * cols + j]) - m);
+      st[i] = s;
+      const int64_t v = t[i] - begin;
+      if (v >= 0 && v < cols) st[rows + i] = l[i * cols + v];
+    }
+  });
+  return absl::OkStatus();
+}
+
+absl::Status CrossEntropyPartBackward(const Exec& e, const Tensor& logits, const Tensor& targets,
+                                      int64_t begin, const Tensor& stats, int64_t rows,
+                                      int64_t cols, float scale, Tensor& dlogits) {
+  PW_RETURN_IF_ERROR(
+      CheckDevice(e, "cross-entropy part backward", {&logits, &targets, &stats, &dlogits}));
+  if constexpr (kWithCuda) {
+    if (e.device().is_cuda()) {
+      return cuda_impl::CrossEntropyPartBackward(e, logits, targets, begin, stats, rows, cols,
+                                                 scale, dlogits);
+    }
+  }
+  const float* l = logits.data<float>();
+  const int32_t* t = targets.data<int32_t>();
+  const double* st = stats.data<double>();
+  float* d = dlogits.data<float>();
+  OnThreads(rows, RowGrain(cols), [&](int64_t first, int64_t n) {
+    for (int64_t i = first; i < first + n; ++i) {
+      float* row = d + i * cols;
+      if (t[i] < 0) {
+        for (int64_t j = 0; j < cols; ++j) row[j] = 0.0f;
+        continue;
+      }
+      const double m = st[2 * rows + i], inv = 1.0 / st[i];
+      for (int64_t j = 0; j < cols; ++j) {
+        const double p = std::exp(static_cast<double>(l[i * cols + j]) - m) * inv;
+        row[j] = static_cast<float>(scale * (p - (begin + j == t[i] ? 1.0 : 0.0)));
+      }
+    }
+  });
   return absl::OkStatus();
 }
 

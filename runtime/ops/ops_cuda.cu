@@ -198,6 +198,42 @@ absl::Status EmbeddingBackward(const Exec& e, const Tensor& dout, const Tensor& 
                                  dwte.data<float>(), dwpe.data<float>(), I(B), I(T), I(C));
 }
 
+absl::Status EmbeddingPartForward(const Exec& e, const Tensor& tokens, const Tensor& wte_part,
+                                  int64_t begin, const Tensor& wpe, Tensor& out, int64_t B,
+                                  int64_t T, int64_t C) {
+  return cuda::EmbeddingPartForward(
+      StreamOf(e), tokens.data<int32_t>(), wte_part.data<float>(), begin, wte_part.dim(0),
+      wpe.defined() ? wpe.data<float>() : nullptr, out.data<float>(), I(B), I(T), I(C));
+}
+
+absl::Status EmbeddingPartBackward(const Exec& e, const Tensor& dout, const Tensor& tokens,
+                                   int64_t begin, Tensor& dwte_part, Tensor& dwpe, int64_t B,
+                                   int64_t T, int64_t C) {
+  return cuda::EmbeddingPartBackward(StreamOf(e), dout.data<float>(), tokens.data<int32_t>(), begin,
+                                     dwte_part.dim(0), dwte_part.data<float>(), dwpe.data<float>(),
+                                     I(B), I(T), I(C));
+}
+
+absl::Status RowMax(const Exec& e, const Tensor& logits, int64_t rows, int64_t cols, Tensor& max) {
+  return cuda::RowMax(StreamOf(e), logits.data<float>(), I(rows), I(cols), max.data<float>());
+}
+
+absl::Status CrossEntropyPartStats(const Exec& e, const Tensor& logits, const Tensor& targets,
+                                   int64_t begin, const Tensor& maxima, int64_t ranks, int64_t rows,
+                                   int64_t cols, Tensor& stats) {
+  return cuda::CrossEntropyPartStats(StreamOf(e), logits.data<float>(), targets.data<int32_t>(),
+                                     begin, maxima.data<float>(), I(ranks), I(rows), I(cols),
+                                     stats.data<double>());
+}
+
+absl::Status CrossEntropyPartBackward(const Exec& e, const Tensor& logits, const Tensor& targets,
+                                      int64_t begin, const Tensor& stats, int64_t rows,
+                                      int64_t cols, float scale, Tensor& dlogits) {
+  return cuda::CrossEntropyPartBackward(StreamOf(e), logits.data<float>(), targets.data<int32_t>(),
+                                        begin, stats.data<double>(), I(rows), I(cols), scale,
+                                        dlogits.data<float>());
+}
+
 absl::Status AdamW(const Exec& e, const std::vector<AdamWItem>& items, float lr, float beta1,
                    float beta2, float eps, int64_t t) {
   std::vector<cuda::AdamWTensor> list;

@@ -47,6 +47,19 @@ absl::Status EmbeddingForward(const Exec& e, const Tensor& tokens, const Tensor&
                               const Tensor& wpe, Tensor& out, int64_t B, int64_t T, int64_t C);
 absl::Status EmbeddingBackward(const Exec& e, const Tensor& dout, const Tensor& tokens,
                                Tensor& dwte, Tensor& dwpe, int64_t B, int64_t T, int64_t C);
+absl::Status EmbeddingPartForward(const Exec& e, const Tensor& tokens, const Tensor& wte_part,
+                                  int64_t begin, const Tensor& wpe, Tensor& out, int64_t B,
+                                  int64_t T, int64_t C);
+absl::Status EmbeddingPartBackward(const Exec& e, const Tensor& dout, const Tensor& tokens,
+                                   int64_t begin, Tensor& dwte_part, Tensor& dwpe, int64_t B,
+                                   int64_t T, int64_t C);
+absl::Status RowMax(const Exec& e, const Tensor& logits, int64_t rows, int64_t cols, Tensor& max);
+absl::Status CrossEntropyPartStats(const Exec& e, const Tensor& logits, const Tensor& targets,
+                                   int64_t begin, const Tensor& maxima, int64_t ranks, int64_t rows,
+                                   int64_t cols, Tensor& stats);
+absl::Status CrossEntropyPartBackward(const Exec& e, const Tensor& logits, const Tensor& targets,
+                                      int64_t begin, const Tensor& stats, int64_t rows,
+                                      int64_t cols, float scale, Tensor& dlogits);
 absl::Status AdamW(const Exec& e, const std::vector<AdamWItem>& items, float lr, float beta1,
                    float beta2, float eps, int64_t t);
 absl::StatusOr<double> SumSquares(const Exec& e, const std::vector<const Tensor*>& ts);

@@ -110,7 +110,7 @@ TEST(AsyncCoordinatorTest, AStopRequestEndsAtTheNextWholeStep) {
 
 TEST(AsyncShardTest, AppliesEachReplicaStepOnceAndInOrder) {
   CpuAllocator alloc;
-  Parameter w{"w", Tensor::Zeros({4}), Tensor::Zeros({4}), false, ""};
+  Parameter w{"w", Tensor::Zeros({4}), Tensor::Zeros({4}), false, "", {}};
   std::unique_ptr<Optimizer> from = Optimizer::Create({OptimizerKind::kSgd}, {&w}, &alloc);
   auto shard = internal::AsyncShard::Create({OptimizerKind::kSgd, 0.9f, 0.95f, 1e-8f, 0.0f, 0.0f},
                                             {&w}, *from, 2, &alloc);

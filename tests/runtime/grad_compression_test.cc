@@ -43,9 +43,9 @@ std::vector<std::vector<double>> AppliedSums(int dp, int steps, GradCompression 
   for (int r = 0; r < dp; ++r) {
     threads.emplace_back([&, r] {
       // Two layers of one parameter each, so the step has two buckets.
-      Parameter a{"a", Tensor::Zeros({numel / 2}), Tensor::Zeros({numel / 2}), true, ""};
+      Parameter a{"a", Tensor::Zeros({numel / 2}), Tensor::Zeros({numel / 2}), true, "", {}};
       Parameter b{"b", Tensor::Zeros({numel - numel / 2}), Tensor::Zeros({numel - numel / 2}), true,
-                  ""};
+                  "", {}};
       internal::GradSyncContext ctx;
       ctx.dp = comms[r].get();
       ctx.alloc = DefaultCpuAllocator();
@@ -340,8 +340,8 @@ PowerSgdRun RunPowerSgd(int dp, int rank, int steps, int64_t rows, int64_t cols,
   std::vector<absl::Status> status(dp);
   for (int r = 0; r < dp; ++r) {
     threads.emplace_back([&, r] {
-      Parameter w{"w", Tensor::Zeros({rows, cols}), Tensor::Zeros({rows, cols}), true, ""};
-      Parameter bias{"b", Tensor::Zeros({cols}), Tensor::Zeros({cols}), true, ""};
+      Parameter w{"w", Tensor::Zeros({rows, cols}), Tensor::Zeros({rows, cols}), true, "", {}};
+      Parameter bias{"b", Tensor::Zeros({cols}), Tensor::Zeros({cols}), true, "", {}};
       internal::GradSyncContext ctx;
       ctx.dp = comms[r].get();
       ctx.alloc = DefaultCpuAllocator();
