@@ -16,8 +16,10 @@ namespace pipewright {
 
 namespace {
 
-absl::Status Finish(const LayerContext& ctx, Work& w, absl::string_view what) {
+// Waits for a collective posted at `posted`, adding its time to the group's collective_s.
+absl::Status Finish(const LayerContext& ctx, Work& w, absl::string_view what, absl::Time posted) {
   absl::Status s = w.Wait(ctx.tp->timeout);
+  ctx.tp->collective_s += absl::ToDoubleSeconds(absl::Now() - posted);
   if (s.ok()) return s;
   absl::Status first = ctx.tp->comm->abort_status();
   if (!first.ok()) return first;  // another rank failed first: report that
@@ -75,8 +77,9 @@ absl::Status CheckHostF32(const Tensor& t, absl::string_view what) {
 
 absl::Status TensorParallelAllReduce(const LayerContext& ctx, Tensor& t, absl::string_view what) {
   if (!Active(ctx)) return absl::OkStatus();
+  const absl::Time posted = absl::Now();
   std::unique_ptr<Work> w = ctx.tp->comm->AllReduce(t);
-  return Finish(ctx, *w, what);
+  return Finish(ctx, *w, what, posted);
 }
 
 absl::Status TensorParallelAllGather(const LayerContext& ctx, const Tensor& in, Tensor& out,
@@ -87,8 +90,9 @@ absl::Status TensorParallelAllGather(const LayerContext& ctx, const Tensor& in, 
     }
     return ops::Copy(ops::ExecOf(ctx), in, out);
   }
+  const absl::Time posted = absl::Now();
   std::unique_ptr<Work> w = ctx.tp->comm->AllGather(in, out);
-  return Finish(ctx, *w, what);
+  return Finish(ctx, *w, what, posted);
 }
 
 namespace {
@@ -159,8 +163,9 @@ absl::StatusOr<Tensor> SequenceReduceScatter(const LayerContext& ctx, const Tens
   std::vector<int64_t> shape = y.shape();
   shape[1] = part;
   Tensor out = Tensor::Empty(shape, DType::kF32, AllocatorOf(ctx));
+  const absl::Time posted = absl::Now();
   std::unique_ptr<Work> w = ctx.tp->comm->ReduceScatter(grouped, out);
-  PW_RETURN_IF_ERROR(Finish(ctx, *w, what));
+  PW_RETURN_IF_ERROR(Finish(ctx, *w, what, posted));
   return out;
 }
 

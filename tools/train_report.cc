@@ -23,6 +23,7 @@ json RankJson(const RankTimes& t) {
           {"threads", t.threads},
           {"stages", t.stages},
           {"compute_s", t.compute},
+          {"tensor_parallel_s", t.tensor_parallel},
           {"recompute_s", t.recompute},
           {"p2p_wait_s", t.p2p_wait},
           {"all_reduce_s", t.all_reduce},
@@ -49,18 +50,20 @@ void PrintRankTable(const RunSummary& s) {
   const bool tp = std::any_of(s.ranks.begin(), s.ranks.end(),
                               [](const RankTimes& t) { return t.tensor_rank > 0; });
   std::printf(
-      "  rank  pp dp%s  stages      compute  recompute   p2p wait  all-reduce  agreement  optimizer"
+      "  rank  pp dp%s  stages      compute%s  recompute   p2p wait  all-reduce  agreement  "
+      "optimizer"
       "  data wait       idle   peak MiB  act MiB  optim MiB  grad MiB\n",
-      tp ? " tp" : "");
+      tp ? " tp" : "", tp ? "    tp comm" : "");
   for (const RankTimes& t : s.ranks) {
     std::string stages;
     for (int st : t.stages) stages += absl::StrCat(stages.empty() ? "" : ",", st);
     std::printf(
-        "  %4d  %2d %2d%s  %-8s %8.1fms %8.1fms %8.1fms %9.1fms %8.1fms %8.1fms %8.1fms %8.1fms"
+        "  %4d  %2d %2d%s  %-8s %8.1fms%s %8.1fms %8.1fms %9.1fms %8.1fms %8.1fms %8.1fms %8.1fms"
         " %10.2f %8.2f %10.2f %9.2f%s\n",
         t.global_rank, t.pipeline_rank, t.replica,
         tp ? absl::StrFormat(" %2d", t.tensor_rank).c_str() : "", stages.c_str(),
         1e3 * t.compute / n,
+        tp ? absl::StrFormat(" %8.1fms", 1e3 * t.tensor_parallel / n).c_str() : "",
         1e3 * t.recompute / n, 1e3 * t.p2p_wait / n, 1e3 * t.all_reduce / n, 1e3 * t.agreement / n,
         1e3 * t.optimizer / n, 1e3 * t.data_wait / n, 1e3 * t.idle / n,
         t.peak_memory_bytes / 1048576.0, t.peak_activation_bytes / 1048576.0,

@@ -85,6 +85,9 @@ struct RankTimes {
   // agreement: the step agreement, which every run has, dp = 1 included (rank_step.cc, Agree).
   double compute = 0, recompute = 0, p2p_wait = 0, all_reduce = 0, agreement = 0, optimizer = 0,
          data_wait = 0, idle = 0, wall = 0;
+  // Tensor parallelism: the layers' collectives over the tensor-parallel group (posted to
+  // completed), taken out of compute (and recompute) where they ran inside a layer's pass.
+  double tensor_parallel = 0;
   int64_t peak_memory_bytes = 0;                  // allocator peak over any step
   int64_t peak_activation_bytes = 0;              // peak above the step's starting usage
   int64_t static_memory_bytes = 0;                // weights + gradients + optimizer state

@@ -54,6 +54,9 @@ struct TensorParallelGroup {
   absl::Duration timeout = absl::InfiniteDuration();
   // Note [Sequence parallelism]: activations outside the products are split along the sequence.
   bool sequence_parallel = false;
+  // Seconds the calls spent in this group's collectives, from posting to completion (the engine
+  // reports them per step as RankTimes::tensor_parallel and resets them).
+  mutable double collective_s = 0;
 };
 
 // Whether the call runs with sequence parallelism (a group of 2 or more that splits sequences).

@@ -233,11 +233,17 @@ void RankExecutor::EndStep(Clock::time_point t0, int64_t start_bytes) {
   const GradSyncBytes bytes = dp_->StepBytes();
   t.grad_bytes_sent += bytes.sent;
   t.grad_bytes_uncompressed += bytes.uncompressed;
-  const double used =
-      t.compute + t.recompute + t.p2p_wait + t.all_reduce + t.agreement + t.optimizer + t.data_wait;
+  // The tensor-parallel collectives ran inside the layers' passes: out of compute first.
+  t.tensor_parallel = tp_.collective_s;
+  const double from_compute = std::min(t.compute, t.tensor_parallel);
+  t.compute -= from_compute;
+  t.recompute -= std::min(t.recompute, t.tensor_parallel - from_compute);
+  const double used = t.compute + t.recompute + t.tensor_parallel + t.p2p_wait + t.all_reduce +
+                      t.agreement + t.optimizer + t.data_wait;
   t.idle = std::max(0.0, t.wall - used);
   total_.compute += t.compute;
   total_.recompute += t.recompute;
+  total_.tensor_parallel += t.tensor_parallel;
   total_.p2p_wait += t.p2p_wait;
   total_.all_reduce += t.all_reduce;
   total_.agreement += t.agreement;
@@ -256,6 +262,7 @@ RankTimes RankExecutor::StepTimes() const {
   t.global_rank = global_;
   t.pipeline_rank = pipe_;
   t.replica = replica_;
+  t.tensor_rank = tensor_;
   t.threads = total_.threads;
   for (const StageRt& st : stages_) t.stages.push_back(st.index);
   return t;
@@ -266,6 +273,7 @@ RankTimes RankExecutor::Totals() const {
   t.global_rank = global_;
   t.pipeline_rank = pipe_;
   t.replica = replica_;
+  t.tensor_rank = tensor_;
   t.static_memory_bytes = static_bytes_;
   t.optimizer_state_bytes = dp_->OptimizerStateBytes();
   t.gradient_bytes = dp_->GradientBytes();

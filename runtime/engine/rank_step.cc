@@ -27,6 +27,7 @@ absl::Status InLayer(const absl::Status& s, const StageRt& st, int i, const char
 void RankExecutor::BeginStep(int64_t step) {
   step_ = step;
   step_times_ = RankTimes{};
+  tp_.collective_s = 0;
   const int M = ctx_->run->micro_batches();
   ZeroGrads(params_);
   step_events_ = events_.size();

@@ -20,8 +20,10 @@ json TimesToJson(const RankTimes& t) {
   return {{"global_rank", t.global_rank},
           {"pipeline_rank", t.pipeline_rank},
           {"replica", t.replica},
+          {"tensor_rank", t.tensor_rank},
           {"threads", t.threads},
           {"compute", t.compute},
+          {"tensor_parallel", t.tensor_parallel},
           {"recompute", t.recompute},
           {"p2p_wait", t.p2p_wait},
           {"all_reduce", t.all_reduce},
@@ -48,8 +50,10 @@ RankTimes TimesFromJson(const json& j) {
   t.global_rank = j.at("global_rank").get<int>();
   t.pipeline_rank = j.at("pipeline_rank").get<int>();
   t.replica = j.at("replica").get<int>();
+  t.tensor_rank = j.at("tensor_rank").get<int>();
   t.threads = j.at("threads").get<int>();
   t.compute = j.at("compute").get<double>();
+  t.tensor_parallel = j.at("tensor_parallel").get<double>();
   t.recompute = j.at("recompute").get<double>();
   t.p2p_wait = j.at("p2p_wait").get<double>();
   t.all_reduce = j.at("all_reduce").get<double>();
@@ -186,7 +190,7 @@ RunSummary Engine::Summary() const {
       w[t.stages[i]] += t.stage_w[i];
       ++n[t.stages[i]];
     }
-    busy += t.compute + t.recompute + t.optimizer;
+    busy += t.compute + t.recompute + t.tensor_parallel + t.optimizer;
     walls += t.wall;
     optimizer = std::max(optimizer, m.steps_run > 0 ? t.optimizer / m.steps_run : 0.0);
     s.ranks.push_back(std::move(t));
@@ -195,7 +199,7 @@ RunSummary Engine::Summary() const {
   // Bottleneck: the rank with the most compute; name the second cause when waiting dominates.
   double most = -1, mean_compute = 0;
   for (const RankTimes& t : s.ranks) {
-    const double c = t.compute + t.recompute;
+    const double c = t.compute + t.recompute + t.tensor_parallel;  // the layers' passes
     mean_compute += c / s.ranks.size();
     if (c > most) {
       most = c;
@@ -208,11 +212,15 @@ RunSummary Engine::Summary() const {
     if (t.global_rank == s.bottleneck_rank) bt = &t;
   }
   s.bottleneck_reason = absl::StrFormat(
-      "rank %d computes %.1f ms per step (mean over ranks %.1f ms); it waits %.1f ms on P2P, "
+      "rank %d computes %.1f ms per step%s (mean over ranks %.1f ms); it waits %.1f ms on P2P, "
       "%.1f ms on all-reduce, %.1f ms on the step agreement, %.1f ms on data",
-      bt->global_rank, 1e3 * most / m.steps_run, 1e3 * mean_compute / m.steps_run,
-      1e3 * bt->p2p_wait / m.steps_run, 1e3 * bt->all_reduce / m.steps_run,
-      1e3 * bt->agreement / m.steps_run, 1e3 * bt->data_wait / m.steps_run);
+      bt->global_rank, 1e3 * most / m.steps_run,
+      bt->tensor_parallel > 0 ? absl::StrFormat(", %.1f ms of it in tensor-parallel collectives",
+                                                1e3 * bt->tensor_parallel / m.steps_run)
+                              : "",
+      1e3 * mean_compute / m.steps_run, 1e3 * bt->p2p_wait / m.steps_run,
+      1e3 * bt->all_reduce / m.steps_run, 1e3 * bt->agreement / m.steps_run,
+      1e3 * bt->data_wait / m.steps_run);
   SimCosts costs;
   for (int st = 0; st < S; ++st) {
     costs.stage_f.push_back(n[st] ? f[st] / n[st] : 0);

@@ -299,6 +299,16 @@ TEST(TensorParallelEngine, SequenceParallelismIsBitIdenticalAcrossLayouts) {
   ASSERT_FALSE(tp_reports.empty());
   EXPECT_LT(sp_reports.back().ranks[0].peak_activation_bytes,
             tp_reports.back().ranks[0].peak_activation_bytes);
+  // The layers' collectives are their own time category (RankTimes::tensor_parallel).
+  for (const RankTimes& t : tp_reports.back().ranks) {
+    EXPECT_GT(t.tensor_parallel, 0) << t.global_rank;
+    EXPECT_GT(t.compute, 0) << t.global_rank;
+    EXPECT_EQ(t.tensor_rank, t.global_rank % 2);
+  }
+  std::vector<StepReport> one;
+  RunSteps(g, Tp(1, 1, 1), 1, &one);
+  ASSERT_FALSE(one.empty());
+  EXPECT_EQ(one.back().ranks[0].tensor_parallel, 0);
 }
 
 // docs/runtime.md, "Tensor parallelism": after 20 steps at a learning rate of 1e-2 the losses of
