@@ -23,7 +23,10 @@
 //    Selective recomputation's 24nh (the LayerNorm outputs, 8nh, whole without SP; the GELU
 //    output, 16nh, split) follows the same rule. Collectives: one all-reduce of the [b, s, h]
 //    activation per sub-layer forward and one backward, 2 + 2; with sequence parallelism each
-//    becomes an all-gather and a reduce-scatter, the same bytes on a ring. The block's output
+//    becomes an all-gather and a reduce-scatter, the same bytes on a ring, and the backward of
+//    each column-parallel product gathers its saved input rows once more for its weight
+//    gradient (the runtime keeps only the rank's rows, Note [Sequence parallelism] in
+//    pipewright/tensor_parallel.h): two all-gathers more per block backward. The block's output
 //    (what a stage boundary sends) is split only with sequence parallelism.
 //  * embedding (vocabulary-parallel): the V x h token table is split, the s x h position table
 //    stays whole; one all-reduce of [b, s, h] forward (with SP a reduce-scatter forward and an
@@ -31,7 +34,7 @@
 //  * layernorm (the final one): whole, or split along the sequence with SP.
 //  * lm_head (vocabulary-parallel, column-parallel on V): weights, FLOPs and logits divided by
 //    t; its saved input is whole without SP. Backward all-reduces its input gradient (with SP:
-//    an all-gather forward and a reduce-scatter backward).
+//    an all-gather forward, and a reduce-scatter and the input's all-gather again backward).
 //  * cross_entropy (vocabulary-parallel): FLOPs and saved logits divided by t; three all-reduces
 //    of n floats forward (the row max, the sum of exponentials and the target's logit).
 //  * any other kind stays whole on every device (a conservative default).
@@ -189,7 +192,7 @@ absl::StatusOr<TensorParallelCosts> ShardForTensorParallel(const ModelCosts& mod
           SplitReal(src.selective_recompute_flops, sp ? 0 : 16 * n * h, tp);
       if (sp) c.output_bytes = SplitCount(src.output_bytes, 0, tp);
       fwd = 2 * sublayer;
-      bwd = 2 * sublayer;
+      bwd = 2 * sublayer + (sp ? 2 * coll(TpCollective::kAllGather, act) : 0);
     } else if (src.kind == "embedding") {
       c.params = SplitCount(src.params, src.params - static_cast<int64_t>(vh), tp);
       if (sp) {
@@ -213,7 +216,8 @@ absl::StatusOr<TensorParallelCosts> ShardForTensorParallel(const ModelCosts& mod
       if (sp) c.activation_bytes = SplitCount(src.activation_bytes, 0, tp);
       c.output_bytes = SplitCount(src.output_bytes, 0, tp);
       fwd = sp ? coll(TpCollective::kAllGather, act) : 0;
-      bwd = coll(sp ? TpCollective::kReduceScatter : TpCollective::kAllReduce, act);
+      bwd = sp ? coll(TpCollective::kReduceScatter, act) + coll(TpCollective::kAllGather, act)
+               : coll(TpCollective::kAllReduce, act);
     } else if (src.kind == "cross_entropy") {
       c.forward_flops = src.forward_flops / tp;
       c.backward_flops = src.backward_flops / tp;
