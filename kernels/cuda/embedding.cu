@@ -109,19 +109,10 @@ absl::Status EmbeddingForward(cudaStream_t stream, const int32_t* tokens, const 
   return absl::OkStatus();
 }
 
+// The whole table: every token id is in [0, INT32_MAX).
 absl::Status EmbeddingBackward(cudaStream_t stream, const float* dout, const int32_t* tokens,
                                float* dwte, float* dwpe, int B, int T, int C) {
-  PW_RETURN_IF_ERROR(CheckShape("EmbeddingBackward", B, T, C));
-  if (static_cast<size_t>(B) * T * C == 0) return absl::OkStatus();
-  const dim3 grid(internal::CeilDiv(C, kColThreads), kTokenPartitions);
-  EmbeddingBackwardTokenKernel<<<grid, kColThreads, 0, stream>>>(
-      dout, tokens, dwte, static_cast<size_t>(B) * T, C, 0, INT32_MAX);
-  PW_CUDA_LAUNCH_CHECK("EmbeddingBackwardTokenKernel");
-  const size_t tc = static_cast<size_t>(T) * C;
-  EmbeddingBackwardPositionKernel<<<internal::GridFor(tc), internal::kElementwiseThreads, 0,
-                                    stream>>>(dout, dwpe, B, T, C);
-  PW_CUDA_LAUNCH_CHECK("EmbeddingBackwardPositionKernel");
-  return absl::OkStatus();
+  return EmbeddingPartBackward(stream, dout, tokens, 0, INT32_MAX, dwte, dwpe, B, T, C);
 }
 
 absl::Status EmbeddingPartForward(cudaStream_t stream, const int32_t* tokens, const float* wte_part,

@@ -527,6 +527,18 @@ absl::Status EmbeddingLayer::BackwardWeight(const LayerContext& ctx, Saved* save
 }
 
 // ---------------------------------------------------------------------------------------------
+absl::Status CheckTargets(const Tensor& targets, int64_t vocab) {
+  if (!targets.device().is_cpu()) return absl::OkStatus();  // checked on the host before the copy
+  const int32_t* t = targets.data<int32_t>();
+  for (int64_t i = 0; i < targets.numel(); ++i) {
+    if (t[i] >= vocab) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "loss: target %d at row %d is outside the vocabulary [0, %d)", t[i], i, vocab));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<Tensor> CrossEntropyLayer::Forward(const Tensor& x, const LayerContext& ctx,
                                                   Saved* saved) {
   if (ctx.targets == nullptr || !ctx.targets->defined()) {
@@ -541,15 +553,7 @@ absl::StatusOr<Tensor> CrossEntropyLayer::Forward(const Tensor& x, const LayerCo
   }
   if (tp_size_ > 1) return ForwardParallel(x, targets, ctx, saved);
   int64_t vocab = x.dim(-1), rows = targets.numel();
-  if (targets.device().is_cpu()) {  // device targets were checked on the host before their copy
-    const int32_t* t = targets.data<int32_t>();
-    for (int64_t i = 0; i < rows; ++i) {
-      if (t[i] >= vocab) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "loss: target %d at row %d is outside the vocabulary [0, %d)", t[i], i, vocab));
-      }
-    }
-  }
+  PW_RETURN_IF_ERROR(CheckTargets(targets, vocab));
   int64_t count = 0;
   PW_ASSIGN_OR_RETURN(double sum,
                       ops::CrossEntropyForward(ops::ExecOf(ctx), x, targets, rows, vocab, &count));

@@ -144,6 +144,11 @@ class EmbeddingLayer final : public Layer, public IncrementalDecoder {
   Parameter wte_, wpe_;
 };
 
+// OK when every target of a host tensor is below `vocab` (negative ones are ignored rows; device
+// targets were checked on the host before their copy); InvalidArgument naming the first that is
+// not.
+absl::Status CheckTargets(const Tensor& targets, int64_t vocab);
+
 // Mean token cross-entropy of logits against ctx.targets; output [1]. The incoming gradient
 // dy[0] scales the result (the engine passes 1 / micro-batches). Vocab-parallel at tp_size > 1
 // (runtime/layers/vocab_parallel.cc): the input is the rank's part of the logits (a column-parallel

@@ -50,16 +50,8 @@ absl::Status EmbeddingLayer::BackwardWeightParallel(const Tensor& tokens, const 
 absl::StatusOr<Tensor> CrossEntropyLayer::ForwardParallel(const Tensor& x, const Tensor& targets,
                                                           const LayerContext& ctx, Saved* saved) {
   PW_RETURN_IF_ERROR(CheckTensorParallelCall(ctx, tp_rank_, tp_size_, "loss"));
-  const int64_t part = x.dim(-1), rows = targets.numel(), vocab = part * tp_size_;
-  if (targets.device().is_cpu()) {  // device targets were checked on the host before their copy
-    const int32_t* t = targets.data<int32_t>();
-    for (int64_t i = 0; i < rows; ++i) {
-      if (t[i] >= vocab) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "loss: target %d at row %d is outside the vocabulary [0, %d)", t[i], i, vocab));
-      }
-    }
-  }
+  const int64_t part = x.dim(-1), rows = targets.numel();
+  PW_RETURN_IF_ERROR(CheckTargets(targets, part * tp_size_));
   const ops::Exec e = ops::ExecOf(ctx);
   Allocator* a = AllocatorOf(ctx);
   Tensor mine = Tensor::Empty({rows}, DType::kF32, a);
