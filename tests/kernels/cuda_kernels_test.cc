@@ -761,6 +761,105 @@ TEST(CudaEmbedding, ForwardAndBackwardBitwiseEqualCpu) {
   EXPECT_TRUE(SameBits(got_pe, dwpe)) << "dwpe differs from the CPU bits";
 }
 
+// Tensor parallelism's vocab-parallel kernels (ops::EmbeddingPart*, RowMax,
+// CrossEntropyPart*): two parts of the vocabulary, their collectives done by hand (rows summed
+// in rank order, maxima concatenated), against the whole-vocabulary CPU kernels.
+TEST(CudaVocabParallel, TwoPartsMatchTheWholeEmbeddingAndLoss) {
+  if (pipewright::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  Stream stream;
+  const int B = 3, T = 37, C = 96, V = 200, P = V / 2;
+  std::vector<int32_t> tokens(static_cast<size_t>(B) * T);
+  std::mt19937 gen(80);
+  for (auto& t : tokens) t = static_cast<int32_t>(gen() % V);
+  const auto wte = RandomVec(static_cast<size_t>(V) * C, 81),
+             wpe = RandomVec(static_cast<size_t>(T) * C, 82),
+             dout = RandomVec(static_cast<size_t>(B) * T * C, 83);
+  std::vector<float> out(dout.size()), dwte(wte.size(), 0.0f), dwpe(wpe.size(), 0.0f);
+  cpu::EmbeddingForward(tokens.data(), wte.data(), wpe.data(), out.data(), B, T, C);
+  cpu::EmbeddingBackward(dout.data(), tokens.data(), dwte.data(), dwpe.data(), B, T, C);
+  DeviceArray<int32_t> dtok(tokens);
+  DeviceArray<float> dwpe_d(wpe), dout_d(dout);
+  std::vector<float> sum(out.size(), 0.0f);
+  for (int r = 0; r < 2; ++r) {
+    const std::vector<float> part(wte.begin() + static_cast<size_t>(r) * P * C,
+                                  wte.begin() + static_cast<size_t>(r + 1) * P * C);
+    DeviceArray<float> dpart(part), dout_part(out.size()), gte(part.size()), gpe(wpe.size());
+    gte.Upload(std::vector<float>(part.size(), 0.0f));
+    gpe.Upload(std::vector<float>(wpe.size(), 0.0f));
+    dout_part.Poison();
+    PW_ASSERT_OK(EmbeddingPartForward(stream.get(), dtok.get(), dpart.get(), r * P, P,
+                                      r == 0 ? dwpe_d.get() : nullptr, dout_part.get(), B, T, C));
+    const auto rows = dout_part.Download();
+    for (size_t i = 0; i < sum.size(); ++i) sum[i] = r == 0 ? rows[i] : sum[i] + rows[i];
+    PW_ASSERT_OK(EmbeddingPartBackward(stream.get(), dout_d.get(), dtok.get(), r * P, P, gte.get(),
+                                       gpe.get(), B, T, C));
+    const std::vector<float> want(dwte.begin() + static_cast<size_t>(r) * P * C,
+                                  dwte.begin() + static_cast<size_t>(r + 1) * P * C);
+    EXPECT_TRUE(SameBits(gte.Download(), want)) << "dwte part " << r;
+    EXPECT_TRUE(SameBits(gpe.Download(), dwpe)) << "dwpe on part " << r;
+  }
+  EXPECT_TRUE(SameBits(sum, out)) << "the parts' rank-order sum is the whole embedding";
+
+  // The loss: rows of logits over V, two parts of P columns.
+  const int rows = 29;
+  const auto logits = RandomVec(static_cast<size_t>(rows) * V, 84, -4.0f, 4.0f);
+  std::vector<int32_t> targets(rows);
+  for (auto& t : targets) t = static_cast<int32_t>(gen() % V);
+  targets[3] = -1;  // an ignored row
+  int64_t count = 0;
+  const double want_loss =
+      cpu::SoftmaxCrossEntropyForward(logits.data(), targets.data(), rows, V, &count);
+  std::vector<float> want_grad(logits.size());
+  cpu::SoftmaxCrossEntropyBackward(logits.data(), targets.data(), rows, V, 0.5f, want_grad.data());
+  DeviceArray<int32_t> dtargets(targets);
+  std::vector<std::vector<float>> parts(2);
+  std::vector<float> maxima;
+  for (int r = 0; r < 2; ++r) {
+    for (int i = 0; i < rows; ++i) {
+      const float* row = logits.data() + static_cast<size_t>(i) * V + r * P;
+      parts[r].insert(parts[r].end(), row, row + P);
+    }
+    DeviceArray<float> dl(parts[r]), dmax(rows);
+    PW_ASSERT_OK(RowMax(stream.get(), dl.get(), rows, P, dmax.get()));
+    const auto m = dmax.Download();
+    maxima.insert(maxima.end(), m.begin(), m.end());
+  }
+  DeviceArray<float> dmaxima(maxima);
+  std::vector<double> reduced(2 * rows, 0.0), m_row;
+  DeviceArray<double> s0(3 * rows), s1(3 * rows);
+  DeviceArray<float> l0(parts[0]), l1(parts[1]);
+  for (int r = 0; r < 2; ++r) {
+    DeviceArray<double>& st = r == 0 ? s0 : s1;
+    st.Poison();
+    PW_ASSERT_OK(CrossEntropyPartStats(stream.get(), (r == 0 ? l0 : l1).get(), dtargets.get(),
+                                       r * P, dmaxima.get(), 2, rows, P, st.get()));
+    const auto h = st.Download();
+    for (int i = 0; i < 2 * rows; ++i) reduced[i] = r == 0 ? h[i] : reduced[i] + h[i];
+    m_row.assign(h.begin() + 2 * rows, h.end());
+  }
+  double loss = 0;
+  for (int i = 0; i < rows; ++i) {
+    if (targets[i] >= 0) loss += std::log(reduced[i]) + m_row[i] - reduced[rows + i];
+  }
+  EXPECT_NEAR(loss, want_loss, 1e-5 * std::abs(want_loss));
+  std::vector<double> whole(reduced);
+  whole.insert(whole.end(), m_row.begin(), m_row.end());
+  DeviceArray<double> dstats(whole);
+  std::vector<float> got_grad(logits.size());
+  for (int r = 0; r < 2; ++r) {
+    DeviceArray<float> dg(parts[r].size());
+    dg.Poison();
+    PW_ASSERT_OK(CrossEntropyPartBackward(stream.get(), (r == 0 ? l0 : l1).get(), dtargets.get(),
+                                          r * P, dstats.get(), rows, P, 0.5f, dg.get()));
+    const auto g = dg.Download();
+    for (int i = 0; i < rows; ++i) {
+      std::copy(g.begin() + static_cast<size_t>(i) * P, g.begin() + static_cast<size_t>(i + 1) * P,
+                got_grad.begin() + static_cast<size_t>(i) * V + r * P);
+    }
+  }
+  ExpectRelErr(got_grad, want_grad, 1e-5, "vocab-parallel dlogits");
+}
+
 // ---------------------------------------------------------------- AdamW
 
 TEST(CudaOptimizer, AdamWMultiMatchesCpu) {
