@@ -194,6 +194,21 @@ TEST(EngineDataParallel, BitStableAcrossRuns) {
   EXPECT_EQ(a.weights, b.weights);
 }
 
+// Tensor and sequence parallelism under the thread sanitizer (this binary is labelled tsan): the
+// layers' collectives run on the rank threads of tp 2 x pp 2 x dp 2, bit-identical to pp 1
+// (tests/runtime/tensor_parallel_test.cc has the rest).
+TEST(EngineTensorParallel, RankThreadsOfEveryDimensionAgree) {
+  EngineSetup flat = Options(1, 2, ScheduleKind::k1F1B, 1, Recompute::kNone, 2);
+  flat.tp = 2;
+  flat.sequence_parallel = true;
+  EngineSetup deep = flat;
+  deep.pp = 2;
+  RunResult a = RunEngine(flat, Tiny()), b = RunEngine(deep, Tiny());
+  ASSERT_EQ(a.losses.size(), static_cast<size_t>(kSteps));
+  EXPECT_EQ(a.losses, b.losses);
+  EXPECT_EQ(a.weights, b.weights);
+}
+
 // A GPT whose matrix products are big enough to be cut over a rank's threads (512 tokens per
 // micro-batch: 512 x 768 x 256 and up; Note [GEMM split] in kernels/cpu/gemm.cc).
 LayerGraph Wide() {
