@@ -75,7 +75,8 @@ std::string BuildManifest(const ManifestInfo& info) {
   }
   if (options.grad_compression.enabled()) {
     m["grad_sync"] = {{"compression", GradCompressionName(options.grad_compression)},
-                      {"data_parallel", info.dp}};
+                      {"data_parallel", info.dp},
+                      {"tensor_parallel", info.tp}};
   }
   m["data"] = {{"source", info.data_source},
                {"next_step", info.step},
@@ -264,6 +265,14 @@ absl::StatusOr<ResumePoint> CheckManifestFields(const std::string& dir,
     }
     r.grad_compression = gs["compression"].get<std::string>();
     r.grad_sync_dp = gs["data_parallel"].get<int>();
+    // Absent before tensor parallelism: 1.
+    if (gs.contains("tensor_parallel")) {
+      const json& tp = gs["tensor_parallel"];
+      if (!tp.is_number_integer() || tp.get<int64_t>() < 1 || tp.get<int64_t>() > INT32_MAX) {
+        return bad("grad_sync.tensor_parallel must be a positive integer");
+      }
+      r.grad_sync_tp = tp.get<int>();
+    }
   }
   if (run != nullptr) {
     // The seed picks every sample (data.h): another one would continue on another sample order.

@@ -30,8 +30,9 @@ struct ManifestInfo {
   int64_t optimizer_step = 0;  // optimizer updates applied
   LrSchedule lr;
   const LossScaler* scaler = nullptr;  // recorded when enabled (fp16)
-  // Written as "grad_sync" when options->grad_compression is enabled: the compression and dp
-  // the checkpoint's grad_sync.safetensors (every replica's state) belongs to.
+  // Written as "grad_sync" when options->grad_compression is enabled: the compression, dp and tp
+  // the checkpoint's grad_sync.safetensors (every replica's state, per tensor-parallel part)
+  // belongs to.
 };
 // The manifest's JSON text (docs/checkpoint.md). model.preset is written only when the graph is
 // exactly that preset's (same name and fingerprint), so a custom model is never mistaken for a
@@ -49,6 +50,7 @@ struct ResumePoint {
   // none), and the replica count it was written with.
   std::string grad_compression;
   int grad_sync_dp = 0;
+  int grad_sync_tp = 1;  // the tensor-parallel size (each part's state is its own)
   // Settings of this run that differ from the checkpoint's but may (a longer schedule, other
   // data, another dp): one line each, saying what changes (docs/checkpoint.md, "Resume checks").
   std::vector<std::string> warnings;

@@ -72,11 +72,6 @@ absl::Status CheckTensorParallel(const TrainOptions& o, const LayerGraph& graph,
         absl::StrCat("TrainOptions.dp_mode = async does not combine with ", tp,
                      ": the owners of the asynchronous updates hold whole tensors"));
   }
-  if (o.grad_compression.enabled()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "TrainOptions.grad_compression does not combine with ", tp,
-        " in this build: its error-feedback state is checkpointed per replica, not per part"));
-  }
   if (run.sequence_parallel) {
     // Note [Sequence parallelism]: every activation between layers must be one the built-in
     // layers split along the sequence (a GPT: embedding, blocks, LayerNorm, LM head, loss).
@@ -418,9 +413,16 @@ namespace {
 // A checkpoint's gradient-compression state resumes only into the same compression and replica
 // count; a checkpoint without any starts a compressed run from fresh state (nothing is lost).
 absl::Status CheckGradSyncResume(const std::string& dir, const internal::ResumePoint& at,
-                                 const GradCompression& run, int dp) {
+                                 const GradCompression& run, int dp, int tp) {
   if (at.grad_compression.empty()) return absl::OkStatus();
   const std::string name = GradCompressionName(run);
+  if (at.grad_compression == name && at.grad_sync_dp == dp && at.grad_sync_tp != tp) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        dir, "/manifest.json: the checkpoint holds the error-feedback state of each of ",
+        at.grad_sync_tp, " tensor-parallel parts (RunSpec.tensor_parallel = ", at.grad_sync_tp,
+        "); this run has RunSpec.tensor_parallel = ", tp,
+        ", which would drop it (resume with the same tensor_parallel)"));
+  }
   if (at.grad_compression != name || at.grad_sync_dp != dp) {
     return absl::InvalidArgumentError(
         absl::StrCat(dir,
@@ -514,7 +516,8 @@ absl::Status Engine::Resume(const std::string& dir, ResumeInfo* info) {
     PW_ASSIGN_OR_RETURN(at,
                         internal::CheckManifest(ck.path, ck.manifest_json, m.graph, m.ctx.layout(),
                                                 m.options.optimizer.kind, &settings));
-    PW_RETURN_IF_ERROR(CheckGradSyncResume(ck.path, at, m.options.grad_compression, m.ctx.topo.dp));
+    PW_RETURN_IF_ERROR(
+        CheckGradSyncResume(ck.path, at, m.options.grad_compression, m.ctx.topo.dp, m.ctx.topo.tp));
     for (auto& r : m.ranks) {
       PW_RETURN_IF_ERROR(internal::CheckParameters(ck.path, ck.model, r->params()));
     }

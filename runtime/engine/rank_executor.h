@@ -154,6 +154,9 @@ class RankExecutor {
   // The part of the stored tensor `name` (a parameter's, or "<state>.<parameter>") this rank
   // holds; null for a whole tensor or a name that is not this rank's.
   const TensorShard* ShardOfStored(const std::string& name) const;
+  // Where its gradient-compression state goes in a checkpoint: "replica<R>/", and
+  // "replica<R>.tp<T>/" under tensor parallelism.
+  std::string SyncStatePrefix() const;
   // Collective: the optimizer state this rank contributes (a sharded strategy gathers it to
   // replica 0) and its gradient-compression state under "replica<R>/".
   absl::Status CollectState(NamedTensors* optimizer, NamedTensors* sync);

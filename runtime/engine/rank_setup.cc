@@ -167,13 +167,19 @@ const TensorShard* RankExecutor::ShardOfStored(const std::string& name) const {
   return it == shards_.end() ? nullptr : &it->second;
 }
 
+std::string RankExecutor::SyncStatePrefix() const {
+  // Each tensor-parallel part compresses its own gradients.
+  return ctx_->topo.tp > 1 ? absl::StrCat("replica", replica_, ".tp", tensor_, "/")
+                           : absl::StrCat("replica", replica_, "/");
+}
+
 absl::Status RankExecutor::CollectState(NamedTensors* optimizer, NamedTensors* sync) {
   PW_ASSIGN_OR_RETURN(*optimizer, dp_->OptimizerState());
   PW_ASSIGN_OR_RETURN(NamedTensors mine, dp_->SyncState());
   // Every replica's compression state (its own error buffers), under "replica<R>/".
   sync->clear();
   for (auto& [name, t] : mine) {
-    sync->emplace_back(absl::StrCat("replica", replica_, "/", name), std::move(t));
+    sync->emplace_back(absl::StrCat(SyncStatePrefix(), name), std::move(t));
   }
   return absl::OkStatus();
 }
@@ -189,7 +195,7 @@ absl::Status RankExecutor::Restore(const Checkpoint& ck, const ResumePoint& at) 
   }
   PW_RETURN_IF_ERROR(dp_->LoadOptimizerState(optimizer, at.optimizer_step));
   if (!at.grad_compression.empty()) {
-    absl::Status s = dp_->LoadSyncState(ck.grad_sync, absl::StrCat("replica", replica_, "/"));
+    absl::Status s = dp_->LoadSyncState(ck.grad_sync, SyncStatePrefix());
     if (!s.ok()) {
       return absl::Status(s.code(), absl::StrCat(ck.path, "/grad_sync.safetensors: ", s.message()));
     }
