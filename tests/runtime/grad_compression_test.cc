@@ -44,8 +44,9 @@ std::vector<std::vector<double>> AppliedSums(int dp, int steps, GradCompression 
     threads.emplace_back([&, r] {
       // Two layers of one parameter each, so the step has two buckets.
       Parameter a{"a", Tensor::Zeros({numel / 2}), Tensor::Zeros({numel / 2}), true, "", {}};
-      Parameter b{"b", Tensor::Zeros({numel - numel / 2}), Tensor::Zeros({numel - numel / 2}), true,
-                  "", {}};
+      Parameter b{
+          "b", Tensor::Zeros({numel - numel / 2}), Tensor::Zeros({numel - numel / 2}), true, "",
+          {}};
       internal::GradSyncContext ctx;
       ctx.dp = comms[r].get();
       ctx.alloc = DefaultCpuAllocator();
