@@ -65,8 +65,11 @@ absl::StatusOr<Tensor> CrossEntropyLayer::ForwardParallel(const Tensor& x, const
   PW_RETURN_IF_ERROR(TensorParallelAllReduce(ctx, sums, "the loss's sums"));
   // The loss and the row count on the host (on a GPU this waits for the stream, as the
   // whole-vocabulary loss does).
-  PW_ASSIGN_OR_RETURN(Tensor host, stats.CopyTo(nullptr));
-  PW_ASSIGN_OR_RETURN(Tensor host_targets, targets.CopyTo(nullptr));
+  Tensor host = stats, host_targets = targets;
+  if (!stats.device().is_cpu()) {
+    PW_ASSIGN_OR_RETURN(host, stats.CopyTo(nullptr));
+    PW_ASSIGN_OR_RETURN(host_targets, targets.CopyTo(nullptr));
+  }
   const double* st = host.data<double>();
   const int32_t* t = host_targets.data<int32_t>();
   double sum = 0;
