@@ -139,9 +139,10 @@ class StageCosts {
                                                : l.selective_recompute_flops / flops_per_s;
       sel_time_[i + 1] = sel_time_[i] + sel;
       max_layer_ = std::max(max_layer_, f + f_comm + b + b_comm);
-      // ZeRO-2's buckets hold whole layers: one can exceed the bucket size by a layer.
-      sharding_.largest_layer_bytes =
-          std::max(sharding_.largest_layer_bytes, SatMul(l.params, pb_.grads));
+      // ZeRO-2's buckets are made of gradient groups: one can be as large as the largest.
+      sharding_.largest_group_bytes = std::max(
+          sharding_.largest_group_bytes,
+          SatMul(l.largest_group_params > 0 ? l.largest_group_params : l.params, pb_.grads));
       if (!l.tied_to.empty()) {
         for (int o = 0; o < i; ++o) {
           if (model.layers[o].name == l.tied_to) ties_.push_back({i, o, l.params});

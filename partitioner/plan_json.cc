@@ -207,7 +207,7 @@ void ReadLayers(const json& layers, ModelCosts& m, Problems& p) {
     Fields f(&layers[i], path,
              {"name", "kind", "params", "forward_flops", "backward_flops", "activation_bytes",
               "output_bytes", "forward_time_s", "backward_time_s", "tied_to",
-              "selective_saving_bytes", "selective_recompute_flops"},
+              "selective_saving_bytes", "selective_recompute_flops", "largest_group_params"},
              p);
     LayerCost c;
     if (std::optional<std::string> name = f.String("name")) {
@@ -218,7 +218,8 @@ void ReadLayers(const json& layers, ModelCosts& m, Problems& p) {
       }
     }
     if (std::optional<std::string> kind = f.String("kind")) c.kind = *kind;
-    if (auto v = f.Int("params", 0, kInt64Max)) c.params = *v;
+    const std::optional<int64_t> params = f.Int("params", 0, kInt64Max);
+    if (params) c.params = *params;
     if (auto v = f.Number("forward_flops")) c.forward_flops = *v;
     if (auto v = f.Number("backward_flops")) c.backward_flops = *v;
     if (auto v = f.Int("activation_bytes", 0, kInt64Max)) c.activation_bytes = *v;
@@ -230,6 +231,11 @@ void ReadLayers(const json& layers, ModelCosts& m, Problems& p) {
     }
     if (f.Find("selective_recompute_flops") != nullptr) {
       if (auto v = f.Number("selective_recompute_flops")) c.selective_recompute_flops = *v;
+    }
+    if (f.Find("largest_group_params") != nullptr) {
+      if (auto v = f.Int("largest_group_params", 0, params ? *params : kInt64Max)) {
+        c.largest_group_params = *v;
+      }
     }
     if (const json* v = f.Find("forward_time_s"))
       c.forward_time_s = ReadNumber(*v, f.At("forward_time_s"), p);
@@ -671,6 +677,7 @@ std::string ModelCostsToJson(const ModelCosts& model) {
     if (l.selective_saving_bytes > 0) o["selective_saving_bytes"] = l.selective_saving_bytes;
     if (l.selective_recompute_flops > 0)
       o["selective_recompute_flops"] = l.selective_recompute_flops;
+    if (l.largest_group_params > 0) o["largest_group_params"] = l.largest_group_params;
     layers.push_back(std::move(o));
   }
   j["layers"] = std::move(layers);

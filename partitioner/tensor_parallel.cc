@@ -182,6 +182,12 @@ absl::StatusOr<TensorParallelCosts> ShardForTensorParallel(const ModelCosts& mod
     double& bwd = out.backward_comm_s[i];
     if (src.kind == "transformer_block") {
       c.params = SplitCount(src.params, static_cast<int64_t>(6 * h), tp);
+      // The largest group, the MLP's fc (4h^2 + 4h, split) or its projection (4h^2 split, its
+      // bias whole): at most an h-element bias kept whole beside the split rest.
+      if (src.largest_group_params > 0) {
+        c.largest_group_params =
+            std::min(c.params, SplitCount(src.largest_group_params, static_cast<int64_t>(h), tp));
+      }
       c.forward_flops = SplitReal(src.forward_flops, sp ? 0 : 18 * n * h, tp);
       c.backward_flops = SplitReal(src.backward_flops, sp ? 0 : 30 * n * h, tp);
       const double saved = 64 * n * h + 16 * n + 4 * a * n;

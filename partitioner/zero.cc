@@ -23,10 +23,11 @@ int64_t ZeroSharding::GradientBytes(int64_t bytes) const {
   const int shards = gradient_shards();
   if (shards <= 1) return bytes;
   // The shard accumulator, plus the two bucket buffers a replica fills and reduce-scatters in
-  // turn (one filling, one on the wire), each as large as the largest bucket (whole layers, up
-  // to a layer past bucket_bytes), never more than the stage's whole gradient.
+  // turn (one filling, one on the wire), each as large as the largest bucket (whole gradient
+  // groups, closed before passing bucket_bytes unless one group alone does), never more than
+  // the stage's whole gradient.
   const int64_t bucket =
-      SaturatingAdd(std::max<int64_t>(1, bucket_bytes), std::max<int64_t>(0, largest_layer_bytes));
+      std::max(std::max<int64_t>(1, bucket_bytes), std::max<int64_t>(0, largest_group_bytes));
   const int64_t in_flight = std::min(SaturatingMul(2, bucket), bytes);
   return SaturatingAdd(Share(bytes, shards), in_flight);
 }

@@ -288,6 +288,7 @@ ModelCosts ToModelCosts(const LayerGraph& graph) {
     c.output_bytes = n.cost.output_bytes;
     c.selective_saving_bytes = n.cost.selective_saving_bytes;
     c.selective_recompute_flops = n.cost.selective_recompute_flops;
+    c.largest_group_params = n.cost.largest_group_params;
     c.tied_to = n.spec->tied_to();
     m.layers.push_back(std::move(c));
   }

@@ -24,8 +24,15 @@ struct Cost {
   // backward. Zero for a layer without a selective mode.
   int64_t selective_saving_bytes = 0;
   double selective_recompute_flops = 0;
+  // The parameters of the layer's largest gradient group (Note [Gradient groups] in
+  // pipewright/layer.h: a leaf layer's, whose weight gradients are complete together); 0: the
+  // whole layer is one group. Adding costs treats each part as its own group (the largest
+  // wins), as a composite layer's children are.
+  int64_t largest_group_params = 0;
+  int64_t group_params() const { return largest_group_params > 0 ? largest_group_params : params; }
 
   Cost& operator+=(const Cost& o) {
+    largest_group_params = group_params() > o.group_params() ? group_params() : o.group_params();
     params += o.params;
     forward_flops += o.forward_flops;
     backward_flops += o.backward_flops;

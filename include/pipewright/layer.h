@@ -77,6 +77,22 @@ struct Saved {
   int64_t bytes() const;
 };
 
+// Note [Gradient groups]. A layer's parameters fall into groups whose weight gradients are added
+// together: one group per leaf layer (a Linear's weight and bias, a LayerNorm's gamma and beta),
+// Layer::ParameterGroups. A composite layer's backward finishes its children's groups one after
+// another, in the reverse of their order, and says so as each finishes (ReportGradients), so a
+// data-parallel strategy whose gradient buffers are smaller than a layer (ZeRO-2: two buckets'
+// worth per stage, docs/runtime.md) can reduce a bucket and reuse its buffer in the middle of a
+// layer's backward. The executor reports every parameter of a layer after the layer's backward
+// anyway; a report of a parameter already reported for this micro-batch is ignored.
+class GradientObserver {
+ public:
+  virtual ~GradientObserver() = default;
+  // The weight gradients of `params` for the current micro-batch are complete (added into each
+  // Parameter::grad).
+  virtual absl::Status GradientsDone(const std::vector<Parameter*>& params) = 0;
+};
+
 // Per-call context: where to allocate outputs, and the targets for a loss layer.
 struct LayerContext {
   Allocator* allocator = nullptr;   // nullptr = DefaultCpuAllocator()
@@ -93,6 +109,9 @@ struct LayerContext {
   // The stage's tensor-parallel group (pipewright/tensor_parallel.h), or null when the run is
   // not tensor-parallel: what a layer built with InitContext::tp_size > 1 reduces over.
   const TensorParallelGroup* tp = nullptr;
+  // (backward passes) Told as each group of weight gradients is complete (Note [Gradient
+  // groups]); null when no one listens.
+  GradientObserver* gradients = nullptr;
 };
 
 // Note [Incremental decoding]. Generating text one token at a time (`pipewright generate`,
@@ -181,10 +200,19 @@ class Layer {
   // Trainable parameters in a fixed order (the layer keeps ownership).
   virtual std::vector<Parameter*> Parameters() { return {}; }
 
+  // Parameters() cut into the groups whose weight gradients are complete together, in the same
+  // order (Note [Gradient groups]); the backward completes them last group first. The default is
+  // one group. A composite layer that returns its children's groups must call ReportGradients
+  // after each child's weight gradients (its Backward or BackwardWeight).
+  virtual std::vector<std::vector<Parameter*>> ParameterGroups();
+
   // (optional) This layer's incremental decoding (Note [Incremental decoding]), owned by the
   // layer; null when it has none: generation then recomputes the whole window per token.
   virtual IncrementalDecoder* decoder() { return nullptr; }
 };
+
+// Tells ctx.gradients (if any) that `child`'s weight gradients of this micro-batch are complete.
+absl::Status ReportGradients(const LayerContext& ctx, Layer& child);
 
 struct InitContext {
   uint64_t seed = 0;

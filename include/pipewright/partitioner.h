@@ -69,17 +69,17 @@ struct ZeroSharding {
   // ZeRO-2: gradients are reduce-scattered bucket by bucket as the backward produces them; a
   // replica holds its 1/dp shard of the stage's gradients and two bucket buffers.
   int64_t bucket_bytes = kDefaultGradBucketBytes;
-  // The largest layer's gradient bytes: a bucket holds whole layers, closing once it reaches
-  // bucket_bytes, so one bucket is at most bucket_bytes + this (the partitioner and the run's
-  // prediction fill it from the model).
-  int64_t largest_layer_bytes = 0;
+  // The largest gradient group's bytes (LayerCost::largest_group_params): a bucket holds whole
+  // groups and closes before one that would take it past bucket_bytes, so one bucket is at most
+  // max(bucket_bytes, this) (the partitioner and the run's prediction fill it from the model).
+  int64_t largest_group_bytes = 0;
 
   int optimizer_shards() const { return zero >= 1 && dp > 1 ? dp : 1; }
   int gradient_shards() const { return zero >= 2 && dp > 1 ? dp : 1; }
   // One replica's share of a stage whose whole optimizer state is `bytes`: ceil(bytes / shards).
   int64_t OptimizerBytes(int64_t bytes) const;
   // One replica's gradient bytes for a stage whose whole gradients are `bytes`: `bytes`, or under
-  // ZeRO-2 ceil(bytes / dp) + min(2 x (bucket_bytes + largest_layer_bytes), bytes).
+  // ZeRO-2 ceil(bytes / dp) + min(2 x max(bucket_bytes, largest_group_bytes), bytes).
   int64_t GradientBytes(int64_t bytes) const;
 };
 

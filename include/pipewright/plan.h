@@ -68,6 +68,9 @@ struct LayerCost {
   // Cost::selective_saving_bytes / selective_recompute_flops (0: no selective mode).
   int64_t selective_saving_bytes = 0;
   double selective_recompute_flops = 0;
+  // Cost::largest_group_params: ZeRO-2's gradient buckets may close between groups (0: the
+  // layer is one group).
+  int64_t largest_group_params = 0;
   // Name of an earlier layer whose parameters these are (a tied LM head). The stage holding
   // this layer still stores (and all-reduces) a copy, so memory counts them; the model's
   // unique parameter count does not.

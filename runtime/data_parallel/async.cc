@@ -23,7 +23,7 @@ class Async final : public WholeOptimizer<AsyncDataParallel> {
 
   // Gradients stay with their replica until the push.
   void BeginStep() override { bytes_ = GradSyncBytes{}; }
-  absl::Status BeginBackward(int) override { return absl::OkStatus(); }
+  absl::Status BeginBackward(int, bool) override { return absl::OkStatus(); }
   absl::Status GradReady(int, int, bool) override { return absl::OkStatus(); }
   absl::Status StageReady(int) override { return absl::OkStatus(); }
   absl::Status Finish() override { return absl::OkStatus(); }

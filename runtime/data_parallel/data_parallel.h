@@ -7,9 +7,11 @@
 //
 // Contract, per step (every call on the rank's own thread):
 //   BeginStep()                   forget the last step's work
-//   BeginBackward(stage)          a B or W action of `stage` is about to add weight gradients
-//   GradReady(stage, layer, last) layer's weight gradient of one micro-batch is added; `last`:
-//                                 of the step's last micro-batch (final for the step)
+//   BeginBackward(stage, last)    a B or W action of `stage` is about to add weight gradients;
+//                                 `last`: of the step's last micro-batch (final for the step)
+//   (observer(stage)->GradientsDone(params), from inside the layers' backward: those gradients
+//    of this micro-batch are complete; Note [Gradient groups] in pipewright/layer.h)
+//   GradReady(stage, layer, last) layer's weight gradient of one micro-batch is added
 //   StageReady(stage)             REDUCE_GRADS: every gradient of the stage is final
 //   Finish()                      every reduction is complete: each replicated gradient holds the
 //                                 sum over the replicas, each shard its own elements' sum
@@ -86,7 +88,10 @@ class DataParallel {
  public:
   virtual ~DataParallel() = default;
   virtual void BeginStep() = 0;
-  virtual absl::Status BeginBackward(int stage) = 0;
+  virtual absl::Status BeginBackward(int stage, bool last) = 0;
+  // What the layers of `stage` tell as their gradient groups complete (LayerContext::gradients),
+  // or null for a strategy that acts per layer only.
+  virtual GradientObserver* observer(int /*stage*/) { return nullptr; }
   virtual absl::Status GradReady(int stage, int layer, bool last) = 0;
   virtual absl::Status StageReady(int stage) = 0;
   virtual absl::Status Finish() = 0;

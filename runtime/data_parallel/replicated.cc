@@ -15,7 +15,7 @@ class Replicated final : public WholeOptimizer<DataParallel> {
       : WholeOptimizer(ctx, std::move(params)), sync_(std::move(sync)) {}
 
   void BeginStep() override { sync_->BeginStep(); }
-  absl::Status BeginBackward(int) override { return absl::OkStatus(); }
+  absl::Status BeginBackward(int, bool) override { return absl::OkStatus(); }
   absl::Status GradReady(int stage, int layer, bool last) override {
     return last ? sync_->LayerReady(stage, layer) : absl::OkStatus();
   }

@@ -20,16 +20,21 @@
 // Tied parameters stay whole: their gradients are all-reduced with the bucket (the tie reduction
 // after it needs the whole sums) and every replica updates them with its own optimizer.
 //
-// ZeRO-2 goes further: the gradient buffers no longer outlive a micro-batch. Each stage has two
-// bucket-sized buffers; a bucket's parameters' grads are bound to one of them when its turn in
-// the backward comes (BeginBackward binds the first, each bucket's completion the next), each
-// micro-batch's bucket is reduce-scattered as soon as its last layer is done, and the owner adds
-// the result into its shard's accumulator. Gradient memory per rank: the stage's / replicas, two
-// buckets and the tied parameters. Traffic: a reduce-scatter per micro-batch, M times ZeRO-1's.
+// ZeRO-2 goes further: the gradient buffers no longer outlive a micro-batch. Its buckets are made
+// of gradient groups, not layers (BucketGroups: a leaf layer's parameters, Note [Gradient groups]
+// in pipewright/layer.h), so a bucket may end inside a transformer block, and each is at most
+// max(bucket_bytes, the largest group). Each stage has two buffers of the largest bucket's size;
+// a bucket's parameters' grads are bound to one of them when its turn in the backward comes
+// (BeginBackward binds the first, each bucket's completion the next), each micro-batch's bucket
+// is reduce-scattered as soon as its last group is reported (LayerContext::gradients, or the
+// executor's GradReady after the layer), and the owner adds the result into its shard's
+// accumulator. Gradient memory per rank: the stage's / replicas, two buckets and the tied
+// parameters. Traffic: a reduce-scatter per micro-batch, M times ZeRO-1's.
 // The sum is grouped by micro-batch first ((g0 + g0') + (g1 + g1') ...) where zero 0 and 1 sum
 // each replica's micro-batches first: ZeRO-2 agrees with them to fp32 rounding, not to the bit
 // (docs/runtime.md, "ZeRO").
 #include <algorithm>
+#include <map>
 #include <memory>
 #include <utility>
 
@@ -82,6 +87,41 @@ FlatLayout LayOutFlat(const std::vector<int64_t>& sizes, int replicas) {
 
 namespace {
 
+// ZeRO-2's buckets: the stage's gradient groups, last first, a bucket closing before a group that
+// would take it past bucket_bytes (so a bucket is at most max(bucket_bytes, its largest group)).
+absl::StatusOr<std::vector<std::vector<Parameter*>>> BucketGroups(const GradSyncStage& gs,
+                                                                  int64_t bucket_bytes) {
+  std::vector<std::vector<Parameter*>> out;
+  int64_t bytes = 0;
+  for (size_t i = gs.layers.size(); i-- > 0;) {
+    std::vector<std::vector<Parameter*>> groups;
+    if (i < gs.groups.size()) {
+      groups = gs.groups[i];
+      std::vector<Parameter*> flat;
+      for (const auto& g : groups) flat.insert(flat.end(), g.begin(), g.end());
+      if (flat != gs.layers[i]) {
+        return absl::InternalError(
+            absl::StrCat("stage ", gs.index, ", layer ", i,
+                         ": its ParameterGroups() do not list its Parameters() in their order"));
+      }
+    } else if (!gs.layers[i].empty()) {
+      groups.push_back(gs.layers[i]);
+    }
+    for (size_t g = groups.size(); g-- > 0;) {
+      if (groups[g].empty()) continue;
+      int64_t group_bytes = 0;
+      for (const Parameter* p : groups[g]) group_bytes += static_cast<int64_t>(p->grad.nbytes());
+      if (out.empty() || (bytes > 0 && bytes + group_bytes > bucket_bytes)) {
+        out.emplace_back();
+        bytes = 0;
+      }
+      out.back().insert(out.back().end(), groups[g].begin(), groups[g].end());
+      bytes += group_bytes;
+    }
+  }
+  return out;
+}
+
 // A tensor's elements in this replica's shard: [begin, end) of the tensor, at `flat` in the
 // bucket's buffer (the tensor's first element).
 struct Piece {
@@ -105,8 +145,11 @@ struct Bucket {
   std::vector<Parameter*> whole;
   Tensor whole_grads;
   std::unique_ptr<Work> whole_work;
-  int layers = 0;  // layers with parameters
-  int pending = 0;
+  int layers = 0;  // ZeRO-1: layers with parameters
+  // ZeRO-2: every parameter of the bucket, which of them this micro-batch has reported.
+  std::vector<Parameter*> all;
+  std::vector<char> done;
+  int pending = 0;  // ZeRO-1: layers, ZeRO-2: parameters still to come
   bool launched = false;
   int stage = 0, index = 0;  // its virtual stage and index there (Note [Bucket spans])
 };
@@ -121,11 +164,16 @@ struct Slot {
 };
 
 struct Stage {
-  int index = 0;  // virtual stage
-  std::vector<int> layer_bucket;
+  int index = 0;                  // virtual stage
+  std::vector<int> layer_bucket;  // ZeRO-1
   std::vector<Bucket> buckets;
-  Slot slots[2];  // ZeRO-2
-  int next = 0;   // ZeRO-2: the next bucket to bind in this backward
+  // ZeRO-2: each parameter's bucket and place in it; the two buffers; the next bucket to bind in
+  // this backward; whether the backward is of the step's last micro-batch; what the layers tell.
+  std::map<const Parameter*, std::pair<int, int>> where;
+  Slot slots[2];
+  int next = 0;
+  bool last = false;
+  std::unique_ptr<GradientObserver> observer;
 };
 
 class Sharded final : public DataParallel {
@@ -140,14 +188,24 @@ class Sharded final : public DataParallel {
     for (const GradSyncStage& gs : params_.stages) {
       Stage& st = stages_.emplace_back();
       st.index = gs.index;
-      const StageBuckets sb = BucketLayers(gs, ctx_.bucket_bytes);
+      StageBuckets sb;
+      if (zero_ == 1) {
+        sb = BucketLayers(gs, ctx_.bucket_bytes);
+      } else {
+        PW_ASSIGN_OR_RETURN(sb.params, BucketGroups(gs, ctx_.bucket_bytes));
+        st.observer = std::make_unique<Observer>(this, static_cast<int>(stages_.size()) - 1);
+      }
       st.layer_bucket = sb.layer_bucket;
       int64_t largest = 0;
       for (size_t k = 0; k < sb.params.size(); ++k) {
         Bucket& b = st.buckets.emplace_back();
-        b.layers = sb.layers[k];
+        if (zero_ == 1) b.layers = sb.layers[k];
         b.stage = gs.index;
         b.index = static_cast<int>(k);
+        b.all = sb.params[k];
+        for (size_t i = 0; i < b.all.size(); ++i) {
+          st.where[b.all[i]] = {static_cast<int>(k), static_cast<int>(i)};
+        }
         std::vector<int64_t> sizes;
         for (Parameter* p : sb.params[k]) {
           if (params_.tied.count(p) != 0) {
@@ -247,25 +305,28 @@ class Sharded final : public DataParallel {
     }
   }
 
-  absl::Status BeginBackward(int stage) override {
+  absl::Status BeginBackward(int stage, bool last) override {
     if (zero_ != 2) return absl::OkStatus();
     Stage& st = stages_[stage];
     st.next = 0;
-    for (Bucket& b : st.buckets) b.pending = b.layers;
+    st.last = last;
+    for (Bucket& b : st.buckets) {
+      b.pending = static_cast<int>(b.all.size());
+      b.done.assign(b.all.size(), 0);
+    }
     return BindNext(st);
   }
 
+  GradientObserver* observer(int stage) override { return stages_[stage].observer.get(); }
+
   absl::Status GradReady(int stage, int layer, bool last) override {
     Stage& st = stages_[stage];
+    if (zero_ == 2) return Report(st, params_.stages[stage].layers[layer]);
     const int k = st.layer_bucket[layer];
-    if (k < 0) return absl::OkStatus();
+    if (k < 0 || !last) return absl::OkStatus();
     Bucket& b = st.buckets[k];
-    if (zero_ == 1 && !last) return absl::OkStatus();
     if (--b.pending > 0) return absl::OkStatus();
-    if (zero_ == 1) return Launch(b);
-    // ZeRO-2: this micro-batch's bucket is complete: reduce-scatter it, bind the next.
-    PW_RETURN_IF_ERROR(LaunchMicroBatch(st, k, last));
-    return BindNext(st);
+    return Launch(b);
   }
 
   absl::Status StageReady(int stage) override {
@@ -571,6 +632,41 @@ class Sharded final : public DataParallel {
     slot->bucket = k;
     return absl::OkStatus();
   }
+
+  // ZeRO-2: `params`' gradients of this micro-batch are complete. A bucket whose last parameter
+  // this is is reduce-scattered and the next bound.
+  absl::Status Report(Stage& st, const std::vector<Parameter*>& params) {
+    for (const Parameter* p : params) {
+      auto it = st.where.find(p);
+      if (it == st.where.end()) continue;
+      const auto [k, i] = it->second;
+      Bucket& b = st.buckets[k];
+      if (b.done[i] != 0) continue;
+      if (k >= st.next) {
+        return absl::InternalError(
+            absl::StrCat("ZeRO-2, stage ", st.index, ": the gradient of ", p->name,
+                         " was added before its bucket had a buffer (a composite layer whose "
+                         "ParameterGroups() split it must report each group: ReportGradients)"));
+      }
+      b.done[i] = 1;
+      if (--b.pending > 0) continue;
+      PW_RETURN_IF_ERROR(LaunchMicroBatch(st, k, st.last));
+      PW_RETURN_IF_ERROR(BindNext(st));
+    }
+    return absl::OkStatus();
+  }
+
+  class Observer final : public GradientObserver {
+   public:
+    Observer(Sharded* s, int stage) : s_(s), stage_(stage) {}
+    absl::Status GradientsDone(const std::vector<Parameter*>& params) override {
+      return s_->Report(s_->stages_[stage_], params);
+    }
+
+   private:
+    Sharded* s_;
+    int stage_;
+  };
 
   int gradient_replicas() const override { return ctx_.replicas; }
 

@@ -118,6 +118,7 @@ absl::Status RankExecutor::Connect(const GroupNeeds& needs, const std::vector<Cr
     GradSyncStage gs{st.index, {}};
     for (int i = 0; i < st.stage->size(); ++i) {
       gs.layers.push_back(st.stage->layer(i).Parameters());
+      gs.groups.push_back(st.stage->layer(i).ParameterGroups());
       for (const Parameter* p : gs.layers.back()) {
         if (!p->tied_to.empty()) params.tied.insert(p);
       }

@@ -188,6 +188,7 @@ absl::StatusOr<LayerContext> RankExecutor::ContextFor(const StageRt& st, int mb)
   LayerContext lc{alloc_.get(), targets, ComputeDType(ctx_->options->precision)};
   lc.selective_recompute = st.recompute == Recompute::kSelective;
   if (tp_.comm != nullptr) lc.tp = &tp_;
+  if (dp_ != nullptr) lc.gradients = dp_->observer(local_[st.index]);
   return lc;
 }
 
@@ -279,7 +280,7 @@ absl::Status RankExecutor::Backward(StageRt& st, const Action& a, int index) {
   }
   Clock::time_point t = Clock::now();
   const bool whole = a.kind == ActionKind::kB;
-  if (whole) PW_RETURN_IF_ERROR(dp_->BeginBackward(local_[st.index]));
+  if (whole) PW_RETURN_IF_ERROR(dp_->BeginBackward(local_[st.index], final_w));
   Tensor g = dy;
   for (int i = st.stage->size(); i-- > 0;) {
     Layer& layer = st.stage->layer(i);
@@ -321,7 +322,7 @@ absl::Status RankExecutor::WeightBackward(StageRt& st, const Action& a, int inde
   }
   const bool final_w = index == st.last_backward;
   Clock::time_point t = Clock::now();
-  PW_RETURN_IF_ERROR(dp_->BeginBackward(local_[st.index]));
+  PW_RETURN_IF_ERROR(dp_->BeginBackward(local_[st.index], final_w));
   for (int i = st.stage->size(); i-- > 0;) {
     PW_RETURN_IF_ERROR(
         InLayer(st.stage->layer(i).BackwardWeight(lc, &saved[i]), st, i, "weight backward"));

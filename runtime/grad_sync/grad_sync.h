@@ -49,6 +49,9 @@ struct GradSyncContext {
 struct GradSyncStage {
   int index = 0;
   std::vector<std::vector<Parameter*>> layers;
+  // (optional) Per layer: Layer::ParameterGroups(), the groups its backward completes one by one
+  // (Note [Gradient groups] in pipewright/layer.h); missing: each layer is one group.
+  std::vector<std::vector<std::vector<Parameter*>>> groups;
 };
 
 // Gradient and parameter bytes this rank sends to its data-parallel group in a step, and what an

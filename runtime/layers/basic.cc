@@ -32,6 +32,19 @@ absl::StatusOr<Tensor> Layer::Backward(const Tensor& dy, const LayerContext& ctx
   return dx;
 }
 
+std::vector<std::vector<Parameter*>> Layer::ParameterGroups() {
+  std::vector<Parameter*> p = Parameters();
+  if (p.empty()) return {};
+  return {std::move(p)};
+}
+
+absl::Status ReportGradients(const LayerContext& ctx, Layer& child) {
+  if (ctx.gradients == nullptr) return absl::OkStatus();
+  const std::vector<Parameter*> p = child.Parameters();
+  if (p.empty()) return absl::OkStatus();
+  return ctx.gradients->GradientsDone(p);
+}
+
 // ---- pipewright/init.h ----
 namespace {
 

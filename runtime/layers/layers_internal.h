@@ -209,6 +209,7 @@ class SequentialLayer : public Layer, public IncrementalDecoder {
   // Each child's weight gradient right after its input gradient (Note [Backward by layer]).
   absl::StatusOr<Tensor> Backward(const Tensor& dy, const LayerContext& ctx, Saved* saved) override;
   std::vector<Parameter*> Parameters() override;
+  std::vector<std::vector<Parameter*>> ParameterGroups() override;
   // Forward plus a residual added to the last child's output (LinearLayer::ForwardWithResidual
   // when that child is a Linear layer).
   absl::StatusOr<Tensor> ForwardWithResidual(const Tensor& x, const Tensor& residual,
@@ -256,6 +257,7 @@ class TransformerBlockLayer final : public Layer, public IncrementalDecoder {
   // Each sublayer's weight gradient right after its input gradient (Note [Backward by layer]).
   absl::StatusOr<Tensor> Backward(const Tensor& dy, const LayerContext& ctx, Saved* saved) override;
   std::vector<Parameter*> Parameters() override;
+  std::vector<std::vector<Parameter*>> ParameterGroups() override;
 
  private:
   // BackwardInput, or with `weights` Backward, of the sublayers in reverse order.

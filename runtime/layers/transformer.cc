@@ -66,7 +66,19 @@ absl::StatusOr<Tensor> SequentialLayer::ForwardWithResidual(const Tensor& x, con
 // and W passes still call BackwardInput and BackwardWeight.
 absl::StatusOr<Tensor> ChildBackward(Layer& child, const Tensor& dy, const LayerContext& ctx,
                                      Saved* saved, bool weights) {
-  return weights ? child.Backward(dy, ctx, saved) : child.BackwardInput(dy, ctx, saved);
+  if (!weights) return child.BackwardInput(dy, ctx, saved);
+  PW_ASSIGN_OR_RETURN(Tensor dx, child.Backward(dy, ctx, saved));
+  PW_RETURN_IF_ERROR(ReportGradients(ctx, child));  // Note [Gradient groups] in layer.h
+  return dx;
+}
+
+// The children's groups, in their order (Note [Gradient groups] in layer.h).
+static std::vector<std::vector<Parameter*>> ChildGroups(std::initializer_list<Layer*> children) {
+  std::vector<std::vector<Parameter*>> out;
+  for (Layer* c : children) {
+    for (std::vector<Parameter*>& g : c->ParameterGroups()) out.push_back(std::move(g));
+  }
+  return out;
 }
 
 absl::StatusOr<Tensor> SequentialLayer::BackwardChildren(const Tensor& dy, const LayerContext& ctx,
@@ -98,9 +110,18 @@ absl::Status SequentialLayer::BackwardWeight(const LayerContext& ctx, Saved* sav
   }
   for (size_t i = children_.size(); i-- > 0;) {
     PW_RETURN_IF_ERROR(children_[i]->BackwardWeight(ctx, &saved->children[i]));
+    PW_RETURN_IF_ERROR(ReportGradients(ctx, *children_[i]));
   }
   saved->Clear();
   return absl::OkStatus();
+}
+
+std::vector<std::vector<Parameter*>> SequentialLayer::ParameterGroups() {
+  std::vector<std::vector<Parameter*>> out;
+  for (auto& c : children_) {
+    for (std::vector<Parameter*>& g : c->ParameterGroups()) out.push_back(std::move(g));
+  }
+  return out;
 }
 
 std::vector<Parameter*> SequentialLayer::Parameters() {
@@ -278,12 +299,17 @@ absl::Status TransformerBlockLayer::BackwardWeight(const LayerContext& ctx, Save
   if (saved->children.size() != 4) {
     return absl::FailedPreconditionError("transformer_block: BackwardWeight without forward");
   }
-  PW_RETURN_IF_ERROR(mlp_->BackwardWeight(ctx, &saved->children[3]));
-  PW_RETURN_IF_ERROR(ln_2_->BackwardWeight(ctx, &saved->children[2]));
-  PW_RETURN_IF_ERROR(attn_->BackwardWeight(ctx, &saved->children[1]));
-  PW_RETURN_IF_ERROR(ln_1_->BackwardWeight(ctx, &saved->children[0]));
+  Layer* const children[] = {ln_1_.get(), attn_.get(), ln_2_.get(), mlp_.get()};
+  for (int i = 4; i-- > 0;) {
+    PW_RETURN_IF_ERROR(children[i]->BackwardWeight(ctx, &saved->children[i]));
+    PW_RETURN_IF_ERROR(ReportGradients(ctx, *children[i]));
+  }
   saved->Clear();
   return absl::OkStatus();
+}
+
+std::vector<std::vector<Parameter*>> TransformerBlockLayer::ParameterGroups() {
+  return ChildGroups({ln_1_.get(), attn_.get(), ln_2_.get(), mlp_.get()});
 }
 
 std::vector<Parameter*> TransformerBlockLayer::Parameters() {

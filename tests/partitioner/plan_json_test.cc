@@ -97,6 +97,7 @@ ModelCosts MakeModel(int layers = 10) {
     if (i == 2) l.backward_time_s = 1e-300;
     if (i == 3) l.selective_saving_bytes = 1024;
     if (i == 3) l.selective_recompute_flops = 1e6;
+    if (i == 3) l.largest_group_params = 1500;
     m.layers.push_back(l);
   }
   m.layers.back().tied_to = "l0";
@@ -236,6 +237,7 @@ TEST(PlanJson, RoundTripModel) {
     EXPECT_EQ(a.tied_to, b.tied_to);
     EXPECT_EQ(a.selective_saving_bytes, b.selective_saving_bytes);
     EXPECT_EQ(a.selective_recompute_flops, b.selective_recompute_flops);
+    EXPECT_EQ(a.largest_group_params, b.largest_group_params);
   }
   EXPECT_EQ(ModelCostsToJson(*parsed), text);
   // Optional keys are written only when set.
@@ -246,6 +248,8 @@ TEST(PlanJson, RoundTripModel) {
   EXPECT_EQ(j["layers"][9]["tied_to"], "l0");
   EXPECT_FALSE(j["layers"][0].contains("selective_saving_bytes"));
   EXPECT_EQ(j["layers"][3]["selective_saving_bytes"], 1024);
+  EXPECT_FALSE(j["layers"][0].contains("largest_group_params"));
+  EXPECT_EQ(j["layers"][3]["largest_group_params"], 1500);
   EXPECT_EQ(j["format"], kModelFormat);
 }
 
@@ -663,6 +667,8 @@ TEST(ModelJsonRules, Layers) {
                        "layers[3].activation_bytes", "integer");
   EXPECT_MODEL_PROBLEM([](json& j) { j["layers"][3]["selective_saving_bytes"] = 1 << 20; },
                        "layers[3].selective_saving_bytes", "<=");
+  EXPECT_MODEL_PROBLEM([](json& j) { j["layers"][3]["largest_group_params"] = 1 << 20; },
+                       "layers[3].largest_group_params", "<=");
   EXPECT_MODEL_PROBLEM([](json& j) { j["layers"][3]["selective_recompute_flops"] = -1.0; },
                        "layers[3].selective_recompute_flops", ">= 0");
   EXPECT_MODEL_PROBLEM([](json& j) { j["layers"][3].erase("kind"); }, "layers[3].kind", "missing");

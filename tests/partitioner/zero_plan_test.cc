@@ -3,6 +3,7 @@
 // place in the step time, the plan search's choice, the checks of `zero` and its plan JSON.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -96,8 +97,9 @@ TEST(ZeroSharding, GradientsAreTheShardPlusAtMostTwoBucketsInFlight) {
 // split) over dp within two buckets, its optimizer state ZeRO-1's, its weights unchanged.
 TEST(Zero2, PlanGradientsPerRankAreTheStagesOverDp) {
   const ModelCosts model = BigParamsModel(80, 250000);
-  // Two bucket buffers; a bucket holds whole layers, up to one past the bucket size.
-  const int64_t in_flight = 2 * (kDefaultGradBucketBytes + 4 * 250000);
+  // Two bucket buffers; a bucket holds whole gradient groups (here a layer each), as large as
+  // the bucket size or one group.
+  const int64_t in_flight = 2 * std::max<int64_t>(kDefaultGradBucketBytes, 4 * 250000);
   const int dp = 4;
   absl::StatusOr<Plan> z0 = Partition(model, Devices(8, 80 * kGiB), Options(2, dp, 0, 8));
   ASSERT_TRUE(z0.ok()) << z0.status();
@@ -121,9 +123,29 @@ TEST(Zero2, PlanGradientsPerRankAreTheStagesOverDp) {
   EXPECT_LT(z2.predicted.peak_memory_bytes, z1.predicted.peak_memory_bytes);
 }
 
+// Layers whose gradients come in groups (Note [Gradient groups] in pipewright/layer.h): ZeRO-2's
+// buckets close between groups, so the buffers in flight are two of the largest group, not of
+// the largest layer.
+TEST(Zero2, BucketsAreAsLargeAsTheLargestGradientGroup) {
+  ModelCosts whole = BigParamsModel(16, 2500000), grouped = whole;
+  for (LayerCost& l : grouped.layers) l.largest_group_params = 2500000 / 5;
+  const int dp = 2;
+  absl::StatusOr<Plan> a = Partition(whole, Devices(4, 80 * kGiB), Options(2, dp, 2, 8));
+  absl::StatusOr<Plan> b = Partition(grouped, Devices(4, 80 * kGiB), Options(2, dp, 2, 8));
+  ASSERT_TRUE(a.ok() && b.ok());
+  for (size_t k = 0; k < a->stages.size(); ++k) {
+    EXPECT_EQ(a->stages[k].memory.grads - b->stages[k].memory.grads,
+              2 * 4 * (2500000 - 2500000 / 5))
+        << k;
+  }
+  const ZeroSharding z{2, 4, 1 << 20, 3 << 20};
+  EXPECT_EQ(z.GradientBytes(int64_t{1} << 30), (int64_t{1} << 28) + 2 * (3 << 20));
+}
+
 // PredictRankMemory (what the runtime's own check uses) counts ZeRO-2 as the plan does.
 TEST(Zero2, RankMemoryMatchesThePlan) {
-  const ModelCosts model = BigParamsModel(8, 2500000);
+  ModelCosts model = BigParamsModel(8, 2500000);
+  for (LayerCost& l : model.layers) l.largest_group_params = 100000;  // 400 KB groups
   PartitionOptions o = Options(2, 4, 2, 8);
   absl::StatusOr<Plan> plan = Partition(model, Devices(8, 80 * kGiB), o);
   ASSERT_TRUE(plan.ok()) << plan.status();
@@ -139,12 +161,12 @@ TEST(Zero2, RankMemoryMatchesThePlan) {
     EXPECT_EQ(r.memory.grads, plan->stages[r.stages[0]].memory.grads);
     EXPECT_EQ(r.memory.total, plan->stages[r.stages[0]].memory.total);
   }
-  // A smaller bucket holds less in flight.
+  // A smaller bucket holds less in flight, down to two of the largest group.
   auto small = PredictRankMemory(model, *sched, plan->Boundaries(), recompute,
                                  BytesPerParam(Precision::kFp32), ZeroSharding{2, 4, 1024});
   ASSERT_TRUE(small.ok());
   EXPECT_EQ((*ranks)[0].memory.grads - (*small)[0].memory.grads,
-            2 * kDefaultGradBucketBytes - 2 * 1024);
+            2 * kDefaultGradBucketBytes - 2 * 4 * 100000);
   for (const ZeroSharding& bad :
        {ZeroSharding{3, 4}, ZeroSharding{-1, 4}, ZeroSharding{2, 0}, ZeroSharding{2, 4, 0}}) {
     EXPECT_EQ(PredictRankMemory(model, *sched, plan->Boundaries(), recompute,

@@ -130,13 +130,19 @@ TEST(FlatLayout, ShardBoundariesCutTensorsOnlyAtChunkBoundaries) {
   }
 }
 
+// How the last five parameters (f to j) form layers: a layer each; one layer whose gradients
+// are one group; one layer of five gradient groups (Note [Gradient groups] in
+// pipewright/layer.h) reported as each is added; the same groups never reported.
+enum class Tail { kLayers, kOneGroup, kGroups, kGroupsUnreported };
+
 // One replica's parameters for the strategy tests: a stage of layers, one without parameters and
 // one with a tied tensor among them.
 struct Replica {
   std::vector<std::unique_ptr<Parameter>> params;
   DataParallelParams view;
+  Tail tail = Tail::kLayers;
 
-  Replica() {
+  explicit Replica(Tail t = Tail::kLayers) : tail(t) {
     const std::vector<std::pair<std::string, int64_t>> shapes = {{"a", kNormChunk + 17},
                                                                  {"b", 900},
                                                                  {"c", 2 * kNormChunk},
@@ -162,15 +168,32 @@ struct Replica {
                             {},
                             {params[2].get()},
                             {params[3].get(), params[4].get()}}});
-    for (size_t i = 5; i < params.size(); ++i) view.stages[0].layers.push_back({params[i].get()});
+    if (tail == Tail::kLayers) {
+      for (size_t i = 5; i < params.size(); ++i) {
+        view.stages[0].layers.push_back({params[i].get()});
+      }
+    } else {
+      std::vector<Parameter*> last;
+      for (size_t i = 5; i < params.size(); ++i) last.push_back(params[i].get());
+      view.stages[0].layers.push_back(last);
+      if (tail != Tail::kOneGroup) {
+        for (const auto& layer : view.stages[0].layers) {
+          view.stages[0].groups.push_back({});
+          if (!layer.empty()) view.stages[0].groups.back().push_back(layer);
+        }
+        view.stages[0].groups.back().clear();
+        for (Parameter* p : last) view.stages[0].groups.back().push_back({p});
+      }
+    }
     for (auto& p : params) view.trained.push_back(p.get());
     view.tied.insert(params[4].get());  // kept whole by a sharded strategy
   }
 
   // Adds micro-batch mb's gradient of replica r to layer `layer`'s parameters: values whose
   // float sums depend on their order.
-  void AddGrads(int r, int mb, int layer) {
-    for (Parameter* p : view.stages[0].layers[layer]) {
+  void AddGrads(int r, int mb, int layer) { AddGrads(r, mb, view.stages[0].layers[layer]); }
+  void AddGrads(int r, int mb, const std::vector<Parameter*>& ps) {
+    for (Parameter* p : ps) {
       float* g = p->grad.data<float>();
       for (int64_t i = 0; i < p->grad.numel(); ++i) {
         g[i] += std::ldexp(std::cos(static_cast<float>(i * 7 + r * 13 + mb * 5)),
@@ -186,14 +209,16 @@ struct StrategyRun {
   std::vector<GradSyncBytes> bytes;              // per replica, last step
   std::vector<int64_t> grad_bytes, state_bytes;  // per replica
   bool replicas_equal = true;
+  absl::Status error;  // Tail::kGroupsUnreported: the first replica's
   // Per replica, per step: the bucket collectives it posted (Note [Bucket spans]).
   std::vector<std::vector<std::vector<BucketWatch::Span>>> spans;
 };
 
 // `steps` steps of `zero` over `dp` replicas with `micro_batches` micro-batches each.
-StrategyRun RunStrategy(int zero, int dp, int micro_batches, int steps) {
+StrategyRun RunStrategy(int zero, int dp, int micro_batches, int steps, Tail tail = Tail::kLayers) {
   auto comms = CreateLocalWorld(dp);
-  std::vector<Replica> replicas(dp);
+  std::vector<Replica> replicas;
+  for (int r = 0; r < dp; ++r) replicas.emplace_back(tail);
   StrategyRun out;
   out.bytes.resize(dp);
   out.grad_bytes.resize(dp);
@@ -243,9 +268,22 @@ StrategyRun RunStrategy(int zero, int dp, int micro_batches, int steps) {
           for (int mb = 0; mb < micro_batches; ++mb) {
             // As a B action runs: the layers' weight gradients last layer first, each
             // announced as soon as it is added.
-            PW_RETURN_IF_ERROR(s->BeginBackward(0));
+            PW_RETURN_IF_ERROR(s->BeginBackward(0, mb + 1 == micro_batches));
             for (int layer = static_cast<int>(rep.view.stages[0].layers.size()); layer-- > 0;) {
-              rep.AddGrads(r, mb + step, layer);
+              const bool grouped = tail == Tail::kGroups || tail == Tail::kGroupsUnreported;
+              if (grouped && layer + 1 == static_cast<int>(rep.view.stages[0].layers.size())) {
+                // Group by group, last first, each told as it is complete (as the layers do).
+                const auto& groups = rep.view.stages[0].groups[layer];
+                for (size_t g = groups.size(); g-- > 0;) {
+                  rep.AddGrads(r, mb + step, groups[g]);
+                  GradientObserver* o = s->observer(0);
+                  if (o != nullptr && tail == Tail::kGroups) {
+                    PW_RETURN_IF_ERROR(o->GradientsDone(groups[g]));
+                  }
+                }
+              } else {
+                rep.AddGrads(r, mb + step, layer);
+              }
               PW_RETURN_IF_ERROR(s->GradReady(0, layer, mb + 1 == micro_batches));
               watch.Poll();
             }
@@ -268,7 +306,13 @@ StrategyRun RunStrategy(int zero, int dp, int micro_batches, int steps) {
     });
   }
   for (std::thread& t : threads) t.join();
-  for (int r = 0; r < dp; ++r) EXPECT_TRUE(status[r].ok()) << status[r];
+  for (int r = 0; r < dp; ++r) {
+    if (tail == Tail::kGroupsUnreported && zero == 2) {
+      if (out.error.ok()) out.error = status[r];
+      continue;
+    }
+    EXPECT_TRUE(status[r].ok()) << status[r];
+  }
   for (int step = 0; step < steps; ++step) {
     for (int r = 0; r < dp; ++r) {
       for (int k = 0; k < ExactSum::kSlots; ++k) slots[step][k] += mine[r][step][k];
@@ -330,6 +374,33 @@ TEST(Sharded, ZeroTwoAgreesToRoundingAndHoldsAShareOfTheGradients) {
     // Gradients: the shards, two buckets in flight and the tied tensor, not the whole.
     EXPECT_LT(two.grad_bytes[r], one.grad_bytes[r]);
   }
+}
+
+// ZeRO-2's buckets are made of gradient groups, so one may end inside a layer: a layer of five
+// groups reported one by one holds two small buckets in flight, where the same layer as one group
+// needs buffers for all five at once. The sums are the same, so the bits are too; a layer that
+// declares groups and does not report them is refused by name.
+TEST(Sharded, ZeroTwoBucketsEndInsideALayer) {
+  const int dp = 2, mbs = 3, steps = 3;
+  const StrategyRun layers = RunStrategy(2, dp, mbs, steps, Tail::kLayers);
+  const StrategyRun one = RunStrategy(2, dp, mbs, steps, Tail::kOneGroup);
+  const StrategyRun groups = RunStrategy(2, dp, mbs, steps, Tail::kGroups);
+  EXPECT_TRUE(groups.replicas_equal);
+  EXPECT_EQ(groups.values, layers.values);
+  EXPECT_EQ(one.values, layers.values);
+  EXPECT_EQ(groups.norms, layers.norms);
+  for (int r = 0; r < dp; ++r) {
+    EXPECT_EQ(groups.grad_bytes[r], layers.grad_bytes[r]) << "the same buckets";
+    // Two buffers of the five tensors (15,000 floats) against two of the largest other bucket
+    // (d: 5,000).
+    EXPECT_GE(one.grad_bytes[r] - groups.grad_bytes[r], 2 * 4 * 9000) << r;
+  }
+  // ZeRO-1 reduces once per step, after the backward: groups change nothing.
+  EXPECT_EQ(RunStrategy(1, dp, mbs, steps, Tail::kGroups).values,
+            RunStrategy(1, dp, mbs, steps, Tail::kLayers).values);
+  const StrategyRun silent = RunStrategy(2, dp, mbs, 1, Tail::kGroupsUnreported);
+  EXPECT_EQ(silent.error.code(), absl::StatusCode::kInternal) << silent.error;
+  EXPECT_NE(silent.error.message().find("ReportGradients"), std::string::npos) << silent.error;
 }
 
 // Note [Bucket spans]: every strategy that reduces by bucket tells the watch of each collective

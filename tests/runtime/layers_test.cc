@@ -302,6 +302,75 @@ TEST(LayerTest, SplitBackwardEqualsBackward) {
   }
 }
 
+// Note [Gradient groups]: a layer's groups list its parameters in order, and a composite reports
+// each group as its gradients are final — the values a reported gradient holds then are those it
+// holds after the whole backward — last group first, under Backward and under the split passes.
+class RecordingObserver final : public GradientObserver {
+ public:
+  absl::Status GradientsDone(const std::vector<Parameter*>& params) override {
+    for (Parameter* p : params) {
+      if (seen.count(p) == 0) {
+        seen[p] = p->grad.ToVector();
+        order.push_back(p);
+      }
+    }
+    return absl::OkStatus();
+  }
+  std::map<Parameter*, std::vector<float>> seen;
+  std::vector<Parameter*> order;
+};
+
+TEST(LayerTest, GradientGroupsAreReportedAsEachIsFinal) {
+  std::mt19937 rng(24);
+  for (Built& b : AllLayers(rng)) {
+    SCOPED_TRACE(b.spec->kind());
+    for (bool split : {false, true}) {
+      auto layer = Make(b.spec, "n");
+      const std::vector<std::vector<Parameter*>> groups = layer->ParameterGroups();
+      std::vector<Parameter*> flat;
+      for (const auto& g : groups) flat.insert(flat.end(), g.begin(), g.end());
+      ASSERT_EQ(flat, layer->Parameters());
+      RecordingObserver rec;
+      LayerContext ctx;
+      ctx.gradients = &rec;
+      Saved s;
+      auto y = layer->Forward(b.x, ctx, &s);
+      ASSERT_TRUE(y.ok()) << y.status();
+      const Tensor probe = RandomTensor(y->shape(), rng);
+      if (split) {
+        ASSERT_TRUE(layer->BackwardInput(probe, ctx, &s).ok());
+        EXPECT_TRUE(rec.order.empty()) << "the input gradient adds no weight gradient";
+        ASSERT_TRUE(layer->BackwardWeight(ctx, &s).ok());
+      } else {
+        ASSERT_TRUE(layer->Backward(probe, ctx, &s).ok());
+      }
+      if (groups.size() == 1) {
+        EXPECT_TRUE(rec.order.empty()) << "a leaf is reported by whoever runs it";
+        continue;
+      }
+      // Every parameter reported, with its final gradient, and the groups last first.
+      ASSERT_EQ(rec.order.size(), flat.size());
+      for (Parameter* p : flat) EXPECT_EQ(rec.seen.at(p), p->grad.ToVector()) << p->name;
+      size_t k = 0;
+      for (size_t g = groups.size(); g-- > 0;) {
+        std::vector<Parameter*> got(rec.order.begin() + k,
+                                    rec.order.begin() + k + groups[g].size());
+        std::sort(got.begin(), got.end());
+        std::vector<Parameter*> want = groups[g];
+        std::sort(want.begin(), want.end());
+        EXPECT_EQ(got, want) << "group " << g;
+        k += groups[g].size();
+      }
+    }
+  }
+  // The block's groups: ln_1, qkv, attn.proj, ln_2, fc, mlp.proj; the largest the fc's.
+  auto block = Make(layers::TransformerBlock(kC, kH), "b");
+  EXPECT_EQ(block->ParameterGroups().size(), 6u);
+  const Cost c = layers::TransformerBlock(kC, kH)->GetCost({2, 8}, 0);
+  EXPECT_EQ(c.largest_group_params, 4 * kC * kC + 4 * kC);
+  EXPECT_EQ(layers::LayerNorm(kC)->GetCost({2, 8}, 0).group_params(), 2 * kC);
+}
+
 TEST(LayerTest, WeightGradsAccumulate) {
   std::mt19937 rng(21);
   for (Built& b : AllLayers(rng)) {
