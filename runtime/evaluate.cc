@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "pipewright/checkpoint.h"
+#include "pipewright/device.h"
 #include "pipewright/input.h"
 #include "pipewright/model.h"
 #include "pipewright/run_memory.h"
@@ -346,12 +347,40 @@ absl::StatusOr<GenerateResult> GenerateFromCheckpoint(
         "logits with V >= 256), so there is nothing to generate from"));
   }
   const int64_t V = logits_shape[2];
+  // On a GPU: a stream, its allocator and the model instantiated there with the weights read
+  // (declared in this order so that they are destroyed in the reverse one).
+  std::unique_ptr<CudaStream> stream;
+  std::unique_ptr<Allocator> gpu;
+  std::unique_ptr<Stage> on_gpu;
+  Stage* stage = m.stage.get();
+  if (o.device.is_cuda()) {
+    const int gpus = CudaDeviceCount();
+    if (o.device.index >= gpus) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("GenerateOptions.device = ", o.device.ToString(), ": this machine has ",
+                       gpus, " usable GPU", gpus == 1 ? "" : "s"));
+    }
+    PW_RETURN_IF_ERROR(SetCudaDevice(o.device.index));
+    PW_ASSIGN_OR_RETURN(CudaStream s, CudaStream::Create(o.device));
+    stream = std::make_unique<CudaStream>(std::move(s));
+    PW_ASSIGN_OR_RETURN(gpu, CreateCudaAllocator(o.device.index, stream->get()));
+    PW_ASSIGN_OR_RETURN(on_gpu, graph.Instantiate(0, L, 0, gpu.get()));
+    const std::vector<Parameter*> from = m.stage->Parameters(), to = on_gpu->Parameters();
+    if (from.size() != to.size()) {
+      return absl::InternalError("generate: the model's parameters differ on the GPU");
+    }
+    for (size_t i = 0; i < from.size(); ++i)
+      PW_RETURN_IF_ERROR(to[i]->value.CopyFrom(from[i]->value));
+    PW_RETURN_IF_ERROR(stream->Synchronize());
+    stage = on_gpu.get();
+  }
   GenerateResult r;
+  r.device = o.device.is_cpu() ? "cpu" : o.device.ToString();
   r.model = graph.name();
   r.path = m.ck.path;
   r.step = ManifestStep(m.ck.manifest_json);
   r.warnings = m.ck.warnings;
-  PW_RETURN_IF_ERROR(internal::Generate(*m.stage, L - 1, T, V, o, emit, &r));
+  PW_RETURN_IF_ERROR(internal::Generate(*stage, L - 1, T, V, o, emit, &r, nullptr, gpu.get()));
   return r;
 }
 

@@ -46,11 +46,12 @@ int32_t Sample(const float* logits, int64_t vocab, const GenerateOptions& o, uin
   return order[k - 1];
 }
 
-// Tokens [1, n] i32 holding `tokens`.
-Tensor TokenTensor(const std::vector<int32_t>& tokens) {
+// Tokens [1, n] i32 holding `tokens`, on ctx's device.
+absl::StatusOr<Tensor> TokenTensor(const std::vector<int32_t>& tokens, const LayerContext& ctx) {
   Tensor x = Tensor::Empty({1, static_cast<int64_t>(tokens.size())}, DType::kI32);
   std::copy(tokens.begin(), tokens.end(), x.data<int32_t>());
-  return x;
+  if (ctx.allocator == nullptr || ctx.allocator->device().is_cpu()) return x;
+  return x.CopyTo(ctx.allocator);
 }
 
 // The layers [0, n) of a stage decoded incrementally: one DecodeCache per layer.
@@ -78,7 +79,7 @@ class CachedLayers {
   }
   // Runs `tokens` at the next positions: their logits [1, n, V].
   absl::StatusOr<Tensor> Append(const std::vector<int32_t>& tokens, const LayerContext& ctx) {
-    Tensor x = TokenTensor(tokens);
+    PW_ASSIGN_OR_RETURN(Tensor x, TokenTensor(tokens, ctx));
     for (size_t i = 0; i < decoders_.size(); ++i) {
       PW_ASSIGN_OR_RETURN(x, decoders_[i]->Decode(x, ctx, &caches_[i]));
     }
@@ -94,7 +95,7 @@ class CachedLayers {
 // The logits [1, w, V] of the whole window, every layer's Forward (the recompute path).
 absl::StatusOr<Tensor> FullForward(Stage& stage, int num_layers, const std::vector<int32_t>& window,
                                    const LayerContext& ctx) {
-  Tensor x = TokenTensor(window);
+  PW_ASSIGN_OR_RETURN(Tensor x, TokenTensor(window, ctx));
   for (int i = 0; i < num_layers; ++i) {
     Saved saved;
     PW_ASSIGN_OR_RETURN(x, stage.layer(i).Forward(x, ctx, &saved));
@@ -123,6 +124,13 @@ absl::Status CheckGenerateOptions(const GenerateOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("GenerateOptions.top_k = ", o.top_k, ": must be >= 0"));
   }
+  if (!o.device.is_cpu() && !o.device.is_cuda()) {
+    return absl::InvalidArgumentError("GenerateOptions.device: must be the CPU or a CUDA device");
+  }
+  if (o.device.index < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("GenerateOptions.device = ", o.device.ToString(), ": a negative index"));
+  }
   if (o.prompt.size() > static_cast<size_t>(kMaxGenerateTokens)) {
     return absl::InvalidArgumentError(absl::StrCat("GenerateOptions.prompt: ", o.prompt.size(),
                                                    " bytes, more than ", kMaxGenerateTokens));
@@ -132,7 +140,7 @@ absl::Status CheckGenerateOptions(const GenerateOptions& o) {
 
 absl::Status Generate(Stage& stage, int num_layers, int64_t window, int64_t vocab,
                       const GenerateOptions& o, const std::function<void(const std::string&)>& emit,
-                      GenerateResult* r, const GenerateObserver& observe) {
+                      GenerateResult* r, const GenerateObserver& observe, Allocator* allocator) {
   PW_RETURN_IF_ERROR(CheckGenerateOptions(o));
   if (num_layers < 1 || num_layers > stage.size() || window < 1 || vocab < 1) {
     return absl::InvalidArgumentError(absl::StrCat("Generate: ", num_layers, " layers of ",
@@ -148,9 +156,10 @@ absl::Status Generate(Stage& stage, int num_layers, int64_t window, int64_t voca
   r->kv_cache = cached.has_value();
   uint64_t rng = o.seed;
   const auto start = std::chrono::steady_clock::now();
-  const LayerContext ctx{};
-  std::vector<int32_t> at;  // the window of the logits below: the tokens at positions 0, 1, ...
-  Tensor logits;            // [1, at.size(), V]
+  LayerContext ctx;
+  ctx.allocator = allocator;  // the stage's device (null: the CPU)
+  std::vector<int32_t> at;    // the window of the logits below: the tokens at positions 0, 1, ...
+  Tensor logits;              // [1, at.size(), V]
   for (int64_t n = 0; n < o.tokens; ++n) {
     if (!cached) {  // the last T tokens, recomputed
       at = Last(tokens, window);
@@ -168,6 +177,10 @@ absl::Status Generate(Stage& stage, int num_layers, int64_t window, int64_t voca
     if (logits.rank() != 3 || logits.dim(0) != 1 || logits.dim(2) != vocab) {
       return absl::InternalError(absl::StrCat("Generate: logits ", logits.ShapeString(),
                                               " where [1, n, ", vocab, "] was expected"));
+    }
+    if (!logits.device().is_cpu()) {  // sampled on the host: only the last row is needed
+      PW_ASSIGN_OR_RETURN(Tensor row, logits.View((logits.dim(1) - 1) * vocab, {1, 1, vocab}));
+      PW_ASSIGN_OR_RETURN(logits, row.CopyTo(nullptr));
     }
     const float* last = logits.data<float>() + (logits.dim(1) - 1) * vocab;
     if (observe) observe(at, last, vocab);

@@ -25,13 +25,15 @@ using GenerateObserver =
 
 // Generates o.tokens tokens after o.prompt with the layers [0, num_layers) of `stage` (tokens
 // [1, w] i32 in, logits [1, w, vocab] f32 out), whose positions end at `window` (the model's
-// seq_len), on the CPU, as Note [Sampling] describes: with the KV cache when o.kv_cache and every
+// seq_len), on `allocator`'s device (null: the CPU; the stage's parameters live there), as
+// Note [Sampling] describes: with the KV cache when o.kv_cache and every
 // one of those layers has a decoder, otherwise by recomputing the window per token. Fills r's
 // prompt, text, tokens, seconds and kv_cache; `emit` (optional) receives each token's bytes,
 // `observe` (optional) each step before its token is drawn.
 absl::Status Generate(Stage& stage, int num_layers, int64_t window, int64_t vocab,
                       const GenerateOptions& o, const std::function<void(const std::string&)>& emit,
-                      GenerateResult* r, const GenerateObserver& observe = nullptr);
+                      GenerateResult* r, const GenerateObserver& observe = nullptr,
+                      Allocator* allocator = nullptr);
 
 }  // namespace pipewright::internal
 

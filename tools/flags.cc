@@ -199,6 +199,7 @@ const std::vector<FieldFlag>& FieldFlags() {
       {"GenerateOptions.temperature", "--temperature"},
       {"GenerateOptions.top_k", "--top-k"},
       {"GenerateOptions.prompt", "--prompt"},
+      {"GenerateOptions.device", "--device"},
       {"LossScaleOptions.initial_scale", "--loss-scale"},
       {"LossScaleOptions.growth_interval", "--loss-scale-window"},
       {"OptimizerConfig.kind", "--optimizer"},

@@ -173,8 +173,8 @@ absl::StatusOr<Tensor> AttentionBackward(const Exec& e, const Tensor& dout, cons
 // keys and values of positions [0, start + n) as rows [k | v] of 2C (the cache, those of the new
 // rows included), out [n, C] = softmax(q k^T / sqrt(C / H), causal) v per head, the rows
 // AttentionForward of the whole sequence gives at those positions up to rounding. All f32;
-// InvalidArgument when a tensor is too small for its rows. CPU only: Unimplemented on CUDA
-// (generation runs on the CPU).
+// InvalidArgument when a tensor is too small for its rows (on CUDA also beyond about 12,000
+// positions: kernels/cuda/attention.cuh).
 absl::Status AttentionDecode(const Exec& e, const Tensor& qkv, const Tensor& kv, Tensor& out,
                              int64_t start, int64_t n, int64_t C, int64_t H);
 

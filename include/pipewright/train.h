@@ -226,8 +226,13 @@ absl::StatusOr<EvalResult> EvaluateCheckpoint(const std::string& dir, const std:
 // prefill of T/2 positions every T/2 tokens. Without the cache (kv_cache false, or a model with
 // a layer that has no decoder, e.g. a custom one) every token recomputes the forward of a window
 // that slides by one: the last min(T, length) tokens. The two agree (to fp32 rounding) while the
-// text fits T; past it the cached windows are shorter, so the texts may differ. Generation runs
-// on the CPU only (no CUDA generation is built).
+// text fits T; past it the cached windows are shorter, so the texts may differ.
+//
+// The device: the CPU, or a GPU (device = cuda:N), where the weights are copied after reading
+// and every layer runs its CUDA kernels (the decoding attention too: kernels/cuda/
+// attention_decode.cu); only the last position's logits come back to the host, where the token
+// is drawn as on the CPU. The logits agree with the CPU's to fp32 rounding, so a greedy text is
+// the same unless two logits are within rounding of each other.
 inline constexpr int64_t kMaxGenerateTokens = int64_t{1} << 20;
 struct GenerateOptions {
   std::string prompt;  // bytes; empty: a newline
@@ -238,6 +243,7 @@ struct GenerateOptions {
   // Decode with a KV cache where the model allows (above); false recomputes the window for
   // every token (the reference path: slower, windows that slide by one).
   bool kv_cache = true;
+  Device device = Device::Cpu();  // cpu, or cuda:N (above)
 };
 struct GenerateResult {
   std::string model, path;  // the checkpoint read (a step checkpoint of a directory)
@@ -246,6 +252,7 @@ struct GenerateResult {
   int64_t tokens = 0;
   double seconds = 0;                 // generation only, not the checkpoint's reading
   bool kv_cache = false;              // whether the cached path ran (Note [Sampling])
+  std::string device;                 // where it ran: "cpu", "cuda:0"...
   std::vector<std::string> warnings;  // what reading it skipped (ReadCheckpoint)
 };
 // `emit` (optional) receives each token's bytes as it is generated. InvalidArgument for options

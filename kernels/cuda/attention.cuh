@@ -37,6 +37,16 @@ absl::Status AttentionBackward(cudaStream_t stream, const float* dout, const flo
                                const float* out, const float* lse, float* dqkv, float* scratch,
                                int B, int T, int C, int H);
 
+// Incremental decoding (kernels/cpu/attention_decode.cc's twin, Note [Decoding attention]
+// there): n query rows of one sequence at positions [start, start + n), row i at q + i * ldq
+// (head h at columns [h D, (h+1) D)), and the cached keys and values of positions
+// [0, start + n), row j at kv + j * ldkv (k at columns [0, C), v at [C, 2C)); out row i (at
+// out + i * ldo) = softmax(q_i k_j^T / sqrt(D) over j <= start + i) v. Agrees with the full
+// forward to fp32 rounding. InvalidArgument for D > 128, more than 65535 heads or rows, or more
+// positions than the kernel's shared memory holds (about 12,000).
+absl::Status AttentionDecode(cudaStream_t stream, const float* q, int ldq, const float* kv,
+                             int ldkv, float* out, int ldo, int start, int n, int C, int H);
+
 }  // namespace pipewright::cuda
 
 #endif  // PIPEWRIGHT_KERNELS_CUDA_ATTENTION_CUH_

@@ -466,9 +466,6 @@ absl::StatusOr<Tensor> AttentionBackward(const Exec& e, const Tensor& dout, cons
 absl::Status AttentionDecode(const Exec& e, const Tensor& qkv, const Tensor& kv, Tensor& out,
                              int64_t start, int64_t n, int64_t C, int64_t H) {
   PW_RETURN_IF_ERROR(CheckDevice(e, "attention decode", {&qkv, &kv, &out}));
-  if (e.device().is_cuda()) {
-    return absl::UnimplementedError("attention decode: CPU only (generation runs on the CPU)");
-  }
   const bool f32 =
       qkv.dtype() == DType::kF32 && kv.dtype() == DType::kF32 && out.dtype() == DType::kF32;
   PW_RETURN_IF_ERROR(
@@ -478,6 +475,9 @@ absl::Status AttentionDecode(const Exec& e, const Tensor& qkv, const Tensor& kv,
            absl::StrCat("qkv ", qkv.ShapeString(), ", kv ", kv.ShapeString(), ", out ",
                         out.ShapeString(), " do not hold ", n, " rows at position ", start,
                         " of width ", C, " (", H, " heads) in f32")));
+  if constexpr (kWithCuda) {
+    if (e.device().is_cuda()) return cuda_impl::AttentionDecode(e, qkv, kv, out, start, n, C, H);
+  }
   // Heads on the threads, each part with its own scratch.
   const int64_t per = static_cast<int64_t>(cpu::AttentionDecodeScratchFloats(
       static_cast<int>(start + n), static_cast<int>(C), static_cast<int>(H)));

@@ -177,6 +177,12 @@ absl::Status AttentionForward(const Exec& e, const Tensor& qkv, Tensor& out, Ten
                                 lse.data<float>(), I(B), I(T), I(C), I(H));
 }
 
+absl::Status AttentionDecode(const Exec& e, const Tensor& qkv, const Tensor& kv, Tensor& out,
+                             int64_t start, int64_t n, int64_t C, int64_t H) {
+  return cuda::AttentionDecode(StreamOf(e), qkv.data<float>(), I(3 * C), kv.data<float>(), I(2 * C),
+                               out.data<float>(), I(C), I(start), I(n), I(C), I(H));
+}
+
 absl::Status AttentionBackward(const Exec& e, const Tensor& dout, const Tensor& qkv,
                                const Tensor& out, const Tensor& lse, Tensor& dqkv, int64_t B,
                                int64_t T, int64_t C, int64_t H) {

@@ -40,6 +40,8 @@ absl::Status CrossEntropyBackward(const Exec& e, const Tensor& logits, const Ten
                                   int64_t rows, int64_t vocab, float scale, Tensor& dlogits);
 absl::Status AttentionForward(const Exec& e, const Tensor& qkv, Tensor& out, Tensor& lse, int64_t B,
                               int64_t T, int64_t C, int64_t H);
+absl::Status AttentionDecode(const Exec& e, const Tensor& qkv, const Tensor& kv, Tensor& out,
+                             int64_t start, int64_t n, int64_t C, int64_t H);
 absl::Status AttentionBackward(const Exec& e, const Tensor& dout, const Tensor& qkv,
                                const Tensor& out, const Tensor& lse, Tensor& dqkv, int64_t B,
                                int64_t T, int64_t C, int64_t H);

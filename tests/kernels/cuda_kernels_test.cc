@@ -665,6 +665,41 @@ TEST(CudaAttention, ForwardMatchesCpu) {
   }
 }
 
+// Incremental decoding's attention (generate --device cuda): the same rows as the CPU's decode
+// kernel to fp32 rounding, for a prefix of cached positions and a few new rows, each head dim.
+TEST(CudaAttention, DecodeMatchesCpu) {
+  if (pipewright::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  Stream stream;
+  uint32_t seed = 90;
+  struct Case {
+    int start, n, C, H;
+  };
+  for (const Case c : {Case{0, 1, 8, 2}, Case{5, 1, 64, 2}, Case{37, 3, 96, 3},
+                       Case{300, 2, 256, 2}, Case{11, 4, 48, 4}}) {
+    const int keys = c.start + c.n;
+    const auto q = RandomVec(static_cast<size_t>(c.n) * 3 * c.C, seed++, -1.5f, 1.5f);
+    const auto kv = RandomVec(static_cast<size_t>(keys) * 2 * c.C, seed++, -1.5f, 1.5f);
+    std::vector<float> want(static_cast<size_t>(c.n) * c.C),
+        scratch(cpu::AttentionDecodeScratchFloats(keys, c.C, c.H));
+    cpu::AttentionDecode(q.data(), 3 * c.C, kv.data(), 2 * c.C, want.data(), c.C, c.start, c.n, c.C,
+                         c.H, 0, c.H, scratch.data());
+    DeviceArray<float> dq(q), dkv(kv), dout(want.size());
+    dout.Poison();
+    PW_ASSERT_OK(AttentionDecode(stream.get(), dq.get(), 3 * c.C, dkv.get(), 2 * c.C, dout.get(),
+                                 c.C, c.start, c.n, c.C, c.H));
+    stream.Sync();
+    ExpectRelErr(dout.Download(), want, 1e-5,
+                 "decode start " + std::to_string(c.start) + " C " + std::to_string(c.C));
+  }
+  EXPECT_FALSE(
+      AttentionDecode(stream.get(), nullptr, 3 * 8, nullptr, 16, nullptr, 8, 0, 1, 8, 3).ok())
+      << "C % H != 0";
+  EXPECT_FALSE(
+      AttentionDecode(stream.get(), nullptr, 300, nullptr, 200, nullptr, 100, 20000, 1, 100, 1)
+          .ok())
+      << "more positions than the kernel holds";
+}
+
 TEST(CudaAttention, BackwardMatchesCpu) {
   if (pipewright::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   Stream stream;

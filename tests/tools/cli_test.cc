@@ -629,6 +629,36 @@ TEST(CliGenerate, BadInputIsAUsageErrorNamingIt) {
   EXPECT_NE(r.err.find("--temperature"), std::string::npos) << r.err;
 }
 
+// generate --device: the CPU's greedy text on a GPU (the logits agree to fp32 rounding); without
+// a GPU, an error naming the flag. A device that is neither is a usage error.
+TEST(CliGenerate, OnAGpuTheGreedyTextIsTheCpusAndWithoutOneAnError) {
+  const std::string dir = TempPath("generate_device_ckpt");
+  ASSERT_EQ(RunCli(kTinyRun + "--steps 3 --save " + dir).exit_code, 0);
+  const std::string gen =
+      "generate --checkpoint " + dir + " --prompt 'ROMEO:' --tokens 40 --temperature 0 --json";
+  Result bad = RunCli(gen + " --device tpu");
+  EXPECT_EQ(bad.exit_code, 2) << bad.err;
+  EXPECT_NE(bad.err.find("--device"), std::string::npos) << bad.err;
+  Result cpu = RunCli(gen);
+  ASSERT_EQ(cpu.exit_code, 0) << cpu.err;
+  EXPECT_EQ(nlohmann::json::parse(cpu.out)["device"], "cpu");
+  Result gpu = RunCli(gen + " --device cuda");
+  if (pipewright::CudaDeviceCount() == 0) {
+    EXPECT_NE(gpu.exit_code, 0);
+    EXPECT_NE(gpu.err.find("--device"), std::string::npos) << gpu.err;
+    EXPECT_NE(gpu.err.find("usable GPU"), std::string::npos) << gpu.err;
+    return;
+  }
+  ASSERT_EQ(gpu.exit_code, 0) << gpu.err;
+  nlohmann::json g = nlohmann::json::parse(gpu.out), c = nlohmann::json::parse(cpu.out);
+  EXPECT_EQ(g["device"], "cuda:0");
+  EXPECT_EQ(g["kv_cache"], true);
+  EXPECT_EQ(g["text"], c["text"]);
+  Result full = RunCli(gen + " --device cuda --no-kv-cache");
+  ASSERT_EQ(full.exit_code, 0) << full.err;
+  EXPECT_EQ(nlohmann::json::parse(full.out)["text"], c["text"]);
+}
+
 // --- eval names its data (issue 36, item 3) ------------------------------------------------------
 
 TEST(CliEval, WithoutDataItEvaluatesTheCheckpointsTrainingDataAndSaysSo) {
