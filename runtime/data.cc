@@ -20,77 +20,20 @@
 #include "absl/time/clock.h"
 #include "pipewright/input.h"
 #include "pipewright/status.h"
+#include "runtime/mapped_file.h"
 #include "runtime/random.h"
+#include "runtime/token_formats.h"
 
 namespace pipewright {
 namespace {
+
+using internal::MappedFile;
+using internal::WindowStart;
 
 constexpr char kTokenMagic[] = "PWTOKENS\n";
 constexpr size_t kTokenMagicLen = sizeof(kTokenMagic) - 1;
 
 std::string Errno() { return std::strerror(errno); }
-
-// A whole file mapped read-only (MAP_PRIVATE, PROT_READ). Note [Memory-mapped data]: the
-// datasets keep the mapping and read samples straight from it, so a corpus costs address space,
-// not memory: the kernel pages in what the samples touch and may drop those pages again, and
-// the ranks of a process (and the processes of a node) share one copy in the page cache.
-// Pages a sample touched stay mapped, though, and count in the process's RSS (as file-backed
-// RSS): a fault maps the whole page-cache folio around the address, up to 2 MiB on file
-// systems with large folios, so on a 1 GiB file RSS grew by ~370 MiB over 20 steps of
-// gpt-tiny. Every kSamplesPerRelease samples the dataset therefore unmaps what it touched
-// (MADV_DONTNEED on the whole mapping). That is safe while other threads read: the mapping is
-// private, read-only and never written, so a later access refaults the same page-cache page.
-// Peak RSS then does not grow with the file (docs/benchmarks.md, "Data loading").
-constexpr int64_t kSamplesPerRelease = 16;
-class MappedFile {
- public:
-  static absl::StatusOr<std::unique_ptr<MappedFile>> Open(const std::string& path) {
-    // A FIFO, a device or a directory is refused without blocking (pipewright/input.h).
-    PW_ASSIGN_OR_RETURN(RegularFile file, RegularFile::Open(path, "data file"));
-    const int fd = file.Release();
-    auto m = std::unique_ptr<MappedFile>(new MappedFile());
-    m->size_ = static_cast<size_t>(file.size());
-    if (m->size_ > 0) {
-      void* p = ::mmap(nullptr, m->size_, PROT_READ, MAP_PRIVATE, fd, 0);
-      if (p == MAP_FAILED) {
-        ::close(fd);
-        return absl::InternalError(absl::StrCat("cannot map data file '", path, "': ", Errno()));
-      }
-      m->data_ = static_cast<const unsigned char*>(p);
-      // Samples are windows at random positions: read-ahead would page in what no sample uses.
-      ::madvise(p, m->size_, MADV_RANDOM);
-    }
-    ::close(fd);  // the mapping keeps the file
-    return m;
-  }
-  ~MappedFile() {
-    if (data_ != nullptr) ::munmap(const_cast<unsigned char*>(data_), size_);
-  }
-  MappedFile(const MappedFile&) = delete;
-  MappedFile& operator=(const MappedFile&) = delete;
-  const unsigned char* data() const { return data_; }
-  size_t size() const { return size_; }
-  // Called after each sample read from the mapping (Note [Memory-mapped data]).
-  void SampleRead() {
-    if (reads_.fetch_add(1, std::memory_order_relaxed) % kSamplesPerRelease ==
-            kSamplesPerRelease - 1 &&
-        data_ != nullptr) {
-      ::madvise(const_cast<unsigned char*>(data_), size_, MADV_DONTNEED);
-    }
-  }
-
- private:
-  MappedFile() = default;
-  const unsigned char* data_ = nullptr;
-  size_t size_ = 0;
-  std::atomic<int64_t> reads_{0};
-};
-
-// The window start of sample `index` among `positions` (> 0) possible starts. Text files and
-// token files draw it alike, so a text file and its byte-level token file give the same samples.
-uint64_t WindowStart(uint64_t seed, int64_t index, uint64_t positions) {
-  return HashCombine(seed ^ 0x7465787400ull, static_cast<uint64_t>(index)) % positions;
-}
 
 class TextDataset final : public TokenDataset {
  public:
@@ -468,6 +411,10 @@ absl::StatusOr<std::unique_ptr<TokenDataset>> OpenDataset(absl::string_view spec
                                                           uint64_t seed) {
   if (spec == "synthetic") return SyntheticDataset(seq_len, seed);
   const std::string path(spec);
+  bool ecosystem = false;
+  absl::StatusOr<std::unique_ptr<TokenDataset>> other =
+      internal::OpenEcosystemFormat(path, seq_len, seed, &ecosystem);
+  if (ecosystem) return other;
   {
     PW_ASSIGN_OR_RETURN(std::unique_ptr<MappedFile> file, MappedFile::Open(path));
     const bool tagged = file->size() >= kTokenMagicLen &&

@@ -17,7 +17,8 @@ using json = nlohmann::json;
 namespace {
 
 // The data a checkpoint was trained on, as --data would name it: its manifest's data.source
-// ("text:PATH (N bytes)", "tokens:PATH (…)", "synthetic (…)"). Empty when the manifest cannot be
+// ("text:PATH (N bytes)", "tokens:PATH (…)", "megatron:PREFIX (…)", "llmc:PATH or GLOB (…)",
+// "nanogpt:PATH (…)", "synthetic (…)"). Empty when the manifest cannot be
 // read or names no data (eval then reports the checkpoint's own error, or falls back).
 std::string TrainingData(const std::string& dir) {
   absl::StatusOr<std::string> text = ReadCheckpointManifest(dir);
@@ -29,12 +30,14 @@ std::string TrainingData(const std::string& dir) {
   }
   const std::string source = m["data"]["source"].get<std::string>();
   if (source.rfind("synthetic", 0) == 0) return "synthetic";
-  for (const char* prefix : {"text:", "tokens:"}) {
+  // The formats whose --data is the named part as is; nanoGPT's keeps its prefix.
+  for (const char* prefix : {"text:", "tokens:", "megatron:", "llmc:", "nanogpt:"}) {
     const std::string p = prefix;
     if (source.rfind(p, 0) != 0) continue;
     const size_t end = source.rfind(" (");
+    const size_t from = p == "nanogpt:" ? 0 : p.size();
     return source.substr(
-        p.size(), end == std::string::npos || end < p.size() ? std::string::npos : end - p.size());
+        from, end == std::string::npos || end < p.size() ? std::string::npos : end - from);
   }
   return "";
 }
@@ -61,10 +64,19 @@ void RegisterEval(CLI::App& app, int* exit_code) {
                   "runs the same tokens through transformers)");
   cmd->callback([f, data, exit_code] {
     SetCpuKernelThreads(1);
-    const bool own_data = data->count() == 0;
-    if (own_data) {
+    bool own_data = false;
+    if (data->count() == 0) {
       const std::string recorded = TrainingData(f->checkpoint);
-      if (!recorded.empty()) f->data = recorded;
+      own_data = !recorded.empty();
+      if (own_data) {
+        f->data = recorded;
+      } else {
+        // A checkpoint that does not record its data as --data can name it: say what is used.
+        std::fprintf(stderr,
+                     "warning: %s does not name its training data as --data could; evaluating "
+                     "%s (give --data)\n",
+                     f->checkpoint.c_str(), f->data.c_str());
+      }
     }
     if (!f->dump.empty()) {
       if (absl::Status s = CheckOutputPath(f->dump, "--dump"); !s.ok()) {

@@ -101,8 +101,29 @@ std::unique_ptr<TokenDataset> SyntheticDataset(int64_t seq_len, uint64_t seed);
 // `delay` longer, an artificially slow data source for measuring the loader.
 std::unique_ptr<TokenDataset> WithSampleDelay(std::shared_ptr<const TokenDataset> data,
                                               absl::Duration delay);
-// "synthetic", a token file (one that starts with the "PWTOKENS" header) or a text file. A
-// path ending in ".tokens" must be a token file.
+// The ecosystem's token files (docs/data.md, "Other token formats"; Note [Token streams] in
+// runtime/token_formats.cc), memory-mapped and read in place: their arrays concatenated into one
+// stream, sample i the window at the position the text dataset draws for (seed, i). Opening
+// checks the headers, that every array lies within its file and (streaming) that every token is
+// in [0, 2^31); the largest token + 1 is vocab_size(). InvalidArgument naming the file and what
+// is wrong (magic, version, dtype, a size that does not match, a token out of range).
+//  - Megatron-LM / NeMo indexed datasets: PREFIX.idx ("MMIDIDX\0\0", version 1, an integer
+//    dtype) and PREFIX.bin; `path` is the prefix or either file.
+absl::StatusOr<std::unique_ptr<TokenDataset>> OpenMegatronDataset(const std::string& path,
+                                                                  int64_t seq_len, uint64_t seed);
+//  - llm.c / modded-nanogpt token shards: a header of 256 int32 (20240520, version 1 for uint16
+//    tokens or 2 for uint32, the token count), then the tokens; several shards in the order given.
+absl::StatusOr<std::unique_ptr<TokenDataset>> OpenTokenShards(const std::vector<std::string>& paths,
+                                                              int64_t seq_len, uint64_t seed);
+//  - headerless token arrays (nanoGPT's prepare.py writes uint16): token_bytes 2 or 4.
+absl::StatusOr<std::unique_ptr<TokenDataset>> OpenRawTokens(const std::string& path,
+                                                            int token_bytes, int64_t seq_len,
+                                                            uint64_t seed);
+
+// "synthetic"; "nanogpt:PATH" (OpenRawTokens, uint16); a glob ("shards/train_*.bin": llm.c
+// shards, sorted); a Megatron prefix, PREFIX.idx, or PREFIX.bin with PREFIX.idx beside it; a file
+// that starts with llm.c's magic; a token file (one that starts with the "PWTOKENS" header; a
+// path ending in ".tokens" must be one); any other ".bin" is an error; otherwise a text file.
 absl::StatusOr<std::unique_ptr<TokenDataset>> OpenDataset(absl::string_view spec, int64_t seq_len,
                                                           uint64_t seed);
 

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "pipewright/checkpoint.h"
+#include "pipewright/data.h"
 #include "pipewright/model.h"
 #include "pipewright/partitioner.h"
 #include "pipewright/plan.h"
@@ -239,6 +240,50 @@ TEST_F(FuzzFiles, CheckpointManifestAndSafetensors) {
     accepted += ReadSafetensors(path).ok();
   });
   EXPECT_GE(accepted, 1);
+}
+
+// The ecosystem's token files (runtime/token_formats.cc): mutated Megatron indices (over a fixed
+// .bin) and llm.c shards either open, and then every sample reads inside the files (ASan checks
+// it), or fail naming the problem.
+TEST_F(FuzzFiles, MegatronIndicesAndLlmcShards) {
+  std::string text;
+  for (int i = 0; i < 20; ++i) text += "to be or not to be ";
+  auto put = [](std::string* s, const void* p, size_t n) {
+    s->append(static_cast<const char*>(p), n);
+  };
+  std::ofstream(Path("m.bin"), std::ios::binary) << text;
+  std::string idx("MMIDIDX\0\0", 9);
+  const uint64_t version = 1, sequences = 3, documents = 4;
+  put(&idx, &version, 8);
+  idx.push_back(1);  // uint8
+  put(&idx, &sequences, 8);
+  put(&idx, &documents, 8);
+  const int32_t third = static_cast<int32_t>(text.size() / 3);
+  for (int i = 0; i < 3; ++i) put(&idx, &third, 4);
+  for (int64_t at : {int64_t{0}, int64_t{third}, int64_t{2 * third}}) put(&idx, &at, 8);
+  for (int64_t d : {0, 1, 2, 3}) put(&idx, &d, 8);
+  std::string shard;
+  const int32_t header[3] = {20240520, 1, static_cast<int32_t>(text.size())};
+  put(&shard, header, sizeof(header));
+  shard.resize(1024, '\0');
+  for (unsigned char c : text) shard.append({static_cast<char>(c), '\0'});
+  int accepted = 0;
+  auto read_all = [&](const std::string& spec) {
+    auto ds = OpenDataset(spec, 8, 3);
+    if (!ds.ok()) return;
+    ++accepted;
+    std::vector<int32_t> out(9);
+    for (int64_t i = 0; i < 64; ++i) (*ds)->Tokens(i, 8, out.data());
+  };
+  Fuzz("megatron index", {idx}, [&](const std::string& data) {
+    std::ofstream(Path("m.idx"), std::ios::binary | std::ios::trunc) << data;
+    read_all(Path("m"));
+  });
+  Fuzz("llm.c shard", {shard}, [&](const std::string& data) {
+    std::ofstream(Path("s.bin"), std::ios::binary | std::ios::trunc) << data;
+    read_all(Path("s.bin"));
+  });
+  EXPECT_GE(accepted, 2);
 }
 
 }  // namespace

@@ -659,6 +659,53 @@ TEST(CliGenerate, OnAGpuTheGreedyTextIsTheCpusAndWithoutOneAnError) {
   EXPECT_EQ(nlohmann::json::parse(full.out)["text"], c["text"]);
 }
 
+// --- The ecosystem's token files (issue 38, item 5) ---------------------------------------------
+
+// An llm.c shard and a Megatron dataset written here train gpt-tiny from --data and evaluate;
+// the summary names the format; ids past the byte-level vocabulary are refused naming --data.
+TEST(CliData, LlmcShardsAndMegatronDatasetsTrainAndEvaluate) {
+  std::string text;
+  for (int i = 0; i < 60; ++i) text += "Now is the winter of our discontent made glorious. ";
+  auto put32 = [](std::string* s, int32_t v) { s->append(reinterpret_cast<const char*>(&v), 4); };
+  std::string shard;
+  for (int32_t h : {20240520, 1, static_cast<int32_t>(text.size())}) put32(&shard, h);
+  shard.resize(1024, '\0');
+  for (unsigned char c : text) shard.append({static_cast<char>(c), '\0'});  // uint16
+  const std::string shard_path = TempPath("cli_shard_000001.bin");
+  std::ofstream(shard_path, std::ios::binary) << shard;
+  // Megatron: uint8 tokens (dtype 1), one sequence.
+  const std::string prefix = TempPath("cli_megatron_text_document");
+  std::ofstream(prefix + ".bin", std::ios::binary) << text;
+  std::string idx("MMIDIDX\0\0", 9);
+  auto put64 = [](std::string* s, uint64_t v) { s->append(reinterpret_cast<const char*>(&v), 8); };
+  put64(&idx, 1);
+  idx.push_back(1);
+  put64(&idx, 1);
+  put64(&idx, 2);
+  put32(&idx, static_cast<int32_t>(text.size()));
+  put64(&idx, 0);
+  put64(&idx, 0);
+  put64(&idx, 1);
+  std::ofstream(prefix + ".idx", std::ios::binary) << idx;
+  for (const std::string& data : {shard_path, prefix}) {
+    const std::string dir = TempPath("cli_formats_ckpt");
+    std::filesystem::remove_all(dir);
+    Result r = RunCli(kTinyRun + "--steps 2 --json --data " + data + " --save " + dir);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    // eval finds the training data in the checkpoint: the same --data, read again.
+    Result e = RunCli("eval --batches 1 --json --checkpoint " + dir);
+    ASSERT_EQ(e.exit_code, 0) << e.err;
+    EXPECT_EQ(nlohmann::json::parse(e.out)["data"], data) << e.out;
+  }
+  // A GPT-2 id in a shard: more than the byte-level model's vocabulary.
+  shard[1024 + 2 * 7] = static_cast<char>(0x50);
+  shard[1024 + 2 * 7 + 1] = static_cast<char>(0xc4);
+  std::ofstream(shard_path, std::ios::binary | std::ios::trunc) << shard;
+  Result big = RunCli(kTinyRun + "--steps 1 --data " + shard_path);
+  EXPECT_EQ(big.exit_code, 2) << big.err;
+  EXPECT_NE(big.err.find("vocabulary 50257"), std::string::npos) << big.err;
+}
+
 // --- eval names its data (issue 36, item 3) ------------------------------------------------------
 
 TEST(CliEval, WithoutDataItEvaluatesTheCheckpointsTrainingDataAndSaysSo) {
