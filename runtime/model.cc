@@ -186,12 +186,12 @@ std::string ConfigValue(const std::string& config, absl::string_view key) {
   return "";
 }
 
-// A tied layer names an earlier Embedding node of its own vocabulary and width.
+// A tied layer names an earlier Embedding or TokenEmbedding node of its own vocabulary and width.
 absl::Status CheckTie(const std::vector<LayerNode>& earlier, size_t i, const std::string& name,
                       const LayerSpec& spec, const std::string& tied_to) {
   for (const LayerNode& n : earlier) {
     if (n.name != tied_to) continue;
-    if (n.spec->kind() != "embedding") {
+    if (n.spec->kind() != "embedding" && n.spec->kind() != "token_embedding") {
       return absl::InvalidArgumentError(absl::StrCat("layers[", i, "] (", name, "): tied_to '",
                                                      tied_to, "' is a ", n.spec->kind(),
                                                      " node; it must name an embedding"));
@@ -344,6 +344,47 @@ const GptPreset kGptPresets[] = {
     {"megatron-1t", Paper(160, 25600, 128), 1},
 };
 
+struct LlamaPreset {
+  const char* name;
+  LlamaConfig config;
+  int64_t default_micro_batch_size;
+};
+constexpr LlamaConfig Llama3(int64_t layers, int64_t hidden, int64_t heads, int64_t ffn) {
+  return {.layers = layers,
+          .hidden = hidden,
+          .heads = heads,
+          .kv_heads = 8,
+          .ffn = ffn,
+          .seq = 8192,
+          .vocab = 128256,
+          .tied = false,
+          .rope_theta = 500000};
+}
+const LlamaPreset kLlamaPresets[] = {
+    {"llama-tiny", LlamaConfig{}, 8},
+    {"smollm2-135m",
+     {.layers = 30,
+      .hidden = 576,
+      .heads = 9,
+      .kv_heads = 3,
+      .ffn = 1536,
+      .seq = 2048,
+      .vocab = 49152,
+      .tied = true,
+      .rope_theta = 100000},
+     1},
+    {"llama3-8b", Llama3(32, 4096, 32, 14336), 1},
+    {"llama3-70b", Llama3(80, 8192, 64, 28672), 1},
+    {"llama3-405b", Llama3(126, 16384, 128, 53248), 1},
+};
+
+const LlamaPreset* FindLlamaPreset(absl::string_view name) {
+  for (const LlamaPreset& p : kLlamaPresets) {
+    if (name == p.name) return &p;
+  }
+  return nullptr;
+}
+
 const GptPreset* FindGptPreset(absl::string_view name) {
   for (const GptPreset& p : kGptPresets) {
     if (name == p.name) return &p;
@@ -384,11 +425,25 @@ class CheckedInt {
   bool overflow_ = false;
 };
 
+// InvalidArgument naming the first (name, value, max) whose value is outside [1, max].
+template <size_t N>
+absl::Status CheckFieldRanges(absl::string_view context,
+                              const std::tuple<const char*, int64_t, int64_t> (&fields)[N]) {
+  for (const auto& [name, v, max] : fields) {
+    if (v < 1 || v > max) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(context, ": ", name, "=", v, " is out of range [1, ", max, "]"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 std::vector<std::string> PresetNames() {
   std::vector<std::string> names = {"mlp"};
   for (const GptPreset& p : kGptPresets) names.push_back(p.name);
+  for (const LlamaPreset& p : kLlamaPresets) names.push_back(p.name);
   return names;
 }
 
@@ -396,6 +451,10 @@ absl::StatusOr<GptConfig> PresetGptConfig(absl::string_view preset) {
   if (const GptPreset* p = FindGptPreset(preset)) return p->config;
   if (preset == "mlp") {
     return absl::InvalidArgumentError("preset 'mlp' is not a GPT (it has no attention)");
+  }
+  if (FindLlamaPreset(preset) != nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("preset '", preset, "' is a Llama-family model, not a GPT"));
   }
   return UnknownPreset(preset);
 }
@@ -405,6 +464,10 @@ absl::StatusOr<LayerGraph> PresetModel(absl::string_view preset, int64_t micro_b
   if (const GptPreset* p = FindGptPreset(preset)) {
     const int64_t b = micro_batch_size ? micro_batch_size : p->default_micro_batch_size;
     return GptModel(p->name, p->config, b);
+  }
+  if (const LlamaPreset* p = FindLlamaPreset(preset)) {
+    const int64_t b = micro_batch_size ? micro_batch_size : p->default_micro_batch_size;
+    return LlamaModel(p->name, p->config, b);
   }
   if (preset == "mlp") {
     // A per-position next-byte model without attention: embed, 3 x (linear, gelu), head, loss.
@@ -433,12 +496,7 @@ absl::Status CheckGptConfig(const GptConfig& c, absl::string_view context,
       {"seq", c.seq, kMaxGptSeq},
       {"vocab", c.vocab, kMaxGptVocab},
       {"micro_batch_size", micro_batch_size, kMaxGptMicroBatchSize}};
-  for (const auto& [name, v, max] : fields) {
-    if (v < 1 || v > max) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(context, ": ", name, "=", v, " is out of range [1, ", max, "]"));
-    }
-  }
+  PW_RETURN_IF_ERROR(CheckFieldRanges(context, fields));
   if (c.hidden % c.heads != 0) {
     return absl::InvalidArgumentError(
         absl::StrFormat("%s: hidden=%d is not divisible by heads=%d", context, c.hidden, c.heads));
@@ -565,6 +623,66 @@ absl::StatusOr<ModelCosts> GptModelCosts(const std::string& name, const GptConfi
   if (micro_batch_size < 1) return absl::InvalidArgumentError("micro-batch size must be >= 1");
   PW_ASSIGN_OR_RETURN(LayerGraph graph, GptModel(name, c, micro_batch_size));
   return ToModelCosts(graph);
+}
+
+absl::Status CheckLlamaConfig(const LlamaConfig& c, absl::string_view context,
+                              int64_t micro_batch_size) {
+  const std::tuple<const char*, int64_t, int64_t> fields[] = {
+      {"layers", c.layers, kMaxGptLayers},
+      {"hidden", c.hidden, kMaxGptHidden},
+      {"heads", c.heads, kMaxGptHidden},
+      {"kv_heads", c.kv_heads, kMaxGptHidden},
+      {"ffn", c.ffn, 8 * kMaxGptHidden},
+      {"seq", c.seq, kMaxGptSeq},
+      {"vocab", c.vocab, kMaxGptVocab},
+      {"micro_batch_size", micro_batch_size, kMaxGptMicroBatchSize}};
+  PW_RETURN_IF_ERROR(CheckFieldRanges(context, fields));
+  if (c.hidden % c.heads != 0 || (c.hidden / c.heads) % 2 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(context, ": hidden=", c.hidden, " must be heads=", c.heads,
+                     " times an even head dimension (the rotary embedding turns pairs of it)"));
+  }
+  if (c.heads % c.kv_heads != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(context, ": heads=", c.heads, " must be a multiple of kv_heads=", c.kv_heads));
+  }
+  if (!(c.rope_theta > 1 && c.rope_theta < 1e12) || !(c.eps > 0 && c.eps < 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(context, ": rope_theta=", c.rope_theta,
+                                                   " must be in (1, 1e12) and eps=", c.eps,
+                                                   " in (0, 1)"));
+  }
+  // The counts the cost model keeps in int64 (Note [GPT limits]): parameters' bytes (18 per
+  // parameter), every block's saved activations and the logits.
+  const CheckedInt h(c.hidden), f(c.ffn), l(c.layers), v(c.vocab),
+      kv(c.kv_heads * (c.hidden / c.heads));
+  const CheckedInt n = CheckedInt(c.seq) * CheckedInt(micro_batch_size);
+  const CheckedInt block = h * (h + kv * CheckedInt(2)) + h * h + h * f * CheckedInt(3);
+  const CheckedInt params = l * block + v * h * CheckedInt(2);
+  const CheckedInt bytes = params * CheckedInt(18) +
+                           l * n * (h * CheckedInt(16) + f * CheckedInt(16)) +
+                           n * v * CheckedInt(8);
+  if (bytes.overflow()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(context, ": the model's byte counts overflow 64 bits (", c.layers,
+                     " layers of ", c.hidden, ", ffn ", c.ffn, ", vocabulary ", c.vocab, ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<LayerGraph> LlamaModel(const std::string& name, const LlamaConfig& c,
+                                      int64_t micro_batch_size) {
+  PW_RETURN_IF_ERROR(
+      CheckLlamaConfig(c, absl::StrCat("Llama model '", name, "'"), micro_batch_size));
+  ModelBuilder b(name, {micro_batch_size, c.seq});
+  b.Add("embed", layers::TokenEmbedding(c.vocab, c.hidden));
+  for (int64_t i = 0; i < c.layers; ++i) {
+    b.Add(absl::StrCat("blocks.", i),
+          layers::LlamaBlock(c.hidden, c.heads, c.kv_heads, c.ffn, c.rope_theta, c.eps));
+  }
+  b.Add("norm", layers::RmsNorm(c.hidden, c.eps));
+  b.Add("lm_head", layers::LmHead(c.hidden, c.vocab, c.tied ? "embed" : ""));
+  b.Add("loss", layers::CrossEntropyLoss());
+  return b.Build();
 }
 
 absl::StatusOr<ModelCosts> PresetModelCosts(absl::string_view preset, int64_t micro_batch_size) {

@@ -72,8 +72,8 @@ absl::StatusOr<ModelCosts> ProfileModel(const LayerGraph& graph, int reps, uint6
   }
   const LayerNode& first = graph.node(0);
   int64_t vocab = 0;
-  if (first.spec->kind() != "embedding" || !ConfigValue(first.spec->Config(), "vocab", &vocab) ||
-      vocab < 1) {
+  if ((first.spec->kind() != "embedding" && first.spec->kind() != "token_embedding") ||
+      !ConfigValue(first.spec->Config(), "vocab", &vocab) || vocab < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("profiling needs a model whose first layer is a token embedding; '",
                      graph.name(), "' starts with ", first.name, " (", first.spec->kind(), ")"));

@@ -44,7 +44,8 @@ namespace pipewright::tools {
 // The presets small enough to instantiate and train on this machine; the analytic giants
 // (gpt3-175b, megatron-*) are for `pipewright model` and `plan` only.
 const std::vector<std::string>& TrainablePresets() {
-  static const std::vector<std::string> kNames = {"mlp", "gpt-tiny", "gpt-small", "gpt2-124m"};
+  static const std::vector<std::string> kNames = {"mlp",       "gpt-tiny",   "gpt-small",
+                                                  "gpt2-124m", "llama-tiny", "smollm2-135m"};
   return kNames;
 }
 

@@ -14,7 +14,8 @@ namespace pipewright::tools {
 void RegisterTrain(CLI::App& app, int* exit_code) {
   auto f = std::make_shared<TrainFlags>();
   CLI::App* cmd = app.add_subcommand("train", "Train a model: pp x dp x tp ranks on CPU threads");
-  cmd->add_option("--preset", f->preset, "Model preset: mlp, gpt-tiny, gpt-small, gpt2-124m")
+  cmd->add_option("--preset", f->preset,
+                  "Model preset: mlp, gpt-tiny, gpt-small, gpt2-124m, llama-tiny, smollm2-135m")
       ->check(CLI::IsMember(TrainablePresets()));
   AddInt(cmd, "--tied", &f->tied, {0, 1},
          "1: tie the LM head to the token embedding (GPT-2's weight tying); 0: untie it "

@@ -268,6 +268,16 @@ LayerSpecPtr Mlp(int64_t dim, int64_t hidden);
 LayerSpecPtr CausalSelfAttention(int64_t dim, int64_t heads);
 // Pre-LN GPT-2 block: x + attn(ln_1(x)), then h + mlp(ln_2(h)).
 LayerSpecPtr TransformerBlock(int64_t dim, int64_t heads);
+// The Llama family (Note [Llama layers] in runtime/ops/llama_ops.cc; CPU only for now, and no
+// tensor-parallel form: both are refused by name). RMSNorm with a weight and no bias:
+LayerSpecPtr RmsNorm(int64_t dim, float eps = 1e-5f);
+// Token ids [B, T] -> rows of the table "wte.weight" [vocab, dim], no positions (an LmHead
+// tied to this layer reads the same table).
+LayerSpecPtr TokenEmbedding(int64_t vocab, int64_t dim);
+// A Llama decoder block: h = x + o_proj(GQA(rope(qkv(rmsnorm(x))))), out = h +
+// down_proj(silu(gate) * up) of rmsnorm(h); heads divisible by kv_heads, an even head dim.
+LayerSpecPtr LlamaBlock(int64_t dim, int64_t heads, int64_t kv_heads, int64_t ffn,
+                        double rope_theta = 10000, float eps = 1e-5f);
 // tokens [B, T] i32 -> wte[token] + wpe[t]
 LayerSpecPtr Embedding(int64_t vocab, int64_t max_seq, int64_t dim);
 // Linear(dim, vocab) without bias. Untied by default; with `tied_to` the name of an Embedding

@@ -138,6 +138,27 @@ absl::StatusOr<LayerGraph> PresetModel(absl::string_view preset, int64_t micro_b
 // Every preset name, runnable ones first.
 std::vector<std::string> PresetNames();
 
+// The Llama family (Note [Llama layers] in runtime/ops/llama_ops.cc): token embedding, `layers`
+// Llama blocks (RMSNorm, rotary grouped-query attention, SwiGLU; no biases), a final RMSNorm,
+// an LM head (tied to the embedding or not) and the loss. Presets: "llama-tiny" (byte-level,
+// runnable here: 4 blocks of 64 wide, 4 heads over 2 kv heads), "smollm2-135m" (SmolLM2-135M's
+// published shape: 30 blocks, 576 wide, 9 heads, 3 kv heads, ffn 1536, vocabulary 49152, tied,
+// theta 100000) and, for planning, "llama3-8b", "llama3-70b", "llama3-405b" (the Llama 3 paper's
+// shapes: vocabulary 128256, sequence 8192, theta 500000, untied).
+struct LlamaConfig {
+  int64_t layers = 4, hidden = 64, heads = 4, kv_heads = 2, ffn = 176, seq = 32, vocab = 256;
+  bool tied = false;
+  double rope_theta = 10000;
+  float eps = 1e-5f;
+};
+// Every field in range (the GPT limits of CheckGptConfig; ffn <= kMaxGptHidden x 8), hidden
+// divisible by heads with an even head dim, heads divisible by kv_heads, and the parameter and
+// activation byte counts at `micro_batch_size` within int64. InvalidArgument naming the field.
+absl::Status CheckLlamaConfig(const LlamaConfig& config, absl::string_view context,
+                              int64_t micro_batch_size = 1);
+absl::StatusOr<LayerGraph> LlamaModel(const std::string& name, const LlamaConfig& config,
+                                      int64_t micro_batch_size);
+
 // The partitioner's view of a graph (plan.h): every node's Cost, the fingerprint, the input
 // bytes of one micro-batch, and each tied layer's tied_to (LayerSpec::tied_to).
 ModelCosts ToModelCosts(const LayerGraph& graph);

@@ -261,6 +261,54 @@ absl::Status Copy(const Exec& e, const Tensor& src, Tensor& dst);
 absl::Status CopyRange(const Exec& e, const Tensor& src, int64_t src_offset, Tensor& dst,
                        int64_t dst_offset, int64_t n);
 
+// ---- The Llama family's pieces (runtime/ops/llama_ops.cc; Note [Llama layers] there) ----
+// CPU only for now: on a CUDA device they return Unimplemented naming the op.
+
+// RMSNorm over the last dimension (transformers' LlamaRMSNorm): y = w * x * rstd with rstd =
+// 1 / sqrt(mean(x^2) + eps) per row of x, y [rows, cols], w [cols]; writes rstd [rows].
+absl::Status RmsNormForward(const Exec& e, const Tensor& x, const Tensor& w, Tensor& y,
+                            Tensor& rstd, int64_t rows, int64_t cols, float eps);
+// dx (overwritten) from the forward's x, rstd and dy.
+absl::Status RmsNormBackwardInput(const Exec& e, const Tensor& x, const Tensor& w,
+                                  const Tensor& rstd, const Tensor& dy, Tensor& dx, int64_t rows,
+                                  int64_t cols);
+// dw += sum over rows of dy * x * rstd (each column in row order).
+absl::Status RmsNormBackwardWeight(const Exec& e, const Tensor& x, const Tensor& rstd,
+                                   const Tensor& dy, Tensor& dw, int64_t rows, int64_t cols);
+
+// Rotary position embedding (transformers' Llama convention, rotate_half): for each of `rows`
+// rows of x and each head of `heads` at column
+// offset `col` + h * D within a row of `ld` floats, the pairs (i, i + D/2), i < D/2, turn by the
+// angle pos * theta^(-2i/D): (a, b) -> (a cos - b sin, b cos + a sin), in place. The rows are
+// [B, T] sequences: row r is at position r % T. `inverse` turns by minus the angle (the
+// backward: the transpose of a rotation).
+absl::Status Rope(const Exec& e, Tensor& x, int64_t rows, int64_t T, int64_t ld, int64_t col,
+                  int64_t heads, int64_t D, double theta, bool inverse);
+
+// SwiGLU: out [rows, F] = silu(g) * u for gu [rows, 2F] = (g | u).
+absl::Status SwiGluForward(const Exec& e, const Tensor& gu, Tensor& out, int64_t rows, int64_t F);
+// dgu [rows, 2F] (overwritten) from the forward's gu and dout [rows, F].
+absl::Status SwiGluBackward(const Exec& e, const Tensor& gu, const Tensor& dout, Tensor& dgu,
+                            int64_t rows, int64_t F);
+
+// Grouped-query attention's key and value heads for every query head: from x [rows, C + 2K]
+// = (q | k | v) with K = kv_heads * D, qkv [rows, 3C] = (q | k repeated | v repeated), query
+// head h reading kv head h / (heads / kv_heads) (transformers' repeat_kv).
+absl::Status ExpandKv(const Exec& e, const Tensor& x, Tensor& qkv, int64_t rows, int64_t heads,
+                      int64_t kv_heads, int64_t D);
+// The transpose: dx [rows, C + 2K] (overwritten) = (dq | each kv head's sum over the query heads
+// that read it, in head order) from dqkv [rows, 3C].
+absl::Status ReduceKv(const Exec& e, const Tensor& dqkv, Tensor& dx, int64_t rows, int64_t heads,
+                      int64_t kv_heads, int64_t D);
+
+// Token embedding without positions: out [B*T, C] = table[tokens]; tokens i32 in [0, V) (the
+// caller checks them).
+absl::Status TokenEmbeddingForward(const Exec& e, const Tensor& tokens, const Tensor& table,
+                                   Tensor& out, int64_t n, int64_t C);
+// dtable[tokens[i]] += dout[i] for i in order.
+absl::Status TokenEmbeddingBackward(const Exec& e, const Tensor& tokens, const Tensor& dout,
+                                    Tensor& dtable, int64_t n, int64_t C);
+
 // Frees what the ops keep per CUDA stream (its cuBLAS context); call before destroying a stream
 // the ops ran on. No-op for a CPU stream.
 void ReleaseStream(Stream stream);

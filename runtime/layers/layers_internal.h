@@ -273,6 +273,103 @@ class TransformerBlockLayer final : public Layer, public IncrementalDecoder {
   std::unique_ptr<SequentialLayer> mlp_;
 };
 
+// ---- The Llama family (runtime/layers/llama.cc; Note [Llama layers] in ops/llama_ops.cc) ----
+
+// y = weight * x / sqrt(mean(x^2) + eps) over the last dimension; weight starts at 1.
+class RmsNormLayer final : public Layer {
+ public:
+  RmsNormLayer(const InitContext& init, int64_t dim, float eps);
+  absl::string_view kind() const override { return "rmsnorm"; }
+  absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
+  absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
+                                       Saved* saved) override;
+  absl::Status BackwardWeight(const LayerContext& ctx, Saved* saved) override;
+  std::vector<Parameter*> Parameters() override { return {&weight_}; }
+
+ private:
+  int64_t dim_;
+  float eps_;
+  Parameter weight_;
+};
+
+// Tokens [B, T] -> rows of the token table "wte.weight" (no positions: the attention turns its
+// queries and keys instead).
+class TokenEmbeddingLayer final : public Layer {
+ public:
+  TokenEmbeddingLayer(const InitContext& init, int64_t vocab, int64_t dim);
+  absl::string_view kind() const override { return "token_embedding"; }
+  absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
+  absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
+                                       Saved* saved) override;
+  absl::Status BackwardWeight(const LayerContext& ctx, Saved* saved) override;
+  std::vector<Parameter*> Parameters() override { return {&wte_}; }
+
+ private:
+  int64_t vocab_, dim_;
+  Parameter wte_;
+};
+
+// Grouped-query attention with rotary positions: (q | k | v) [B, T, C + 2 kv_heads D] -> [B, T, C],
+// no parameters.
+class RotaryAttentionLayer final : public Layer {
+ public:
+  RotaryAttentionLayer(int64_t dim, int64_t heads, int64_t kv_heads, double theta)
+      : dim_(dim), heads_(heads), kv_heads_(kv_heads), theta_(theta) {}
+  absl::string_view kind() const override { return "rotary_attention"; }
+  absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
+  absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
+                                       Saved* saved) override;
+  absl::Status BackwardWeight(const LayerContext&, Saved*) override { return absl::OkStatus(); }
+
+ private:
+  int64_t dim_, heads_, kv_heads_;
+  double theta_;
+};
+
+// (g | u) [..., 2F] -> silu(g) * u [..., F], no parameters.
+class SwiGluLayer final : public Layer {
+ public:
+  explicit SwiGluLayer(int64_t ffn) : ffn_(ffn) {}
+  absl::string_view kind() const override { return "swiglu"; }
+  absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
+  absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
+                                       Saved* saved) override;
+  absl::Status BackwardWeight(const LayerContext&, Saved*) override { return absl::OkStatus(); }
+
+ private:
+  int64_t ffn_;
+};
+
+struct LlamaBlockShape {
+  int64_t dim = 0, heads = 0, kv_heads = 0, ffn = 0;
+  double rope_theta = 10000;
+  float eps = 1e-5f;
+};
+
+// h = x + o_proj(attn(qkv(norm_1(x)))); out = h + down(swiglu(gate_up(norm_2(h)))), every
+// product without bias; parameter names as transformers' LlamaDecoderLayer's, q/k/v and
+// gate/up fused (self_attn.qkv, mlp.gate_up).
+class LlamaBlockLayer final : public Layer {
+ public:
+  LlamaBlockLayer(const InitContext& init, const LlamaBlockShape& shape);
+  absl::string_view kind() const override { return "llama_block"; }
+  absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
+  absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
+                                       Saved* saved) override;
+  absl::Status BackwardWeight(const LayerContext& ctx, Saved* saved) override;
+  absl::StatusOr<Tensor> Backward(const Tensor& dy, const LayerContext& ctx, Saved* saved) override;
+  std::vector<Parameter*> Parameters() override;
+  std::vector<std::vector<Parameter*>> ParameterGroups() override;
+
+ private:
+  absl::StatusOr<Tensor> BackwardSublayers(const Tensor& dy, const LayerContext& ctx, Saved* saved,
+                                           bool weights);
+  std::unique_ptr<Layer> norm_1_;
+  std::unique_ptr<SequentialLayer> attn_;
+  std::unique_ptr<Layer> norm_2_;
+  std::unique_ptr<SequentialLayer> mlp_;
+};
+
 // A composite layer's pass over one child (Note [Backward by layer]): its Backward (both halves)
 // when `weights`, else its BackwardInput only.
 absl::StatusOr<Tensor> ChildBackward(Layer& child, const Tensor& dy, const LayerContext& ctx,

@@ -245,6 +245,101 @@ LayerSpecPtr LmHead(int64_t dim, int64_t vocab, const std::string& tied_to) {
       LastDimShape(vocab), tied_to, weight);
 }
 
+// ---- The Llama family (runtime/layers/llama.cc) ----
+namespace {
+
+Cost RmsNormCost(int64_t n, int64_t dim) {
+  Cost c;
+  c.params = dim;
+  c.forward_flops = 4.0 * n * dim;
+  c.backward_flops = 8.0 * n * dim;
+  c.activation_bytes = (n * dim + n) * kF32;
+  c.output_bytes = n * dim * kF32;
+  return c;
+}
+
+// The layers have no tensor-parallel form yet: a size > 1 is refused naming the layer.
+absl::Status NoTensorParallelism(const InitContext& init) {
+  if (init.tp_size <= 1) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      init.name, ": the Llama layers have no tensor-parallel form yet (tensor parallel size ",
+      init.tp_size, ")"));
+}
+
+}  // namespace
+
+LayerSpecPtr RmsNorm(int64_t dim, float eps) {
+  PW_CHECK(dim > 0 && eps > 0);
+  return MakeSpec(
+      "rmsnorm", absl::StrFormat("dim=%d,eps=%g", dim, eps),
+      [=](const MicroBatchShape& s, int64_t) { return RmsNormCost(s.tokens(), dim); },
+      [=](const InitContext& init) -> absl::StatusOr<std::unique_ptr<Layer>> {
+        PW_RETURN_IF_ERROR(NoTensorParallelism(init));
+        return std::make_unique<internal::RmsNormLayer>(init, dim, eps);
+      });
+}
+
+LayerSpecPtr TokenEmbedding(int64_t vocab, int64_t dim) {
+  PW_CHECK(vocab > 0 && dim > 0);
+  return MakeSpec(
+      "token_embedding", absl::StrFormat("vocab=%d,dim=%d", vocab, dim),
+      [=](const MicroBatchShape& s, int64_t) {
+        Cost c;
+        c.params = vocab * dim;
+        c.forward_flops = 1.0 * s.tokens() * dim;
+        c.backward_flops = 1.0 * s.tokens() * dim;
+        c.activation_bytes = s.tokens() * 4;
+        c.output_bytes = s.tokens() * dim * kF32;
+        return c;
+      },
+      [=](const InitContext& init) -> absl::StatusOr<std::unique_ptr<Layer>> {
+        PW_RETURN_IF_ERROR(NoTensorParallelism(init));
+        return std::make_unique<internal::TokenEmbeddingLayer>(init, vocab, dim);
+      },
+      [=](const std::vector<int64_t>& tokens) {  // [B, T] -> [B, T, dim]
+        std::vector<int64_t> out = tokens;
+        out.push_back(dim);
+        return out;
+      });
+}
+
+LayerSpecPtr LlamaBlock(int64_t dim, int64_t heads, int64_t kv_heads, int64_t ffn,
+                        double rope_theta, float eps) {
+  PW_CHECK(dim > 0 && heads > 0 && kv_heads > 0 && ffn > 0 && dim % heads == 0 &&
+           heads % kv_heads == 0 && (dim / heads) % 2 == 0 && rope_theta > 0 && eps > 0);
+  return MakeSpec(
+      "llama_block",
+      absl::StrFormat("dim=%d,heads=%d,kv_heads=%d,ffn=%d,rope_theta=%g,eps=%g", dim, heads,
+                      kv_heads, ffn, rope_theta, eps),
+      [=](const MicroBatchShape& s, int64_t) {
+        const int64_t n = s.tokens(), kv = kv_heads * (dim / heads);
+        Cost c = RmsNormCost(n, dim);
+        c += LinearCost(n, dim, dim + 2 * kv, false);
+        Cost core = AttentionCoreCost(s, dim, heads);
+        core.forward_flops += 6.0 * n * 2 * dim;  // the rotary turns of q and the keys
+        core.backward_flops += 6.0 * n * 2 * dim + 2.0 * n * dim;
+        c += core;
+        c += LinearCost(n, dim, dim, false);
+        c += RmsNormCost(n, dim);
+        c += LinearCost(n, dim, 2 * ffn, false);
+        Cost glu;
+        glu.forward_flops = 6.0 * n * ffn;
+        glu.backward_flops = 12.0 * n * ffn;
+        glu.activation_bytes = n * 2 * ffn * kF32;
+        glu.output_bytes = n * ffn * kF32;
+        c += glu;
+        c += LinearCost(n, ffn, dim, false);
+        c.forward_flops += 2.0 * n * dim;  // the two residual adds
+        c.backward_flops += 2.0 * n * dim;
+        return c;
+      },
+      [=](const InitContext& init) -> absl::StatusOr<std::unique_ptr<Layer>> {
+        PW_RETURN_IF_ERROR(NoTensorParallelism(init));
+        return std::make_unique<internal::LlamaBlockLayer>(
+            init, internal::LlamaBlockShape{dim, heads, kv_heads, ffn, rope_theta, eps});
+      });
+}
+
 LayerSpecPtr CrossEntropyLoss() {
   return MakeSpec(
       "cross_entropy", "",

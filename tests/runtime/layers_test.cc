@@ -14,6 +14,7 @@
 
 #include "pipewright/layer.h"
 #include "pipewright/model.h"
+#include "pipewright/ops.h"
 #include "pipewright/tensor.h"
 #include "tests/runtime/layer_test_util.h"
 
@@ -209,6 +210,76 @@ TEST(LayerGradTest, TransformerBlock) {
   CheckGradients({"block", layers::TransformerBlock(kC, kH), Act(rng)});
 }
 
+// The Llama family (Note [Llama layers] in runtime/ops/llama_ops.cc).
+TEST(LayerGradTest, RmsNorm) {
+  std::mt19937 rng(31);
+  CheckGradients({"rmsnorm", layers::RmsNorm(kC), Act(rng)});
+}
+
+TEST(LayerGradTest, LlamaBlockGroupedQueryAttention) {
+  std::mt19937 rng(32);
+  // 4 query heads of dim 2 over 2 kv heads; then multi-query (1 kv head) and plain (4).
+  CheckGradients({"llama gqa", layers::LlamaBlock(kC, 4, 2, 12, 10000.0), Act(rng)});
+  CheckGradients({"llama mqa", layers::LlamaBlock(kC, 4, 1, 12, 500000.0), Act(rng)});
+  CheckGradients({"llama mha", layers::LlamaBlock(kC, 2, 2, 12, 100.0), Act(rng)});
+}
+
+TEST(LayerGradTest, TokenEmbeddingWeightsOnly) {
+  std::mt19937 rng(33);
+  Case c{"token embedding", layers::TokenEmbedding(kV, kC), RandomTokens(kB, kT, kV, rng)};
+  c.input_grad = false;
+  CheckGradients(c);
+}
+
+// transformers' rotary convention: the pair (i, i + D/2) of a head at position t turns by
+// t * theta^(-2i/D); position 0 is unchanged; the inverse turn undoes it.
+TEST(LayerTest, RopeTurnsPairsByThePositionsAngle) {
+  const int64_t T = 5, D = 8, heads = 2, ld = 2 * D + 3;
+  std::mt19937 rng(34);
+  Tensor x = RandomTensor({T, ld}, rng);
+  const std::vector<float> before = x.ToVector();
+  const double theta = 10000;
+  ASSERT_TRUE(ops::Rope(ops::Exec{}, x, T, T, ld, 3, heads, D, theta, false).ok());
+  const std::vector<float> after = x.ToVector();
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t c = 0; c < 3; ++c) EXPECT_EQ(after[t * ld + c], before[t * ld + c]) << "untouched";
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t i = 0; i < D / 2; ++i) {
+        const int64_t at = t * ld + 3 + h * D + i;
+        const double angle = t * std::pow(theta, -2.0 * i / D);
+        const double a = before[at], b = before[at + D / 2];
+        EXPECT_NEAR(after[at], a * std::cos(angle) - b * std::sin(angle), 1e-5);
+        EXPECT_NEAR(after[at + D / 2], b * std::cos(angle) + a * std::sin(angle), 1e-5);
+        if (t == 0) EXPECT_EQ(after[at], before[at]);
+      }
+    }
+  }
+  ASSERT_TRUE(ops::Rope(ops::Exec{}, x, T, T, ld, 3, heads, D, theta, true).ok());
+  const std::vector<float> back = x.ToVector();
+  for (size_t k = 0; k < back.size(); ++k) EXPECT_NEAR(back[k], before[k], 1e-5) << k;
+  EXPECT_FALSE(ops::Rope(ops::Exec{}, x, T, T, ld, 3, heads, 7, theta, false).ok()) << "odd D";
+}
+
+// ExpandKv and ReduceKv are each other's transpose: <Expand(x), y> = <x, Reduce(y)>.
+TEST(LayerTest, ExpandAndReduceKvAreTransposes) {
+  const int64_t rows = 3, heads = 6, kv = 2, D = 4, C = heads * D, K = kv * D;
+  std::mt19937 rng(35);
+  const Tensor x = RandomTensor({rows, C + 2 * K}, rng);
+  const Tensor y = RandomTensor({rows, 3 * C}, rng);
+  Tensor ex = Tensor::Empty({rows, 3 * C}), ry = Tensor::Empty({rows, C + 2 * K});
+  ASSERT_TRUE(ops::ExpandKv(ops::Exec{}, x, ex, rows, heads, kv, D).ok());
+  ASSERT_TRUE(ops::ReduceKv(ops::Exec{}, y, ry, rows, heads, kv, D).ok());
+  double a = 0, b = 0;
+  const std::vector<float> ev = ex.ToVector(), yv = y.ToVector(), xv = x.ToVector(),
+                           rv = ry.ToVector();
+  for (size_t k = 0; k < ev.size(); ++k) a += static_cast<double>(ev[k]) * yv[k];
+  for (size_t k = 0; k < xv.size(); ++k) b += static_cast<double>(xv[k]) * rv[k];
+  EXPECT_NEAR(a, b, 1e-4 * std::max(1.0, std::fabs(a)));
+  // Query head 4 reads kv head 4 / (6 / 2) = 1.
+  EXPECT_EQ(ev[C + 4 * D], xv[C + 1 * D]);
+  EXPECT_FALSE(ops::ExpandKv(ops::Exec{}, x, ex, rows, heads, 4, D).ok()) << "6 % 4 != 0";
+}
+
 TEST(LayerGradTest, EmbeddingWeightsOnly) {
   std::mt19937 rng(8);
   Case c{"embedding", layers::Embedding(kV, kT, kC), RandomTokens(kB, kT, kV, rng)};
@@ -266,6 +337,9 @@ std::vector<Built> AllLayers(std::mt19937& rng) {
   out.push_back({layers::TransformerBlock(kC, kH), Act(rng), {}});
   out.push_back({layers::Embedding(kV, kT, kC), RandomTokens(kB, kT, kV, rng), {}});
   out.push_back({layers::LmHead(kC, kV), Act(rng), {}});
+  out.push_back({layers::RmsNorm(kC), Act(rng), {}});
+  out.push_back({layers::LlamaBlock(kC, 4, 2, 12), Act(rng), {}});
+  out.push_back({layers::TokenEmbedding(kV, kC), RandomTokens(kB, kT, kV, rng), {}});
   return out;
 }
 

@@ -1,0 +1,117 @@
+// The Llama family in the engine (issue 38; Note [Llama layers] in runtime/ops/llama_ops.cc):
+// llama-tiny pipelines bit-identically to one stage under every schedule, with recomputation,
+// data parallelism, ZeRO and bf16, as the GPT presets do, and its tied variant ties across
+// stages; the presets' shapes and parameter counts are the published ones.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "pipewright/engine.h"
+#include "pipewright/model.h"
+#include "tests/runtime/engine_util.h"
+
+namespace pipewright {
+namespace {
+
+using testing_util::EngineSetup;
+using testing_util::ExpectSameRun;
+using testing_util::RunResult;
+
+constexpr int kSteps = 3;
+constexpr int64_t kMicroBatches = 4;
+
+LayerGraph LlamaTiny(bool tied = false) {
+  LlamaConfig c;
+  c.tied = tied;
+  auto g = LlamaModel(tied ? "llama-tiny-tied" : "llama-tiny", c, 2);
+  EXPECT_TRUE(g.ok()) << g.status();
+  return *std::move(g);
+}
+
+EngineSetup Layout(int pp, int dp, ScheduleKind kind = ScheduleKind::k1F1B, int chunks = 1,
+                   Recompute rc = Recompute::kNone) {
+  return testing_util::ParitySetup(pp, dp, kind, chunks, rc, kMicroBatches, kSteps);
+}
+
+TEST(LlamaEngine, EveryScheduleIsBitIdenticalToOneStage) {
+  const LayerGraph g = LlamaTiny();
+  const RunResult want = testing_util::RunReference(
+      g, kMicroBatches, testing_util::ParityTrainOptions(kSteps), kSteps);
+  ASSERT_EQ(want.losses.size(), static_cast<size_t>(kSteps));
+  EXPECT_GT(want.losses.front(), want.losses.back()) << "training moved the weights";
+  struct Case {
+    int pp;
+    ScheduleKind kind;
+    int chunks;
+    Recompute rc;
+  };
+  for (const Case c : {Case{1, ScheduleKind::k1F1B, 1, Recompute::kNone},
+                       Case{2, ScheduleKind::kGpipe, 1, Recompute::kNone},
+                       Case{4, ScheduleKind::k1F1B, 1, Recompute::kFull},
+                       Case{2, ScheduleKind::kInterleaved, 2, Recompute::kNone},
+                       Case{2, ScheduleKind::kZbH1, 1, Recompute::kNone},
+                       Case{2, ScheduleKind::kZbV, 2, Recompute::kFull}}) {
+    const std::string what = absl::StrCat("pp ", c.pp, " ", ScheduleKindName(c.kind));
+    ExpectSameRun(testing_util::RunSteps(g, Layout(c.pp, 1, c.kind, c.chunks, c.rc), kSteps), want,
+                  what);
+  }
+}
+
+// Data parallelism at any depth, ZeRO-1 (bit-identical to zero 0), bf16 across depths, and a
+// tied head whose owner is on another stage.
+TEST(LlamaEngine, DataParallelZeroBf16AndTiesPipelineBitIdentically) {
+  const LayerGraph g = LlamaTiny();
+  const RunResult dp = testing_util::RunSteps(g, Layout(1, 2), kSteps);
+  ExpectSameRun(testing_util::RunSteps(g, Layout(4, 2), kSteps), dp, "pp 4 x dp 2");
+  EngineSetup z1 = Layout(2, 2);
+  z1.train.zero = 1;
+  ExpectSameRun(testing_util::RunSteps(g, z1, kSteps), dp, "pp 2 x dp 2, zero 1");
+  EngineSetup z2 = Layout(2, 2);
+  z2.train.zero = 2;
+  const RunResult two = testing_util::RunSteps(g, z2, kSteps);
+  ASSERT_EQ(two.losses.size(), dp.losses.size());
+  for (size_t i = 0; i < two.losses.size(); ++i) {
+    EXPECT_NEAR(two.losses[i], dp.losses[i], 1e-5 * dp.losses[i]) << "zero 2, step " << i;
+  }
+  EngineSetup bf1 = Layout(1, 1), bf4 = Layout(4, 1);
+  bf1.train.precision = bf4.train.precision = Precision::kBf16;
+  const RunResult b1 = testing_util::RunSteps(g, bf1, kSteps);
+  ExpectSameRun(testing_util::RunSteps(g, bf4, kSteps), b1, "bf16, pp 4");
+  EXPECT_NE(b1.losses, testing_util::RunSteps(g, Layout(1, 1), kSteps).losses)
+      << "bf16 changed nothing";
+  const LayerGraph tied = LlamaTiny(/*tied=*/true);
+  const RunResult t1 = testing_util::RunSteps(tied, Layout(1, 1), kSteps);
+  ExpectSameRun(testing_util::RunSteps(tied, Layout(4, 1), kSteps), t1, "tied, pp 4");
+  EXPECT_EQ(t1.weights.count("lm_head.weight"), 0u) << "a tied head stores no weight of its own";
+}
+
+// The presets are the published shapes: parameter counts as transformers reports them.
+TEST(LlamaModels, PresetsHaveThePublishedParameterCounts) {
+  const std::vector<std::pair<std::string, int64_t>> want = {{"smollm2-135m", 134515008},
+                                                             {"llama3-8b", 8030261248},
+                                                             {"llama3-70b", 70553706496},
+                                                             {"llama3-405b", 405853388800}};
+  for (const auto& [preset, params] : want) {
+    auto costs = PresetModelCosts(preset, 1);
+    ASSERT_TRUE(costs.ok()) << costs.status();
+    EXPECT_EQ(costs->UniqueParams(), params) << preset;
+  }
+  LlamaConfig bad;
+  bad.kv_heads = 3;  // 4 heads
+  EXPECT_NE(CheckLlamaConfig(bad, "x").message().find("kv_heads=3"), std::string::npos);
+  bad = LlamaConfig{};
+  bad.hidden = 68;  // head dim 17: odd
+  EXPECT_NE(CheckLlamaConfig(bad, "x").message().find("even"), std::string::npos);
+  bad = LlamaConfig{};
+  bad.layers = 100000;
+  bad.hidden = 1 << 20;
+  bad.heads = 1 << 10;
+  bad.kv_heads = 1 << 10;
+  bad.ffn = 1 << 23;
+  EXPECT_NE(CheckLlamaConfig(bad, "x").message().find("overflow"), std::string::npos);
+  EXPECT_FALSE(PresetGptConfig("llama-tiny").ok());
+}
+
+}  // namespace
+}  // namespace pipewright
