@@ -275,9 +275,9 @@ absl::StatusOr<TokenFileInfo> PrepareTokenFile(const PrepareOptions& options) {
     return PrepareByteTokenFile(options.input, options.output);
   }
   if (!absl::StartsWith(options.tokenizer, "spm:") || options.tokenizer.size() == 4) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("PrepareOptions.tokenizer '", options.tokenizer,
-                     "' is not a tokenizer: expected bytes or spm:MODEL.model"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "PrepareOptions.tokenizer '", options.tokenizer,
+        "' is not a tokenizer: expected bytes or spm:PATH (a SentencePiece model file)"));
   }
   const std::string model_path = options.tokenizer.substr(4);
   PW_ASSIGN_OR_RETURN(std::unique_ptr<SentencePieceTokenizer> tokenizer,

@@ -157,7 +157,7 @@ class SentencePieceTokenizer {
 struct PrepareOptions {
   std::string input;   // a text corpus (a regular file)
   std::string output;  // the token file to write
-  // "" or "bytes": PrepareByteTokenFile. "spm:MODEL.model": a SentencePiece model.
+  // "" or "bytes": PrepareByteTokenFile. "spm:PATH": the SentencePiece model file PATH.
   std::string tokenizer;
 };
 // `pipewright data prepare`: `options.input` as a token file. With a SentencePiece model the
