@@ -14,6 +14,23 @@ add_library(pipewright_blas INTERFACE)
 target_include_directories(pipewright_blas INTERFACE ${PIPEWRIGHT_CBLAS_INCLUDE})
 target_link_libraries(pipewright_blas INTERFACE ${BLAS_LIBRARIES})
 
+# SentencePiece (`pipewright data train-tokenizer`, `prepare --tokenizer spm:`; runtime/tokenizer.cc):
+# libsentencepiece-dev ships a pkg-config file but no CMake package, so the headers and both
+# libraries are found by name (pkg-config's `sentencepiece` names the same two). Like
+# pipewright_blas, an INTERFACE target holding absolute paths, exported with the library.
+find_path(PIPEWRIGHT_SENTENCEPIECE_INCLUDE sentencepiece_processor.h)
+find_library(PIPEWRIGHT_SENTENCEPIECE_LIBRARY sentencepiece)
+find_library(PIPEWRIGHT_SENTENCEPIECE_TRAIN_LIBRARY sentencepiece_train)
+if(NOT PIPEWRIGHT_SENTENCEPIECE_INCLUDE OR NOT PIPEWRIGHT_SENTENCEPIECE_LIBRARY
+   OR NOT PIPEWRIGHT_SENTENCEPIECE_TRAIN_LIBRARY)
+  message(FATAL_ERROR "SentencePiece not found (sentencepiece_processor.h, libsentencepiece, "
+                      "libsentencepiece_train): install libsentencepiece-dev (scripts/setup)")
+endif()
+add_library(pipewright_sentencepiece INTERFACE)
+target_include_directories(pipewright_sentencepiece INTERFACE ${PIPEWRIGHT_SENTENCEPIECE_INCLUDE})
+target_link_libraries(pipewright_sentencepiece INTERFACE ${PIPEWRIGHT_SENTENCEPIECE_TRAIN_LIBRARY}
+                      ${PIPEWRIGHT_SENTENCEPIECE_LIBRARY})
+
 if(PIPEWRIGHT_BUILD_TESTS)
   find_package(GTest REQUIRED)
 endif()

@@ -1,6 +1,7 @@
 include(CMakePackageConfigHelpers)
 set(_pw_targets pipewright pipewright_headers pipewright_io pipewright_runtime pipewright_kernels_cpu
-    pipewright_kernels_cuda pipewright_schedules pipewright_partitioner pipewright_blas)
+    pipewright_kernels_cuda pipewright_schedules pipewright_partitioner pipewright_blas
+    pipewright_sentencepiece)
 if(PIPEWRIGHT_WITH_NCCL)
   list(APPEND _pw_targets pipewright_nccl)
 endif()

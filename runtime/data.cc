@@ -22,6 +22,7 @@
 #include "pipewright/status.h"
 #include "runtime/mapped_file.h"
 #include "runtime/random.h"
+#include "runtime/token_file.h"
 #include "runtime/token_formats.h"
 
 namespace pipewright {
@@ -151,67 +152,6 @@ std::string TokenHeader(const TokenFileInfo& info) {
   return h;
 }
 
-// Writes the header and then the tokens `fill` produces, block by block (fill(buffer, capacity)
-// returns how many it wrote, 0 at the end); the file appears under `path` only when complete.
-template <typename Fill>
-absl::Status WriteTokens(const std::string& path, TokenFileInfo info, Fill fill, int64_t* written) {
-  const std::string tmp = path + ".tmp";
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (f == nullptr) {
-    return absl::NotFoundError(absl::StrCat("cannot create '", tmp, "': ", Errno()));
-  }
-  auto fail = [&](absl::string_view what) {
-    std::string msg = absl::StrCat(what, " '", tmp, "': ", Errno());
-    std::fclose(f);
-    std::remove(tmp.c_str());
-    return absl::DataLossError(msg);
-  };
-  // The header's token count is rewritten at the end, once known.
-  std::string header = TokenHeader(info);
-  if (std::fwrite(header.data(), 1, header.size(), f) != header.size()) return fail("cannot write");
-  std::vector<uint32_t> block(1 << 20);
-  std::vector<unsigned char> out(block.size() * info.token_bytes);
-  int64_t n = 0;
-  while (true) {
-    absl::StatusOr<size_t> got_or = fill(block.data(), block.size());
-    if (!got_or.ok()) {
-      std::fclose(f);
-      std::remove(tmp.c_str());
-      return got_or.status();
-    }
-    const size_t got = *got_or;
-    if (got == 0) break;
-    for (size_t i = 0; i < got; ++i) {
-      if (info.token_bytes == 2) {
-        uint16_t v = static_cast<uint16_t>(block[i]);
-        std::memcpy(&out[2 * i], &v, 2);
-      } else {
-        std::memcpy(&out[4 * i], &block[i], 4);
-      }
-    }
-    const size_t bytes = got * info.token_bytes;
-    if (std::fwrite(out.data(), 1, bytes, f) != bytes) return fail("cannot write");
-    n += static_cast<int64_t>(got);
-  }
-  info.tokens = n;
-  header = TokenHeader(info);
-  if (std::fseek(f, 0, SEEK_SET) != 0 ||
-      std::fwrite(header.data(), 1, header.size(), f) != header.size()) {
-    return fail("cannot write");
-  }
-  if (std::fclose(f) != 0) {
-    std::remove(tmp.c_str());
-    return absl::DataLossError(absl::StrCat("cannot write '", tmp, "': ", Errno()));
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    std::string msg = absl::StrCat("cannot rename '", tmp, "' to '", path, "': ", Errno());
-    std::remove(tmp.c_str());
-    return absl::DataLossError(msg);
-  }
-  *written = n;
-  return absl::OkStatus();
-}
-
 absl::StatusOr<TokenFileInfo> ParseTokenHeader(const std::string& path, const unsigned char* data,
                                                size_t size) {
   if (size < kTokenMagicLen || std::memcmp(data, kTokenMagic, kTokenMagicLen) != 0) {
@@ -305,6 +245,82 @@ absl::Status CheckTokens(const std::string& path, const TokenFileInfo& info) {
 
 }  // namespace
 
+absl::Status internal::WriteTokenStream(const std::string& path, TokenFileInfo info, TokenFill fill,
+                                        int64_t* written) {
+  const std::string tmp = path + ".tmp";
+  std::FILE* f = std::fopen(tmp.c_str(), "wb");
+  if (f == nullptr) {
+    return absl::NotFoundError(absl::StrCat("cannot create '", tmp, "': ", Errno()));
+  }
+  auto fail = [&](absl::string_view what) {
+    std::string msg = absl::StrCat(what, " '", tmp, "': ", Errno());
+    std::fclose(f);
+    std::remove(tmp.c_str());
+    return absl::DataLossError(msg);
+  };
+  // The header's token count is rewritten at the end, once known.
+  std::string header = TokenHeader(info);
+  if (std::fwrite(header.data(), 1, header.size(), f) != header.size()) return fail("cannot write");
+  std::vector<uint32_t> block(1 << 20);
+  std::vector<unsigned char> out(block.size() * info.token_bytes);
+  int64_t n = 0;
+  while (true) {
+    absl::StatusOr<size_t> got_or = fill(block.data(), block.size());
+    if (!got_or.ok()) {
+      std::fclose(f);
+      std::remove(tmp.c_str());
+      return got_or.status();
+    }
+    const size_t got = *got_or;
+    if (got == 0) break;
+    for (size_t i = 0; i < got; ++i) {
+      if (info.token_bytes == 2) {
+        uint16_t v = static_cast<uint16_t>(block[i]);
+        std::memcpy(&out[2 * i], &v, 2);
+      } else {
+        std::memcpy(&out[4 * i], &block[i], 4);
+      }
+    }
+    const size_t bytes = got * info.token_bytes;
+    if (std::fwrite(out.data(), 1, bytes, f) != bytes) return fail("cannot write");
+    n += static_cast<int64_t>(got);
+  }
+  info.tokens = n;
+  header = TokenHeader(info);
+  if (std::fseek(f, 0, SEEK_SET) != 0 ||
+      std::fwrite(header.data(), 1, header.size(), f) != header.size()) {
+    return fail("cannot write");
+  }
+  if (std::fclose(f) != 0) {
+    std::remove(tmp.c_str());
+    return absl::DataLossError(absl::StrCat("cannot write '", tmp, "': ", Errno()));
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    std::string msg = absl::StrCat("cannot rename '", tmp, "' to '", path, "': ", Errno());
+    std::remove(tmp.c_str());
+    return absl::DataLossError(msg);
+  }
+  *written = n;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<RegularFile> internal::OpenPrepareInput(const std::string& input,
+                                                       absl::string_view input_what,
+                                                       const std::string& output,
+                                                       absl::string_view output_what) {
+  PW_ASSIGN_OR_RETURN(RegularFile file, RegularFile::Open(input, input_what));
+  // The output replaces what is at its path once complete: never the input itself.
+  struct stat in_st, out_st;
+  if (::fstat(file.fd(), &in_st) == 0 && ::stat(output.c_str(), &out_st) == 0 &&
+      in_st.st_dev == out_st.st_dev && in_st.st_ino == out_st.st_ino) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the output '", output, "' is the ", input_what, " '", input,
+                     "': writing the tokens there would replace the text (choose another output)"));
+  }
+  PW_RETURN_IF_ERROR(CheckOutputPath(output, output_what));
+  return file;
+}
+
 absl::StatusOr<TokenFileInfo> ReadTokenFileInfo(const std::string& path) {
   PW_ASSIGN_OR_RETURN(std::unique_ptr<MappedFile> file, MappedFile::Open(path));
   return ParseTokenHeader(path, file->data(), file->size());
@@ -333,21 +349,13 @@ absl::Status WriteTokenFile(const std::string& path, const std::vector<uint32_t>
     return n;
   };
   int64_t written = 0;
-  return WriteTokens(path, info, fill, &written);
+  return internal::WriteTokenStream(path, info, fill, &written);
 }
 
 absl::StatusOr<TokenFileInfo> PrepareByteTokenFile(const std::string& input,
                                                    const std::string& output) {
-  PW_ASSIGN_OR_RETURN(RegularFile file, RegularFile::Open(input, "input file"));
-  // The output replaces what is at its path once complete: never the input itself.
-  struct stat in_st, out_st;
-  if (::fstat(file.fd(), &in_st) == 0 && ::stat(output.c_str(), &out_st) == 0 &&
-      in_st.st_dev == out_st.st_dev && in_st.st_ino == out_st.st_ino) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the output '", output, "' is the input file '", input,
-                     "': writing the tokens there would replace the text (choose another output)"));
-  }
-  PW_RETURN_IF_ERROR(CheckOutputPath(output, "token file"));
+  PW_ASSIGN_OR_RETURN(RegularFile file,
+                      internal::OpenPrepareInput(input, "input file", output, "token file"));
   std::FILE* in = ::fdopen(file.Release(), "rb");
   if (in == nullptr) {
     return absl::InternalError(absl::StrCat("input file '", input, "': ", Errno()));
@@ -363,7 +371,7 @@ absl::StatusOr<TokenFileInfo> PrepareByteTokenFile(const std::string& input,
     std::copy_n(bytes.begin(), n, out);
     return n;
   };
-  absl::Status s = WriteTokens(output, info, fill, &info.tokens);
+  absl::Status s = internal::WriteTokenStream(output, info, fill, &info.tokens);
   std::fclose(in);
   PW_RETURN_IF_ERROR(s);
   return info;

@@ -248,6 +248,14 @@ const std::vector<FieldFlag>& FieldFlags() {
       {"SearchOptions.sequence_parallel", "--sequence-parallel"},
       {"SearchOptions.schedule", "--schedule"},
       {"SearchOptions.micro_batch_size", "--micro-batch-size"},
+      // TrainTokenizerOptions, PrepareOptions (pipewright/data.h): data train-tokenizer, prepare.
+      {"TrainTokenizerOptions.input", "--input"},
+      {"TrainTokenizerOptions.model_prefix", "--model-prefix"},
+      {"TrainTokenizerOptions.vocab_size", "--vocab-size"},
+      {"TrainTokenizerOptions.model_type", "--model-type"},
+      {"PrepareOptions.input", "--input"},
+      {"PrepareOptions.output", "--output"},
+      {"PrepareOptions.tokenizer", "--tokenizer"},
       // ParseGptSpec (pipewright/model.h): model.
       {"GPT spec", "--gpt"},
   };

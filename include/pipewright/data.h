@@ -87,6 +87,91 @@ absl::Status WriteTokenFile(const std::string& path, const std::vector<uint32_t>
 // 256, uint16), streamed in blocks so that neither file is ever held in memory whole.
 absl::StatusOr<TokenFileInfo> PrepareByteTokenFile(const std::string& input,
                                                    const std::string& output);
+// Tokenizers (docs/data.md, "Tokenizers"; runtime/tokenizer.cc): SentencePiece models (the
+// Debian library libsentencepiece) trained on a text corpus, and token files prepared with them.
+// Errors name the options' fields ("TrainTokenizerOptions.vocab_size = 5: ..."), which the CLI
+// words as its flags.
+//
+// The vocabularies train-tokenizer accepts: its models hold 3 control pieces (<unk>, <s>, </s>)
+// and 256 byte pieces besides the text's characters and the learnt pieces, so 260 is the least
+// any corpus allows (SentencePiece itself refuses a size below what the corpus's characters
+// need, and above what its text can fill, for a unigram model).
+inline constexpr int64_t kMinTokenizerVocab = 260;
+inline constexpr int64_t kMaxTokenizerVocab = int64_t{1} << 20;
+// The longest line train-tokenizer reads and the longest document prepare tokenizes at once.
+inline constexpr int64_t kMaxTokenizerDocumentBytes = int64_t{64} << 20;
+// The largest model file opened (Llama's is 0.5 MB; a 256k-piece model about 5 MB).
+inline constexpr int64_t kMaxTokenizerModelBytes = int64_t{256} << 20;
+
+struct TrainTokenizerOptions {
+  std::string input;          // a text corpus: a regular file, one training sentence per line
+  std::string model_prefix;   // writes <model_prefix>.model and <model_prefix>.vocab
+  int64_t vocab_size = 8000;  // pieces, in [kMinTokenizerVocab, kMaxTokenizerVocab]
+  std::string model_type = "unigram";  // "unigram" or "bpe"
+};
+struct TrainedTokenizer {
+  std::string model_path, vocab_path;
+  int64_t vocab_size = 0;  // pieces in the model
+  std::string model_type;
+  int64_t sentences = 0;    // lines read from the input
+  int64_t input_bytes = 0;  // the input's size
+};
+// Trains a SentencePiece model on the lines of `options.input` and writes it (.model, the
+// serialized model, and .vocab, "piece<TAB>score" per line; each replaced atomically). The model
+// is lossless: identity normalization, whitespace kept as it is and byte fallback, so that
+// decoding a text's tokens gives the text back, newlines and bytes it never saw included; its
+// end-of-sequence piece </s> is id 2. Training is reproducible: one thread and a fixed seed, so
+// the same input and options write the same files. SentencePiece's progress log is silenced
+// (it would go to stderr); its errors ("Vocabulary size is too large") come back as
+// InvalidArgument naming the input. The input is refused before a byte is read when it is not a
+// regular file (a FIFO, a device); a line longer than kMaxTokenizerDocumentBytes is an error.
+absl::StatusOr<TrainedTokenizer> TrainTokenizer(const TrainTokenizerOptions& options);
+
+// A loaded SentencePiece model. Encode and Decode are const and may be called from several
+// threads at once.
+class SentencePieceTokenizer {
+ public:
+  // Loads the model file `path`: a regular file of at most kMaxTokenizerModelBytes, read by
+  // pipewright (ReadRegularFile) and parsed from memory. NotFound when it is missing,
+  // InvalidArgument naming `what` and the path when it is not a regular file or not a
+  // SentencePiece model.
+  static absl::StatusOr<std::unique_ptr<SentencePieceTokenizer>> Open(const std::string& path,
+                                                                      absl::string_view what);
+  ~SentencePieceTokenizer();
+  SentencePieceTokenizer(const SentencePieceTokenizer&) = delete;
+  SentencePieceTokenizer& operator=(const SentencePieceTokenizer&) = delete;
+
+  int64_t vocab_size() const;  // the model's piece count; every id is below it
+  int eos_id() const;          // the end-of-sequence piece, -1 when the model has none
+  // The ids of `text`, with the model's own normalization (lossless for train-tokenizer's).
+  absl::StatusOr<std::vector<uint32_t>> Encode(absl::string_view text) const;
+  // The text of `ids` (each < vocab_size(): InvalidArgument otherwise).
+  absl::StatusOr<std::string> Decode(const std::vector<uint32_t>& ids) const;
+
+ private:
+  struct Impl;
+  explicit SentencePieceTokenizer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+struct PrepareOptions {
+  std::string input;   // a text corpus (a regular file)
+  std::string output;  // the token file to write
+  // "" or "bytes": PrepareByteTokenFile. "spm:PATH": the SentencePiece model file PATH.
+  std::string tokenizer;
+};
+// `pipewright data prepare`: `options.input` as a token file. With a SentencePiece model the
+// input is read as documents separated by blank lines (a run of two or more newlines, which
+// is not tokenized itself); each document is tokenized alone and its tokens follow the
+// model's end-of-sequence id, written between each two documents (none before the first or
+// after the last; empty documents are skipped). A model without an end-of-sequence piece is
+// refused (FailedPrecondition), since documents could not be told apart. The header's
+// vocab_size is the model's piece count, the dtype uint16 when it is at most 65536 and uint32
+// otherwise. The input is streamed a document at a time; a document longer than
+// kMaxTokenizerDocumentBytes is InvalidArgument naming its start's byte offset. An unknown
+// tokenizer, or a model that is missing or not one, is an error naming the field and the file.
+absl::StatusOr<TokenFileInfo> PrepareTokenFile(const PrepareOptions& options);
+
 // A memory-mapped token file: sample i is the window of seq_len + 1 tokens at the position the
 // text dataset would draw for (seed, i), so a text file and its prepared token file give the
 // same samples. Opening checks the header, the size and (streaming, outside the mapping) that

@@ -231,6 +231,9 @@ const std::vector<Command>& Commands() {
       {{"plan"}, {{"--preset", "gpt-tiny"}, {"--devices", "1"}}, {}},
       {{"validate"}, {}, {"no-such-plan.json"}},
       {{"data", "prepare"}, {{"--input", "no-such-corpus.txt"}, {"--output", "out.tokens"}}, {}},
+      {{"data", "train-tokenizer"},
+       {{"--input", "no-such-corpus.txt"}, {"--model-prefix", "tok"}, {"--vocab-size", "300"}},
+       {}},
       {{"export"}, {{"--checkpoint", "no-such-checkpoint"}}, {"out-hf"}},
       {{"import"}, {{"--preset", "gpt-tiny"}}, {"no-such-hf-dir", "out-checkpoint"}},
   };
