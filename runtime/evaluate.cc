@@ -82,7 +82,7 @@ absl::StatusOr<LayerGraph> GraphOfManifest(const std::string& path, const std::s
     PW_ASSIGN_OR_RETURN(const int64_t micro_batch_size,
                         IntField(model, "micro_batch_size", where + ": model", 0));
     PW_ASSIGN_OR_RETURN(LayerGraph graph,
-                        PresetModel(model["preset"].get<std::string>(), micro_batch_size));
+                        ModelFromSpec(model["preset"].get<std::string>(), micro_batch_size));
     if (model.value("fingerprint", "") != graph.Fingerprint()) {
       return absl::InvalidArgumentError(absl::StrCat(where, ": fingerprint does not match preset '",
                                                      model["preset"].get<std::string>(), "'"));

@@ -29,7 +29,8 @@ std::string BuildManifest(const ManifestInfo& info) {
                 {"num_layers", graph.num_layers()},
                 {"micro_batch_size", graph.shape().batch},
                 {"seq_len", graph.shape().seq_len}};
-  absl::StatusOr<LayerGraph> preset = PresetModel(graph.name(), graph.shape().batch);
+  // A preset or a spec ("llama:…", ModelFromSpec) rebuilds itself from its name.
+  absl::StatusOr<LayerGraph> preset = ModelFromSpec(graph.name(), graph.shape().batch);
   if (preset.ok() && preset->Fingerprint() == graph.Fingerprint()) {
     m["model"]["preset"] = graph.name();
   }

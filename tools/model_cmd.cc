@@ -43,7 +43,12 @@ absl::StatusOr<BuiltModel> Build(const ModelFlags& f) {
   }
   if (f.reps_given && !f.profile) return absl::InvalidArgumentError("--reps needs --profile");
   BuiltModel m;
-  if (!f.preset.empty()) {
+  if (IsModelSpec(f.preset)) {  // --model llama:… or gpt:… (docs/models.md)
+    PW_ASSIGN_OR_RETURN(LayerGraph g, ModelFromSpec(f.preset, f.micro_batch_size));
+    m.costs = ToModelCosts(g);
+    if (absl::StatusOr<GptConfig> c = GptConfigOf(g); c.ok()) m.gpt = *c;
+    m.graph = std::move(g);
+  } else if (!f.preset.empty()) {
     PW_ASSIGN_OR_RETURN(m.costs, PresetModelCosts(f.preset, f.micro_batch_size));
     if (absl::StatusOr<GptConfig> c = PresetGptConfig(f.preset); c.ok()) m.gpt = *c;
     if (f.profile) {
@@ -238,6 +243,9 @@ void RegisterModel(CLI::App& app, int* exit_code) {
                   "megatron-3.6b | "
                   "megatron-7.5b | megatron-18.4b | megatron-39.1b | megatron-76.1b | "
                   "megatron-145.6b | megatron-310.1b | megatron-529.6b | megatron-1t");
+  cmd->add_option("--model", f->preset,
+                  "A preset or a model spec, llama:layers=L,hidden=H,heads=A,kv_heads=K,ffn=F,"
+                  "seq=S,vocab=V[,tied=0|1,rope_theta=T] or gpt:… (docs/models.md)");
   cmd->add_option("--gpt", f->gpt,
                   "layers=L,hidden=H,heads=A,seq=S,vocab=V[,tied=0|1] (tied defaults to 1)");
   AddInt(cmd, "--micro-batch-size", &f->micro_batch_size,

@@ -43,6 +43,10 @@ absl::StatusOr<ModelCosts> LoadModel(const PlanFlags& f) {
   if (f.model.empty() == f.preset.empty()) {
     return absl::InvalidArgumentError("give exactly one of --model FILE and --preset NAME");
   }
+  if (IsModelSpec(f.model) || IsModelSpec(f.preset)) {  // "llama:…" or "gpt:…" (docs/models.md)
+    PW_ASSIGN_OR_RETURN(LayerGraph g, ModelFromSpec(f.model.empty() ? f.preset : f.model, 0));
+    return ToModelCosts(g);
+  }
   if (!f.preset.empty()) {
     // With its LM-head tie and, for a GPT, its TransformerShape (ToModelCosts).
     return PresetModelCosts(f.preset, 0);
@@ -284,7 +288,9 @@ void RegisterPlan(CLI::App& app, int* exit_code) {
   auto f = std::make_shared<PlanFlags>();
   CLI::App* cmd = app.add_subcommand(
       "plan", "Partition a model over devices: search pp x dp x tp, micro-batch size and schedule");
-  cmd->add_option("--model", f->model, "Layer graph JSON (pipewright model -o)");
+  cmd->add_option("--model", f->model,
+                  "Layer graph JSON (pipewright model -o), or a model spec: llama:… or gpt:… "
+                  "(docs/models.md)");
   cmd->add_option("--preset", f->preset, "A built-in model instead of --model");
   AddInt(cmd, "--devices", &f->devices, {1, kMaxParallel}, "Number of devices (pp x dp x tp)")
       ->required();

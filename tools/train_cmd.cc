@@ -565,13 +565,16 @@ absl::StatusOr<TrainFlags> WithCheckpointDefaults(const TrainFlags& given) {
       m["rng"].contains("seed") && m["rng"]["seed"].is_number_unsigned()) {
     f.seed = m["rng"]["seed"].get<uint64_t>();
   }
-  const bool model_given = f.given.count("--preset") > 0 || !f.plan.empty() || !f.program.empty();
+  const bool model_given = f.given.count("--preset") > 0 || f.given.count("--model") > 0 ||
+                           !f.plan.empty() || !f.program.empty();
   if (model_given || !m.contains("model") || !m["model"].is_object()) return f;
   const json& model = m["model"];
   if (!model.contains("name") || !model["name"].is_string()) return f;
   const std::string name = model["name"].get<std::string>();
   const std::vector<std::string>& presets = TrainablePresets();
-  if (std::find(presets.begin(), presets.end(), name) == presets.end()) return f;
+  if (std::find(presets.begin(), presets.end(), name) == presets.end() && !IsModelSpec(name)) {
+    return f;
+  }
   f.preset = name;
   if (f.given.count("--tied") == 0 && PresetGptConfig(name).ok() && model.contains("layers") &&
       model["layers"].is_array()) {

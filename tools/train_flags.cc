@@ -14,9 +14,15 @@ namespace pipewright::tools {
 void RegisterTrain(CLI::App& app, int* exit_code) {
   auto f = std::make_shared<TrainFlags>();
   CLI::App* cmd = app.add_subcommand("train", "Train a model: pp x dp x tp ranks on CPU threads");
-  cmd->add_option("--preset", f->preset,
-                  "Model preset: mlp, gpt-tiny, gpt-small, gpt2-124m, llama-tiny, smollm2-135m")
-      ->check(CLI::IsMember(TrainablePresets()));
+  CLI::Option* preset =
+      cmd->add_option("--preset", f->preset,
+                      "Model preset: mlp, gpt-tiny, gpt-small, gpt2-124m, llama-tiny, smollm2-135m")
+          ->check(CLI::IsMember(TrainablePresets()));
+  cmd->add_option("--model", f->preset,
+                  "A model spec instead of --preset: llama:layers=L,hidden=H,heads=A,kv_heads=K,"
+                  "ffn=F,seq=S,vocab=V[,tied=0|1,rope_theta=T] or gpt:layers=L,hidden=H,heads=A,"
+                  "seq=S,vocab=V[,tied=0|1] (docs/models.md)")
+      ->excludes(preset);
   AddInt(cmd, "--tied", &f->tied, {0, 1},
          "1: tie the LM head to the token embedding (GPT-2's weight tying); 0: untie it "
          "(default: the preset's; gpt2-124m is tied, gpt-tiny and gpt-small are not)");

@@ -20,10 +20,11 @@ namespace {
 
 using json = nlohmann::json;
 
-// A preset's graph, its LM head tied or untied as --tied says.
+// A preset's or a spec's graph (ModelFromSpec), a preset's LM head tied or untied as --tied
+// says.
 absl::StatusOr<LayerGraph> PresetGraph(const std::string& preset, int64_t micro_batch_size,
                                        int tied) {
-  PW_ASSIGN_OR_RETURN(LayerGraph graph, PresetModel(preset, micro_batch_size));
+  PW_ASSIGN_OR_RETURN(LayerGraph graph, ModelFromSpec(preset, micro_batch_size));
   if (tied < 0) return graph;
   absl::StatusOr<GptConfig> c = PresetGptConfig(preset);
   if (!c.ok()) {
@@ -208,12 +209,16 @@ absl::StatusOr<LoadedModel> LoadModel(const TrainFlags& f) {
   if (!plan.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(f.plan, ":\n", plan.status().message()));
   }
-  const std::string preset = f.given.count("--preset") > 0 ? f.preset : plan->model_name;
+  const bool named = f.given.count("--preset") > 0 || f.given.count("--model") > 0;
+  const std::string preset = named ? f.preset : plan->model_name;
   const std::vector<std::string>& runnable = TrainablePresets();
-  if (std::find(runnable.begin(), runnable.end(), preset) == runnable.end()) {
+  if (std::find(runnable.begin(), runnable.end(), preset) == runnable.end() &&
+      !IsModelSpec(preset)) {
     return absl::InvalidArgumentError(
-        absl::StrCat(f.plan, ": model.name '", preset, "' is not a preset train can run (",
-                     absl::StrJoin(runnable, ", "), "); pass --preset"));
+        absl::StrCat(f.plan, ": model.name '", preset, "' is neither a preset train can run (",
+                     absl::StrJoin(runnable, ", "),
+                     ") nor a model spec (gpt:… or llama:…); pass --preset or "
+                     "--model"));
   }
   PW_ASSIGN_OR_RETURN(LayerGraph graph, PresetGraph(preset, plan->micro_batch_size, f.tied));
   const ModelCosts costs = ToModelCosts(graph);

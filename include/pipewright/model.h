@@ -159,6 +159,21 @@ absl::Status CheckLlamaConfig(const LlamaConfig& config, absl::string_view conte
 absl::StatusOr<LayerGraph> LlamaModel(const std::string& name, const LlamaConfig& config,
                                       int64_t micro_batch_size);
 
+// Model specs (runtime/model_spec.cc): "llama:layers=L,hidden=H,heads=A,ffn=F,seq=S,vocab=V"
+// with optional kv_heads (default heads), tied (0|1, default 0) and rope_theta (default 10000).
+// Every required key once, as an integer (rope_theta a number); CheckLlamaConfig's ranges.
+// InvalidArgument naming the key.
+absl::StatusOr<LlamaConfig> ParseLlamaSpec(absl::string_view spec);
+// The canonical spec of a config, "gpt:layers=…,tied=1" or "llama:…,rope_theta=500000": the
+// name ModelFromSpec gives the graph, so the name alone rebuilds it.
+std::string ModelSpecName(const GptConfig& config);
+std::string ModelSpecName(const LlamaConfig& config);
+// A preset name, "gpt:SPEC" (ParseGptSpec) or "llama:SPEC" (ParseLlamaSpec): the graph, named
+// by ModelSpecName for a spec. `micro_batch_size` 0: the preset's default, 1 for a spec.
+absl::StatusOr<LayerGraph> ModelFromSpec(absl::string_view spec, int64_t micro_batch_size);
+// Whether `name` is a spec ("gpt:…" or "llama:…") rather than a preset name.
+bool IsModelSpec(absl::string_view name);
+
 // The partitioner's view of a graph (plan.h): every node's Cost, the fingerprint, the input
 // bytes of one micro-batch, and each tied layer's tied_to (LayerSpec::tied_to).
 ModelCosts ToModelCosts(const LayerGraph& graph);

@@ -113,5 +113,46 @@ TEST(LlamaModels, PresetsHaveThePublishedParameterCounts) {
   EXPECT_FALSE(PresetGptConfig("llama-tiny").ok());
 }
 
+// Model specs: any shape by its name, which rebuilds it (checkpoints and plans record only it).
+TEST(LlamaModels, SpecsBuildAnyShapeAndTheirNameRebuildsIt) {
+  auto g = ModelFromSpec("llama:layers=3,hidden=48,heads=6,kv_heads=2,ffn=96,seq=16,vocab=300", 2);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->name(),
+            "llama:layers=3,hidden=48,heads=6,kv_heads=2,ffn=96,seq=16,vocab=300,tied=0,"
+            "rope_theta=10000");
+  EXPECT_EQ(g->num_layers(), 3 + 4);
+  auto again = ModelFromSpec(g->name(), 2);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->Fingerprint(), g->Fingerprint());
+  auto gpt = ModelFromSpec("gpt:layers=2,hidden=32,heads=4,seq=16,vocab=256,tied=0", 1);
+  ASSERT_TRUE(gpt.ok()) << gpt.status();
+  EXPECT_TRUE(GptConfigOf(*gpt).ok());
+  EXPECT_EQ(ModelFromSpec("llama-tiny", 0)->Fingerprint(),
+            PresetModel("llama-tiny", 0)->Fingerprint())
+      << "a preset name is a spec too";
+  // kv_heads defaults to heads (multi-head); tied and rope_theta are read.
+  auto c = ParseLlamaSpec("layers=1,hidden=8,heads=2,ffn=8,seq=4,vocab=9,tied=1,rope_theta=5e5");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->kv_heads, 2);
+  EXPECT_TRUE(c->tied);
+  EXPECT_EQ(c->rope_theta, 500000);
+  for (const auto& [spec, word] : std::vector<std::pair<std::string, std::string>>{
+           {"layers=1,hidden=8,heads=2,seq=4,vocab=9", "missing ffn"},
+           {"layers=1,hidden=8,heads=2,ffn=8,seq=4,vocab=9,heads=2", "heads given twice"},
+           {"layers=1,hidden=8,heads=2,ffn=8,seq=4,vocab=9,bias=1", "unknown key 'bias'"},
+           {"layers=x,hidden=8,heads=2,ffn=8,seq=4,vocab=9", "layers='x' is not an integer"},
+           {"layers=1,hidden=8,heads=2,ffn=8,seq=4,vocab=9,tied=2", "tied=2"},
+           {"layers=1,hidden=8,heads=2,kv_heads=3,ffn=8,seq=4,vocab=9", "kv_heads=3"},
+           {"layers=1,hidden=8,heads=2,ffn=8,seq=4,vocab=9,rope_theta=nan", "rope_theta"},
+           {"layers=2147483648,hidden=8,heads=2,ffn=8,seq=4,vocab=9", "layers=2147483648"},
+           {"", "empty"}}) {
+    auto bad = ParseLlamaSpec(spec);
+    ASSERT_FALSE(bad.ok()) << spec;
+    EXPECT_NE(bad.status().message().find(word), std::string::npos) << bad.status();
+  }
+  EXPECT_FALSE(ModelFromSpec("llama:", 1).ok());
+  EXPECT_FALSE(ModelFromSpec("no-such-preset", 1).ok());
+}
+
 }  // namespace
 }  // namespace pipewright

@@ -659,6 +659,41 @@ TEST(CliGenerate, OnAGpuTheGreedyTextIsTheCpusAndWithoutOneAnError) {
   EXPECT_EQ(nlohmann::json::parse(full.out)["text"], c["text"]);
 }
 
+// --- Model specs (issue 38, item 2) --------------------------------------------------------------
+
+// A Llama spec trains (pp 2), checkpoints, evaluates and resumes with no flag naming the model
+// again; `model` and `plan` take it, and `train --plan` runs a plan made for it; a bad spec is
+// a usage error naming the key.
+TEST(CliModelSpec, ALlamaSpecTrainsPlansEvaluatesAndResumes) {
+  const std::string spec = "llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn=64,seq=16,vocab=256";
+  const std::string name = spec + ",tied=0,rope_theta=10000";
+  const std::string dir = TempPath("cli_spec_ckpt");
+  Result r = RunCli("train --model " + spec + " --pp 2 --steps 3 --json --save " + dir);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  Result e = RunCli("eval --batches 1 --json --checkpoint " + dir);
+  ASSERT_EQ(e.exit_code, 0) << e.err;
+  EXPECT_EQ(nlohmann::json::parse(e.out)["model"], name);
+  Result resumed = RunCli("train --resume " + dir + " --steps 4 --save " + dir);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
+  EXPECT_NE(resumed.err.find("model " + name + " from the checkpoint's manifest"),
+            std::string::npos)
+      << resumed.err;
+  EXPECT_NE(resumed.err.find("resumed from "), std::string::npos) << resumed.err;
+  const std::string plan = TempPath("cli_spec_plan.json");
+  Result p = RunCli("plan --model " + spec + " --devices 2 --device-memory 1GiB -o " + plan);
+  ASSERT_EQ(p.exit_code, 0) << p.err;
+  Result t = RunCli("train --plan " + plan + " --steps 2 --json");
+  ASSERT_EQ(t.exit_code, 0) << t.err;
+  Result m = RunCli("model --model " + spec);
+  ASSERT_EQ(m.exit_code, 0) << m.err;
+  EXPECT_EQ(nlohmann::json::parse(m.out)["name"], name);
+  Result bad = RunCli("train --model llama:layers=2,hidden=32,heads=4,ffn=64,seq=16 --steps 1");
+  EXPECT_EQ(bad.exit_code, 2) << bad.err;
+  EXPECT_NE(bad.err.find("missing vocab="), std::string::npos) << bad.err;
+  Result both = RunCli("train --preset gpt-tiny --model " + spec + " --steps 1");
+  EXPECT_EQ(both.exit_code, 2) << both.err;
+}
+
 // --- The ecosystem's token files (issue 38, item 5) ---------------------------------------------
 
 // An llm.c shard and a Megatron dataset written here train gpt-tiny from --data and evaluate;
