@@ -1,5 +1,5 @@
 // Hugging Face interop (checkpoint.h, docs/checkpoint.md "Hugging Face"): a GPT checkpoint as a
-// transformers GPT2LMHeadModel directory, and back.
+// transformers GPT2LMHeadModel directory, a Llama one as a LlamaForCausalLM directory, and back.
 //
 // The model is GPT-2's (docs/checkpoint.md, "The model, exactly"): pre-LN blocks, tanh GELU
 // ("gelu_new"), LayerNorm epsilon 1e-5, learned positions, attention scaled by 1/sqrt(D), no
@@ -12,6 +12,7 @@
 #include <system_error>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "pipewright/checkpoint.h"
 #include "pipewright/input.h"
@@ -90,23 +91,197 @@ absl::Status FreshDirectory(const std::string& dir, bool create) {
   return absl::OkStatus();
 }
 
+// ---- Llama (docs/models.md): transformers' LlamaForCausalLM ----
+//
+// Our fused products are row blocks of theirs: self_attn.qkv = q_proj | k_proj | v_proj and
+// mlp.gate_up = gate_proj | up_proj, every weight [out, in] in both. The rotary convention is
+// transformers' own (rotate_half), so q and k need no permutation.
+struct LlamaPart {
+  std::string ours;
+  int64_t row = 0, rows = -1;  // the row block of `ours` (-1: all)
+  std::string hf;
+};
+
+std::vector<LlamaPart> LlamaParts(const LlamaConfig& c) {
+  const int64_t C = c.hidden, K = c.kv_heads * (c.hidden / c.heads), F = c.ffn;
+  std::vector<LlamaPart> parts = {{"embed.wte.weight", 0, -1, "model.embed_tokens.weight"}};
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const std::string o = absl::StrCat("blocks.", i, "."),
+                      h = absl::StrCat("model.layers.", i, ".");
+    for (const char* norm : {"input_layernorm", "post_attention_layernorm"}) {
+      parts.push_back({absl::StrCat(o, norm, ".weight"), 0, -1, absl::StrCat(h, norm, ".weight")});
+    }
+    const std::string qkv = absl::StrCat(o, "self_attn.qkv.weight");
+    parts.push_back({qkv, 0, C, absl::StrCat(h, "self_attn.q_proj.weight")});
+    parts.push_back({qkv, C, K, absl::StrCat(h, "self_attn.k_proj.weight")});
+    parts.push_back({qkv, C + K, K, absl::StrCat(h, "self_attn.v_proj.weight")});
+    parts.push_back({absl::StrCat(o, "self_attn.o_proj.weight"), 0, -1,
+                     absl::StrCat(h, "self_attn.o_proj.weight")});
+    const std::string gate_up = absl::StrCat(o, "mlp.gate_up.weight");
+    parts.push_back({gate_up, 0, F, absl::StrCat(h, "mlp.gate_proj.weight")});
+    parts.push_back({gate_up, F, F, absl::StrCat(h, "mlp.up_proj.weight")});
+    parts.push_back(
+        {absl::StrCat(o, "mlp.down_proj.weight"), 0, -1, absl::StrCat(h, "mlp.down_proj.weight")});
+  }
+  parts.push_back({"norm.weight", 0, -1, "model.norm.weight"});
+  if (!c.tied) parts.push_back({"lm_head.weight", 0, -1, "lm_head.weight"});
+  return parts;
+}
+
+// Rows [row, row + rows) of a host f32 tensor (all rows when rows < 0) as a new tensor.
+absl::StatusOr<Tensor> Rows(const Tensor& t, int64_t row, int64_t rows) {
+  if (rows < 0) return t;
+  const int64_t width = t.numel() / std::max<int64_t>(1, t.dim(0));
+  PW_ASSIGN_OR_RETURN(Tensor v, t.View(row * width, {rows, width}));
+  return v.Clone();
+}
+
+absl::Status ExportLlama(const Checkpoint& ck, const LayerGraph& graph, const LlamaConfig& c,
+                         uint64_t seed, const std::string& out) {
+  NamedTensors tensors;
+  for (const LlamaPart& p : LlamaParts(c)) {
+    auto it = ck.model.find(p.ours);
+    if (it == ck.model.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(ck.path, "/model.safetensors: tensor '", p.ours, "' missing"));
+    }
+    PW_ASSIGN_OR_RETURN(Tensor t, Rows(it->second, p.row, p.rows));
+    tensors.emplace_back(p.hf, std::move(t));
+  }
+  // The fields transformers' LlamaConfig reads, set to what this model computes.
+  const json config = {
+      {"architectures", {"LlamaForCausalLM"}},
+      {"model_type", "llama"},
+      {"vocab_size", c.vocab},
+      {"hidden_size", c.hidden},
+      {"intermediate_size", c.ffn},
+      {"num_hidden_layers", c.layers},
+      {"num_attention_heads", c.heads},
+      {"num_key_value_heads", c.kv_heads},
+      {"head_dim", c.hidden / c.heads},
+      {"max_position_embeddings", c.seq},
+      {"rms_norm_eps", c.eps},
+      {"rope_theta", c.rope_theta},
+      {"rope_scaling", nullptr},
+      {"hidden_act", "silu"},
+      {"attention_bias", false},
+      {"mlp_bias", false},
+      {"attention_dropout", 0.0},
+      {"initializer_range", 0.02},
+      {"pretraining_tp", 1},
+      {"tie_word_embeddings", c.tied},
+      {"bos_token_id", nullptr},
+      {"eos_token_id", nullptr},
+      {"use_cache", true},
+      {"torch_dtype", "float32"},
+      {"pipewright",
+       {{"model", graph.name()}, {"fingerprint", graph.Fingerprint()}, {"seed", seed}}}};
+  PW_RETURN_IF_ERROR(FreshDirectory(out, /*create=*/true));
+  {
+    std::ofstream f(out + "/config.json");
+    f << config.dump(2) << "\n";
+    if (!f) return absl::DataLossError(absl::StrCat(out, "/config.json: write failed"));
+  }
+  return WriteSafetensors(out + "/model.safetensors", tensors, {{"format", "pt"}});
+}
+
+// `hf` (a config.json with model_type llama) into a step-0 checkpoint of `spec` (a Llama preset
+// or spec) with the file's tying.
+absl::Status ImportLlama(const json& hf, const std::string& in, const std::string& spec,
+                         const std::string& out, std::optional<uint64_t> seed) {
+  const std::string where = in + "/config.json";
+  PW_ASSIGN_OR_RETURN(LayerGraph base, ModelFromSpec(spec, 0));
+  PW_ASSIGN_OR_RETURN(LlamaConfig c, LlamaConfigOf(base));
+  if (hf.value("hidden_act", "silu") != "silu" || hf.value("attention_bias", false) ||
+      hf.value("mlp_bias", false) || !hf.value("rope_scaling", json()).is_null()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where,
+                     ": hidden_act silu, no attention or MLP biases and no rope_scaling "
+                     "are what this model computes"));
+  }
+  const int64_t layers = hf.at("num_hidden_layers").get<int64_t>(),
+                hidden = hf.at("hidden_size").get<int64_t>(),
+                heads = hf.at("num_attention_heads").get<int64_t>(),
+                kv = hf.value("num_key_value_heads", heads),
+                ffn = hf.at("intermediate_size").get<int64_t>(),
+                vocab = hf.at("vocab_size").get<int64_t>(),
+                positions = hf.value("max_position_embeddings", int64_t{0});
+  const double theta = hf.value("rope_theta", 10000.0), eps = hf.value("rms_norm_eps", 1e-6);
+  if (layers != c.layers || hidden != c.hidden || heads != c.heads || kv != c.kv_heads ||
+      ffn != c.ffn || vocab != c.vocab || positions < c.seq ||
+      std::abs(theta - c.rope_theta) > 1e-9 * c.rope_theta ||
+      std::abs(eps - static_cast<double>(c.eps)) > 1e-3 * static_cast<double>(c.eps) ||
+      hf.value("head_dim", hidden / std::max<int64_t>(1, heads)) != hidden / heads) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": num_hidden_layers=", layers, ", hidden_size=", hidden,
+        ", num_attention_heads=", heads, ", num_key_value_heads=", kv, ", intermediate_size=", ffn,
+        ", vocab_size=", vocab, ", max_position_embeddings=", positions, ", rope_theta=", theta,
+        ", rms_norm_eps=", eps, " does not fit ", spec, " (", ModelSpecName(c), ")"));
+  }
+  const bool tied = hf.value("tie_word_embeddings", false);
+  std::string name = base.name();
+  if (tied != c.tied) {
+    c.tied = tied;
+    name = ModelSpecName(c);
+  }
+  PW_ASSIGN_OR_RETURN(LayerGraph graph, LlamaModel(name, c, base.shape().batch));
+  PW_ASSIGN_OR_RETURN(SafetensorsFile file, ReadSafetensors(in + "/model.safetensors"));
+  TrainOptions options;
+  options.seed = 1;
+  if (seed) {
+    options.seed = *seed;
+  } else if (hf.contains("pipewright") && hf["pipewright"].is_object()) {
+    options.seed = hf["pipewright"].value("seed", options.seed);
+  }
+  PW_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(graph, 1, options));
+  std::map<std::string, Parameter*> params;
+  for (Parameter* p : trainer->Parameters()) params[p->name] = p;
+  for (const LlamaPart& part : LlamaParts(c)) {
+    auto it = file.tensors.find(part.hf);
+    if (it == file.tensors.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(in, "/model.safetensors: tensor '", part.hf, "' missing"));
+    }
+    Tensor v = it->second;
+    if (v.dtype() != DType::kF32) {  // bf16 / f16 files are widened exactly
+      PW_ASSIGN_OR_RETURN(v, ops::Cast(ops::Exec{}, v, DType::kF32));
+    }
+    Parameter* p = params.at(part.ours);
+    const int64_t width = p->value.rank() == 2 ? p->value.dim(1) : p->value.numel();
+    const int64_t rows = part.rows < 0 ? (p->value.rank() == 2 ? p->value.dim(0) : 1) : part.rows;
+    const std::vector<int64_t> want =
+        p->value.rank() == 2 ? std::vector<int64_t>{rows, width} : p->value.shape();
+    if (v.shape() != want) {
+      return absl::InvalidArgumentError(absl::StrCat(in, "/model.safetensors: tensor '", part.hf,
+                                                     "' is ", v.ShapeString(), ", expected [",
+                                                     absl::StrJoin(want, ", "), "]"));
+    }
+    std::copy_n(v.data<float>(), v.numel(), p->value.data<float>() + part.row * width);
+  }
+  PW_RETURN_IF_ERROR(FreshDirectory(out, /*create=*/false));
+  return trainer->Save(out);
+}
+
 }  // namespace
 
 absl::Status ExportHuggingFace(const std::string& checkpoint, const std::string& out) {
   PW_ASSIGN_OR_RETURN(auto read, internal::ReadCheckpointAndGraph(checkpoint));
   auto& [ck, graph] = read;
-  absl::StatusOr<GptConfig> gpt = GptConfigOf(graph);
-  if (!gpt.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(checkpoint, ": model '", graph.name(),
-                     "' is not a GPT; the Hugging Face format holds GPTs only"));
-  }
-  const GptConfig& c = *gpt;
   const json manifest = json::parse(ck.manifest_json, nullptr, false);
   uint64_t seed = 0;
   if (manifest.is_object() && manifest.contains("rng") && manifest["rng"].is_object()) {
     seed = manifest["rng"].value("seed", uint64_t{0});
   }
+  absl::StatusOr<GptConfig> gpt = GptConfigOf(graph);
+  if (!gpt.ok()) {
+    if (absl::StatusOr<LlamaConfig> llama = LlamaConfigOf(graph); llama.ok()) {
+      return ExportLlama(ck, graph, *llama, seed, out);
+    }
+    return absl::InvalidArgumentError(
+        absl::StrCat(checkpoint, ": model '", graph.name(),
+                     "' is neither a GPT nor a Llama model; the Hugging Face format holds those"));
+  }
+  const GptConfig& c = *gpt;
   NamedTensors tensors;
   for (const HfName& n : HfNames(c)) {
     auto it = ck.model.find(n.ours);
@@ -159,10 +334,11 @@ absl::Status ImportHuggingFace(const std::string& in, const std::string& preset,
   try {
     PW_ASSIGN_OR_RETURN(json hf, ReadJsonFile(in + "/config.json"));
     const std::string where = in + "/config.json";
+    if (hf.value("model_type", "") == "llama") return ImportLlama(hf, in, preset, out, seed);
     if (hf.value("model_type", "") != "gpt2") {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": model_type is '",
-                                                     hf.value("model_type", ""),
-                                                     "'; only GPT-2 models (gpt2) are imported"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": model_type is '", hf.value("model_type", ""),
+                       "'; GPT-2 (gpt2) and Llama (llama) models are imported"));
     }
     const std::string act = hf.value("activation_function", "gelu_new");
     if (act != "gelu_new" && act != "gelu_pytorch_tanh") {

@@ -459,6 +459,11 @@ absl::StatusOr<GptConfig> PresetGptConfig(absl::string_view preset) {
   return UnknownPreset(preset);
 }
 
+absl::StatusOr<LlamaConfig> PresetLlamaConfig(absl::string_view preset) {
+  if (const LlamaPreset* p = FindLlamaPreset(preset)) return p->config;
+  return absl::InvalidArgumentError(absl::StrCat("preset '", preset, "' is not a Llama model"));
+}
+
 absl::StatusOr<LayerGraph> PresetModel(absl::string_view preset, int64_t micro_batch_size) {
   if (micro_batch_size < 0) return absl::InvalidArgumentError("micro-batch size must be >= 1");
   if (const GptPreset* p = FindGptPreset(preset)) {

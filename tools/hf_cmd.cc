@@ -54,9 +54,11 @@ void RegisterImport(CLI::App& app, int* exit_code) {
   };
   auto f = std::make_shared<Flags>();
   CLI::App* cmd = app.add_subcommand(
-      "import", "Make a step-0 checkpoint of a GPT preset from a transformers GPT-2 directory");
+      "import", "Make a step-0 checkpoint from a transformers GPT-2 or Llama directory");
   cmd->add_option("--format", f->format, "hf (the only format)");
-  cmd->add_option("--preset", f->preset, "The GPT preset whose shape the weights have")->required();
+  cmd->add_option("--preset", f->preset,
+                  "The preset or model spec (llama:… / gpt:…) whose shape the weights have")
+      ->required();
   AddUint64(cmd, "--seed", &f->seed,
             "The run seed recorded in the checkpoint (its data order; default: the one an "
             "export recorded, else 1)");

@@ -171,6 +171,11 @@ std::string ModelSpecName(const LlamaConfig& config);
 // A preset name, "gpt:SPEC" (ParseGptSpec) or "llama:SPEC" (ParseLlamaSpec): the graph, named
 // by ModelSpecName for a spec. `micro_batch_size` 0: the preset's default, 1 for a spec.
 absl::StatusOr<LayerGraph> ModelFromSpec(absl::string_view spec, int64_t micro_batch_size);
+// The LlamaConfig of a Llama preset; InvalidArgument for any other name.
+absl::StatusOr<LlamaConfig> PresetLlamaConfig(absl::string_view preset);
+// The LlamaConfig of a graph ModelFromSpec built from a Llama preset or spec (checked by
+// rebuilding it: same fingerprint); NotFound for any other graph.
+absl::StatusOr<LlamaConfig> LlamaConfigOf(const LayerGraph& graph);
 // Whether `name` is a spec ("gpt:…" or "llama:…") rather than a preset name.
 bool IsModelSpec(absl::string_view name);
 

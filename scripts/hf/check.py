@@ -1,5 +1,5 @@
 """Loads a `pipewright export --format hf` directory with transformers and checks it against
-pipewright: the loss of GPT2LMHeadModel on the tokens `pipewright eval --dump` evaluated must equal
+pipewright: the loss of the model (GPT2LMHeadModel or LlamaForCausalLM, as config.json says) on the tokens `pipewright eval --dump` evaluated must equal
 pipewright's eval loss within --tol. Prints one JSON line; exit 1 when it does not match.
 
 Run by scripts/hf-check (which makes the export and the dump); usable alone:
@@ -11,7 +11,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from transformers import GPT2LMHeadModel
+from transformers import AutoModelForCausalLM
 
 
 def main():
@@ -21,7 +21,7 @@ def main():
     ap.add_argument("--tol", type=float, default=1e-5, help="largest |loss difference| allowed")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    model = GPT2LMHeadModel.from_pretrained(a.model, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(a.model, torch_dtype=torch.float32)
     model.eval()
     with open(a.dump) as f:
         d = json.load(f)
@@ -30,12 +30,14 @@ def main():
     with torch.no_grad():
         logits = model(input_ids=x).logits
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).item()
-    tied = model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+    tied = (model.get_output_embeddings().weight.data_ptr()
+            == model.get_input_embeddings().weight.data_ptr())
     out = {
         "transformers_loss": loss,
         "pipewright_loss": d["loss"],
         "abs_diff": abs(loss - d["loss"]),
         "tol": a.tol,
+        "model_type": model.config.model_type,
         "tie_word_embeddings": model.config.tie_word_embeddings,
         "lm_head_is_wte": tied,
         "parameters": sum(p.numel() for p in model.parameters()),
