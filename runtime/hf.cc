@@ -91,6 +91,28 @@ absl::Status FreshDirectory(const std::string& dir, bool create) {
   return absl::OkStatus();
 }
 
+// A new directory `out` with config.json and model.safetensors.
+absl::Status WriteHfDirectory(const std::string& out, const json& config,
+                              const NamedTensors& tensors) {
+  PW_RETURN_IF_ERROR(FreshDirectory(out, /*create=*/true));
+  {
+    std::ofstream f(out + "/config.json");
+    f << config.dump(2) << "\n";
+    if (!f) return absl::DataLossError(absl::StrCat(out, "/config.json: write failed"));
+  }
+  return WriteSafetensors(out + "/model.safetensors", tensors, {{"format", "pt"}});
+}
+
+// The run seed an imported checkpoint records: the one given, else the one an export recorded,
+// else train's default (1).
+uint64_t ImportSeed(const json& hf, std::optional<uint64_t> seed) {
+  if (seed) return *seed;
+  if (hf.contains("pipewright") && hf["pipewright"].is_object()) {
+    return hf["pipewright"].value("seed", uint64_t{1});
+  }
+  return 1;
+}
+
 // ---- Llama (docs/models.md): transformers' LlamaForCausalLM ----
 //
 // Our fused products are row blocks of theirs: self_attn.qkv = q_proj | k_proj | v_proj and
@@ -176,13 +198,7 @@ absl::Status ExportLlama(const Checkpoint& ck, const LayerGraph& graph, const Ll
       {"torch_dtype", "float32"},
       {"pipewright",
        {{"model", graph.name()}, {"fingerprint", graph.Fingerprint()}, {"seed", seed}}}};
-  PW_RETURN_IF_ERROR(FreshDirectory(out, /*create=*/true));
-  {
-    std::ofstream f(out + "/config.json");
-    f << config.dump(2) << "\n";
-    if (!f) return absl::DataLossError(absl::StrCat(out, "/config.json: write failed"));
-  }
-  return WriteSafetensors(out + "/model.safetensors", tensors, {{"format", "pt"}});
+  return WriteHfDirectory(out, config, tensors);
 }
 
 // `hf` (a config.json with model_type llama) into a step-0 checkpoint of `spec` (a Llama preset
@@ -227,12 +243,7 @@ absl::Status ImportLlama(const json& hf, const std::string& in, const std::strin
   PW_ASSIGN_OR_RETURN(LayerGraph graph, LlamaModel(name, c, base.shape().batch));
   PW_ASSIGN_OR_RETURN(SafetensorsFile file, ReadSafetensors(in + "/model.safetensors"));
   TrainOptions options;
-  options.seed = 1;
-  if (seed) {
-    options.seed = *seed;
-  } else if (hf.contains("pipewright") && hf["pipewright"].is_object()) {
-    options.seed = hf["pipewright"].value("seed", options.seed);
-  }
+  options.seed = ImportSeed(hf, seed);
   PW_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(graph, 1, options));
   std::map<std::string, Parameter*> params;
   for (Parameter* p : trainer->Parameters()) params[p->name] = p;
@@ -319,13 +330,7 @@ absl::Status ExportHuggingFace(const std::string& checkpoint, const std::string&
                  // Where it came from; import takes the run's seed (its data order) back.
                  {"pipewright",
                   {{"model", graph.name()}, {"fingerprint", graph.Fingerprint()}, {"seed", seed}}}};
-  PW_RETURN_IF_ERROR(FreshDirectory(out, /*create=*/true));
-  {
-    std::ofstream f(out + "/config.json");
-    f << config.dump(2) << "\n";
-    if (!f) return absl::DataLossError(absl::StrCat(out, "/config.json: write failed"));
-  }
-  return WriteSafetensors(out + "/model.safetensors", tensors, {{"format", "pt"}});
+  return WriteHfDirectory(out, config, tensors);
 }
 
 absl::Status ImportHuggingFace(const std::string& in, const std::string& preset,
@@ -380,12 +385,7 @@ absl::Status ImportHuggingFace(const std::string& in, const std::string& preset,
       return nullptr;
     };
     TrainOptions options;
-    options.seed = 1;  // train's default
-    if (seed) {
-      options.seed = *seed;
-    } else if (hf.contains("pipewright") && hf["pipewright"].is_object()) {
-      options.seed = hf["pipewright"].value("seed", options.seed);
-    }
+    options.seed = ImportSeed(hf, seed);
     PW_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(graph, 1, options));
     std::map<std::string, Parameter*> params;
     for (Parameter* p : trainer->Parameters()) params[p->name] = p;
