@@ -268,8 +268,8 @@ LayerSpecPtr Mlp(int64_t dim, int64_t hidden);
 LayerSpecPtr CausalSelfAttention(int64_t dim, int64_t heads);
 // Pre-LN GPT-2 block: x + attn(ln_1(x)), then h + mlp(ln_2(h)).
 LayerSpecPtr TransformerBlock(int64_t dim, int64_t heads);
-// The Llama family (Note [Llama layers] in runtime/ops/llama_ops.cc; CPU only for now, and no
-// tensor-parallel form: both are refused by name). RMSNorm with a weight and no bias:
+// The Llama family (Note [Llama layers] in runtime/ops/llama_ops.cc; CPU and CUDA, no
+// tensor-parallel form yet: refused by name). RMSNorm with a weight and no bias:
 LayerSpecPtr RmsNorm(int64_t dim, float eps = 1e-5f);
 // Token ids [B, T] -> rows of the table "wte.weight" [vocab, dim], no positions (an LmHead
 // tied to this layer reads the same table).

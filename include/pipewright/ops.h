@@ -262,7 +262,7 @@ absl::Status CopyRange(const Exec& e, const Tensor& src, int64_t src_offset, Ten
                        int64_t dst_offset, int64_t n);
 
 // ---- The Llama family's pieces (runtime/ops/llama_ops.cc; Note [Llama layers] there) ----
-// CPU only for now: on a CUDA device they return Unimplemented naming the op.
+// CPU and CUDA (kernels/cuda/llama.cu).
 
 // RMSNorm over the last dimension (transformers' LlamaRMSNorm): y = w * x * rstd with rstd =
 // 1 / sqrt(mean(x^2) + eps) per row of x, y [rows, cols], w [cols]; writes rstd [rows].

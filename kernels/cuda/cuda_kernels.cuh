@@ -32,6 +32,7 @@
 #include "kernels/cuda/embedding.cuh"
 #include "kernels/cuda/gemm.cuh"
 #include "kernels/cuda/layernorm.cuh"
+#include "kernels/cuda/llama.cuh"
 #include "kernels/cuda/optimizer.cuh"
 #include "kernels/cuda/reduce.cuh"
 

@@ -12,23 +12,21 @@
 // LlamaForCausalLM computes the same functions. Every op is deterministic: rows (or columns,
 // for the weight gradient's sums over rows) are split over the rank's threads, and each value is
 // one thread's sum in a fixed order (Note [CPU ops on the rank's threads] in ops.cc). The CUDA
-// kernels are not written yet: a CUDA tensor gets Unimplemented naming the op.
+// twins are kernels/cuda/llama.cu (the same order of operations; sums within rounding).
 #include <cmath>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "pipewright/ops.h"
+#include "runtime/ops/ops_cuda.h"
 #include "runtime/ops/ops_internal.h"
 
 namespace pipewright::ops {
 namespace {
 
-absl::Status CpuOnly(const Exec& e, const char* op, std::initializer_list<const Tensor*> ts) {
+// The operands on the op's device, f32 (tokens i32).
+absl::Status Check(const Exec& e, const char* op, std::initializer_list<const Tensor*> ts) {
   PW_RETURN_IF_ERROR(CheckDevice(e, op, ts));
-  if (e.device().is_cuda()) {
-    return absl::UnimplementedError(
-        absl::StrCat(op, ": the Llama layers run on the CPU only (no CUDA kernel yet)"));
-  }
   for (const Tensor* t : ts) {
     if (t->dtype() != DType::kF32 && t->dtype() != DType::kI32) {
       return absl::InvalidArgumentError(absl::StrCat(op, ": f32 tensors only"));
@@ -43,10 +41,13 @@ float Silu(float g) { return g / (1.0f + std::exp(-g)); }
 
 absl::Status RmsNormForward(const Exec& e, const Tensor& x, const Tensor& w, Tensor& y,
                             Tensor& rstd, int64_t rows, int64_t cols, float eps) {
-  PW_RETURN_IF_ERROR(CpuOnly(e, "rmsnorm", {&x, &w, &y, &rstd}));
+  PW_RETURN_IF_ERROR(Check(e, "rmsnorm", {&x, &w, &y, &rstd}));
   PW_RETURN_IF_ERROR(Need(x.numel() >= rows * cols && y.numel() >= rows * cols &&
                               w.numel() >= cols && rstd.numel() >= rows,
                           "rmsnorm", "tensors smaller than [rows, cols]"));
+  if constexpr (kWithCuda) {
+    if (e.device().is_cuda()) return cuda_impl::RmsNormForward(e, x, w, y, rstd, rows, cols, eps);
+  }
   const float* px = x.data<float>();
   const float* pw = w.data<float>();
   float* py = y.data<float>();
@@ -68,7 +69,11 @@ absl::Status RmsNormForward(const Exec& e, const Tensor& x, const Tensor& w, Ten
 absl::Status RmsNormBackwardInput(const Exec& e, const Tensor& x, const Tensor& w,
                                   const Tensor& rstd, const Tensor& dy, Tensor& dx, int64_t rows,
                                   int64_t cols) {
-  PW_RETURN_IF_ERROR(CpuOnly(e, "rmsnorm backward", {&x, &w, &rstd, &dy, &dx}));
+  PW_RETURN_IF_ERROR(Check(e, "rmsnorm backward", {&x, &w, &rstd, &dy, &dx}));
+  if constexpr (kWithCuda) {
+    if (e.device().is_cuda())
+      return cuda_impl::RmsNormBackwardInput(e, x, w, rstd, dy, dx, rows, cols);
+  }
   const float* px = x.data<float>();
   const float* pw = w.data<float>();
   const float* pr = rstd.data<float>();
@@ -94,7 +99,11 @@ absl::Status RmsNormBackwardInput(const Exec& e, const Tensor& x, const Tensor& 
 
 absl::Status RmsNormBackwardWeight(const Exec& e, const Tensor& x, const Tensor& rstd,
                                    const Tensor& dy, Tensor& dw, int64_t rows, int64_t cols) {
-  PW_RETURN_IF_ERROR(CpuOnly(e, "rmsnorm weight backward", {&x, &rstd, &dy, &dw}));
+  PW_RETURN_IF_ERROR(Check(e, "rmsnorm weight backward", {&x, &rstd, &dy, &dw}));
+  if constexpr (kWithCuda) {
+    if (e.device().is_cuda())
+      return cuda_impl::RmsNormBackwardWeight(e, x, rstd, dy, dw, rows, cols);
+  }
   const float* px = x.data<float>();
   const float* pr = rstd.data<float>();
   const float* pdy = dy.data<float>();
@@ -111,10 +120,14 @@ absl::Status RmsNormBackwardWeight(const Exec& e, const Tensor& x, const Tensor&
 
 absl::Status Rope(const Exec& e, Tensor& x, int64_t rows, int64_t T, int64_t ld, int64_t col,
                   int64_t heads, int64_t D, double theta, bool inverse) {
-  PW_RETURN_IF_ERROR(CpuOnly(e, "rope", {&x}));
+  PW_RETURN_IF_ERROR(Check(e, "rope", {&x}));
   PW_RETURN_IF_ERROR(Need(D >= 2 && D % 2 == 0 && T >= 1 && theta > 0 && col >= 0 &&
                               col + heads * D <= ld && x.numel() >= rows * ld,
                           "rope", "head dim must be even and the heads inside each row"));
+  if constexpr (kWithCuda) {
+    if (e.device().is_cuda())
+      return cuda_impl::Rope(e, x, rows, T, ld, col, heads, D, theta, inverse);
+  }
   const int64_t half = D / 2;
   // transformers: inv_freq = 1 / theta^(arange(0, D, 2) / D) in float; angle = pos * inv_freq in
   // float; cos and sin of that.
@@ -146,9 +159,12 @@ absl::Status Rope(const Exec& e, Tensor& x, int64_t rows, int64_t T, int64_t ld,
 }
 
 absl::Status SwiGluForward(const Exec& e, const Tensor& gu, Tensor& out, int64_t rows, int64_t F) {
-  PW_RETURN_IF_ERROR(CpuOnly(e, "swiglu", {&gu, &out}));
+  PW_RETURN_IF_ERROR(Check(e, "swiglu", {&gu, &out}));
   PW_RETURN_IF_ERROR(Need(gu.numel() >= rows * 2 * F && out.numel() >= rows * F, "swiglu",
                           "tensors smaller than [rows, 2F] and [rows, F]"));
+  if constexpr (kWithCuda) {
+    if (e.device().is_cuda()) return cuda_impl::SwiGluForward(e, gu, out, rows, F);
+  }
   const float* pg = gu.data<float>();
   float* po = out.data<float>();
   OnThreads(rows, RowGrain(F), [&](int64_t r0, int64_t n) {
@@ -162,7 +178,10 @@ absl::Status SwiGluForward(const Exec& e, const Tensor& gu, Tensor& out, int64_t
 
 absl::Status SwiGluBackward(const Exec& e, const Tensor& gu, const Tensor& dout, Tensor& dgu,
                             int64_t rows, int64_t F) {
-  PW_RETURN_IF_ERROR(CpuOnly(e, "swiglu backward", {&gu, &dout, &dgu}));
+  PW_RETURN_IF_ERROR(Check(e, "swiglu backward", {&gu, &dout, &dgu}));
+  if constexpr (kWithCuda) {
+    if (e.device().is_cuda()) return cuda_impl::SwiGluBackward(e, gu, dout, dgu, rows, F);
+  }
   const float* pg = gu.data<float>();
   const float* pd = dout.data<float>();
   float* px = dgu.data<float>();
@@ -183,7 +202,10 @@ absl::Status SwiGluBackward(const Exec& e, const Tensor& gu, const Tensor& dout,
 
 absl::Status ExpandKv(const Exec& e, const Tensor& x, Tensor& qkv, int64_t rows, int64_t heads,
                       int64_t kv_heads, int64_t D) {
-  PW_RETURN_IF_ERROR(CpuOnly(e, "expand kv", {&x, &qkv}));
+  PW_RETURN_IF_ERROR(Check(e, "expand kv", {&x, &qkv}));
+  if constexpr (kWithCuda) {
+    if (e.device().is_cuda()) return cuda_impl::ExpandKv(e, x, qkv, rows, heads, kv_heads, D);
+  }
   const int64_t C = heads * D, K = kv_heads * D, rep = heads / kv_heads;
   PW_RETURN_IF_ERROR(Need(kv_heads >= 1 && heads % kv_heads == 0 &&
                               x.numel() >= rows * (C + 2 * K) && qkv.numel() >= rows * 3 * C,
@@ -207,7 +229,10 @@ absl::Status ExpandKv(const Exec& e, const Tensor& x, Tensor& qkv, int64_t rows,
 
 absl::Status ReduceKv(const Exec& e, const Tensor& dqkv, Tensor& dx, int64_t rows, int64_t heads,
                       int64_t kv_heads, int64_t D) {
-  PW_RETURN_IF_ERROR(CpuOnly(e, "reduce kv", {&dqkv, &dx}));
+  PW_RETURN_IF_ERROR(Check(e, "reduce kv", {&dqkv, &dx}));
+  if constexpr (kWithCuda) {
+    if (e.device().is_cuda()) return cuda_impl::ReduceKv(e, dqkv, dx, rows, heads, kv_heads, D);
+  }
   const int64_t C = heads * D, K = kv_heads * D, rep = heads / kv_heads;
   PW_RETURN_IF_ERROR(Need(kv_heads >= 1 && heads % kv_heads == 0 &&
                               dx.numel() >= rows * (C + 2 * K) && dqkv.numel() >= rows * 3 * C,
@@ -237,10 +262,13 @@ absl::Status ReduceKv(const Exec& e, const Tensor& dqkv, Tensor& dx, int64_t row
 
 absl::Status TokenEmbeddingForward(const Exec& e, const Tensor& tokens, const Tensor& table,
                                    Tensor& out, int64_t n, int64_t C) {
-  PW_RETURN_IF_ERROR(CpuOnly(e, "token embedding", {&tokens, &table, &out}));
+  PW_RETURN_IF_ERROR(Check(e, "token embedding", {&tokens, &table, &out}));
   PW_RETURN_IF_ERROR(Need(tokens.dtype() == DType::kI32 && tokens.numel() >= n &&
                               out.numel() >= n * C && table.numel() % C == 0,
                           "token embedding", "tokens [n] i32, out [n, C]"));
+  if constexpr (kWithCuda) {
+    if (e.device().is_cuda()) return cuda_impl::TokenEmbeddingForward(e, tokens, table, out, n, C);
+  }
   const int32_t* tok = tokens.data<int32_t>();
   const float* w = table.data<float>();
   float* o = out.data<float>();
@@ -255,7 +283,11 @@ absl::Status TokenEmbeddingForward(const Exec& e, const Tensor& tokens, const Te
 
 absl::Status TokenEmbeddingBackward(const Exec& e, const Tensor& tokens, const Tensor& dout,
                                     Tensor& dtable, int64_t n, int64_t C) {
-  PW_RETURN_IF_ERROR(CpuOnly(e, "token embedding backward", {&tokens, &dout, &dtable}));
+  PW_RETURN_IF_ERROR(Check(e, "token embedding backward", {&tokens, &dout, &dtable}));
+  if constexpr (kWithCuda) {
+    if (e.device().is_cuda())
+      return cuda_impl::TokenEmbeddingBackward(e, tokens, dout, dtable, n, C);
+  }
   const int32_t* tok = tokens.data<int32_t>();
   const float* d = dout.data<float>();
   float* w = dtable.data<float>();

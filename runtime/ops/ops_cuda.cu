@@ -177,6 +177,58 @@ absl::Status AttentionForward(const Exec& e, const Tensor& qkv, Tensor& out, Ten
                                 lse.data<float>(), I(B), I(T), I(C), I(H));
 }
 
+// ---- The Llama family ----
+absl::Status RmsNormForward(const Exec& e, const Tensor& x, const Tensor& w, Tensor& y,
+                            Tensor& rstd, int64_t rows, int64_t cols, float eps) {
+  return cuda::RmsNormForward(StreamOf(e), x.data<float>(), w.data<float>(), y.data<float>(),
+                              rstd.data<float>(), I(rows), I(cols), eps);
+}
+absl::Status RmsNormBackwardInput(const Exec& e, const Tensor& x, const Tensor& w,
+                                  const Tensor& rstd, const Tensor& dy, Tensor& dx, int64_t rows,
+                                  int64_t cols) {
+  return cuda::RmsNormBackwardInput(StreamOf(e), x.data<float>(), w.data<float>(),
+                                    rstd.data<float>(), dy.data<float>(), dx.data<float>(), I(rows),
+                                    I(cols));
+}
+absl::Status RmsNormBackwardWeight(const Exec& e, const Tensor& x, const Tensor& rstd,
+                                   const Tensor& dy, Tensor& dw, int64_t rows, int64_t cols) {
+  return cuda::RmsNormBackwardWeight(StreamOf(e), x.data<float>(), rstd.data<float>(),
+                                     dy.data<float>(), dw.data<float>(), I(rows), I(cols));
+}
+absl::Status Rope(const Exec& e, Tensor& x, int64_t rows, int64_t T, int64_t ld, int64_t col,
+                  int64_t heads, int64_t D, double theta, bool inverse) {
+  return cuda::Rope(StreamOf(e), x.data<float>(), I(rows), I(T), I(ld), I(col), I(heads), I(D),
+                    theta, inverse);
+}
+absl::Status SwiGluForward(const Exec& e, const Tensor& gu, Tensor& out, int64_t rows, int64_t F) {
+  return cuda::SwiGluForward(StreamOf(e), gu.data<float>(), out.data<float>(), I(rows), I(F));
+}
+absl::Status SwiGluBackward(const Exec& e, const Tensor& gu, const Tensor& dout, Tensor& dgu,
+                            int64_t rows, int64_t F) {
+  return cuda::SwiGluBackward(StreamOf(e), gu.data<float>(), dout.data<float>(), dgu.data<float>(),
+                              I(rows), I(F));
+}
+absl::Status ExpandKv(const Exec& e, const Tensor& x, Tensor& qkv, int64_t rows, int64_t heads,
+                      int64_t kv_heads, int64_t D) {
+  return cuda::ExpandKv(StreamOf(e), x.data<float>(), qkv.data<float>(), I(rows), I(heads),
+                        I(kv_heads), I(D));
+}
+absl::Status ReduceKv(const Exec& e, const Tensor& dqkv, Tensor& dx, int64_t rows, int64_t heads,
+                      int64_t kv_heads, int64_t D) {
+  return cuda::ReduceKv(StreamOf(e), dqkv.data<float>(), dx.data<float>(), I(rows), I(heads),
+                        I(kv_heads), I(D));
+}
+absl::Status TokenEmbeddingForward(const Exec& e, const Tensor& tokens, const Tensor& table,
+                                   Tensor& out, int64_t n, int64_t C) {
+  return cuda::TokenEmbeddingForward(StreamOf(e), tokens.data<int32_t>(), table.data<float>(),
+                                     out.data<float>(), I(n), I(C));
+}
+absl::Status TokenEmbeddingBackward(const Exec& e, const Tensor& tokens, const Tensor& dout,
+                                    Tensor& dtable, int64_t n, int64_t C) {
+  return cuda::TokenEmbeddingBackward(StreamOf(e), tokens.data<int32_t>(), dout.data<float>(),
+                                      dtable.data<float>(), I(n), I(C));
+}
+
 absl::Status AttentionDecode(const Exec& e, const Tensor& qkv, const Tensor& kv, Tensor& out,
                              int64_t start, int64_t n, int64_t C, int64_t H) {
   return cuda::AttentionDecode(StreamOf(e), qkv.data<float>(), I(3 * C), kv.data<float>(), I(2 * C),

@@ -40,6 +40,28 @@ absl::Status CrossEntropyBackward(const Exec& e, const Tensor& logits, const Ten
                                   int64_t rows, int64_t vocab, float scale, Tensor& dlogits);
 absl::Status AttentionForward(const Exec& e, const Tensor& qkv, Tensor& out, Tensor& lse, int64_t B,
                               int64_t T, int64_t C, int64_t H);
+// The Llama family (runtime/ops/llama_ops.cc; kernels/cuda/llama.cuh).
+absl::Status RmsNormForward(const Exec& e, const Tensor& x, const Tensor& w, Tensor& y,
+                            Tensor& rstd, int64_t rows, int64_t cols, float eps);
+absl::Status RmsNormBackwardInput(const Exec& e, const Tensor& x, const Tensor& w,
+                                  const Tensor& rstd, const Tensor& dy, Tensor& dx, int64_t rows,
+                                  int64_t cols);
+absl::Status RmsNormBackwardWeight(const Exec& e, const Tensor& x, const Tensor& rstd,
+                                   const Tensor& dy, Tensor& dw, int64_t rows, int64_t cols);
+absl::Status Rope(const Exec& e, Tensor& x, int64_t rows, int64_t T, int64_t ld, int64_t col,
+                  int64_t heads, int64_t D, double theta, bool inverse);
+absl::Status SwiGluForward(const Exec& e, const Tensor& gu, Tensor& out, int64_t rows, int64_t F);
+absl::Status SwiGluBackward(const Exec& e, const Tensor& gu, const Tensor& dout, Tensor& dgu,
+                            int64_t rows, int64_t F);
+absl::Status ExpandKv(const Exec& e, const Tensor& x, Tensor& qkv, int64_t rows, int64_t heads,
+                      int64_t kv_heads, int64_t D);
+absl::Status ReduceKv(const Exec& e, const Tensor& dqkv, Tensor& dx, int64_t rows, int64_t heads,
+                      int64_t kv_heads, int64_t D);
+absl::Status TokenEmbeddingForward(const Exec& e, const Tensor& tokens, const Tensor& table,
+                                   Tensor& out, int64_t n, int64_t C);
+absl::Status TokenEmbeddingBackward(const Exec& e, const Tensor& tokens, const Tensor& dout,
+                                    Tensor& dtable, int64_t n, int64_t C);
+
 absl::Status AttentionDecode(const Exec& e, const Tensor& qkv, const Tensor& kv, Tensor& out,
                              int64_t start, int64_t n, int64_t C, int64_t H);
 absl::Status AttentionBackward(const Exec& e, const Tensor& dout, const Tensor& qkv,

@@ -20,6 +20,8 @@
 
 #include "kernels/cpu/cpu_kernels.h"
 #include "pipewright/device.h"
+#include "pipewright/ops.h"
+#include "pipewright/tensor.h"
 
 namespace pipewright::cuda {
 namespace {
@@ -698,6 +700,94 @@ TEST(CudaAttention, DecodeMatchesCpu) {
       AttentionDecode(stream.get(), nullptr, 300, nullptr, 200, nullptr, 100, 20000, 1, 100, 1)
           .ok())
       << "more positions than the kernel holds";
+}
+
+// The Llama family's kernels against the CPU ops (runtime/ops/llama_ops.cc), each on random
+// inputs: RMSNorm (both halves of its backward), the rotary turn and its inverse, SwiGLU, the
+// GQA expansion and reduction, the token embedding and its gradient.
+TEST(CudaLlama, KernelsMatchTheCpuOps) {
+  if (pipewright::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  Stream stream;
+  const int rows = 37, cols = 96, T = 5, heads = 6, kv = 2, D = 16, F = 40, V = 50;
+  const int C = heads * D, K = kv * D;
+  auto host = [](const std::vector<float>& v, std::vector<int64_t> shape) {
+    return Tensor::FromVector(std::move(shape), v);
+  };
+  const ops::Exec cpu{};
+  // RMSNorm.
+  const auto x = RandomVec(rows * cols, 101), w = RandomVec(cols, 102),
+             dy = RandomVec(rows * cols, 103);
+  Tensor y = Tensor::Empty({rows, cols}), rstd = Tensor::Empty({rows}),
+         dx = Tensor::Empty({rows, cols});
+  Tensor dw = Tensor::Zeros({cols});
+  PW_ASSERT_OK(
+      ops::RmsNormForward(cpu, host(x, {rows, cols}), host(w, {cols}), y, rstd, rows, cols, 1e-5f));
+  PW_ASSERT_OK(ops::RmsNormBackwardInput(cpu, host(x, {rows, cols}), host(w, {cols}), rstd,
+                                         host(dy, {rows, cols}), dx, rows, cols));
+  PW_ASSERT_OK(ops::RmsNormBackwardWeight(cpu, host(x, {rows, cols}), rstd, host(dy, {rows, cols}),
+                                          dw, rows, cols));
+  DeviceArray<float> gx(x), gw(w), gdy(dy), gy(rows * cols), grs(rows), gdx(rows * cols),
+      gdw(std::vector<float>(cols, 0.0f));
+  PW_ASSERT_OK(
+      RmsNormForward(stream.get(), gx.get(), gw.get(), gy.get(), grs.get(), rows, cols, 1e-5f));
+  PW_ASSERT_OK(RmsNormBackwardInput(stream.get(), gx.get(), gw.get(), grs.get(), gdy.get(),
+                                    gdx.get(), rows, cols));
+  PW_ASSERT_OK(
+      RmsNormBackwardWeight(stream.get(), gx.get(), grs.get(), gdy.get(), gdw.get(), rows, cols));
+  stream.Sync();
+  ExpectRelErr(gy.Download(), y.ToVector(), 1e-5, "rmsnorm");
+  ExpectRelErr(gdx.Download(), dx.ToVector(), 1e-5, "rmsnorm backward");
+  ExpectRelErr(gdw.Download(), dw.ToVector(), 1e-5, "rmsnorm weight backward");
+  // Rope, forward and inverse, on a row layout with a leading column.
+  const int ld = 2 * C + 3;
+  const auto r = RandomVec(rows * ld, 104);
+  for (bool inverse : {false, true}) {
+    Tensor rc = host(r, {rows, ld});
+    PW_ASSERT_OK(ops::Rope(cpu, rc, rows, T, ld, 3, 2 * heads, D, 500000.0, inverse));
+    DeviceArray<float> gr(r);
+    PW_ASSERT_OK(Rope(stream.get(), gr.get(), rows, T, ld, 3, 2 * heads, D, 500000.0, inverse));
+    stream.Sync();
+    ExpectRelErr(gr.Download(), rc.ToVector(), 1e-5, inverse ? "rope inverse" : "rope");
+  }
+  // SwiGLU.
+  const auto gu = RandomVec(rows * 2 * F, 105), dout = RandomVec(rows * F, 106);
+  Tensor so = Tensor::Empty({rows, F}), sd = Tensor::Empty({rows, 2 * F});
+  PW_ASSERT_OK(ops::SwiGluForward(cpu, host(gu, {rows, 2 * F}), so, rows, F));
+  PW_ASSERT_OK(
+      ops::SwiGluBackward(cpu, host(gu, {rows, 2 * F}), host(dout, {rows, F}), sd, rows, F));
+  DeviceArray<float> ggu(gu), gdo(dout), gso(rows * F), gsd(rows * 2 * F);
+  PW_ASSERT_OK(SwiGluForward(stream.get(), ggu.get(), gso.get(), rows, F));
+  PW_ASSERT_OK(SwiGluBackward(stream.get(), ggu.get(), gdo.get(), gsd.get(), rows, F));
+  stream.Sync();
+  ExpectRelErr(gso.Download(), so.ToVector(), 1e-5, "swiglu");
+  ExpectRelErr(gsd.Download(), sd.ToVector(), 1e-5, "swiglu backward");
+  // GQA expansion and reduction.
+  const auto xq = RandomVec(rows * (C + 2 * K), 107), dq = RandomVec(rows * 3 * C, 108);
+  Tensor ex = Tensor::Empty({rows, 3 * C}), rd = Tensor::Empty({rows, C + 2 * K});
+  PW_ASSERT_OK(ops::ExpandKv(cpu, host(xq, {rows, C + 2 * K}), ex, rows, heads, kv, D));
+  PW_ASSERT_OK(ops::ReduceKv(cpu, host(dq, {rows, 3 * C}), rd, rows, heads, kv, D));
+  DeviceArray<float> gxq(xq), gdq(dq), gex(rows * 3 * C), grd(rows * (C + 2 * K));
+  PW_ASSERT_OK(ExpandKv(stream.get(), gxq.get(), gex.get(), rows, heads, kv, D));
+  PW_ASSERT_OK(ReduceKv(stream.get(), gdq.get(), grd.get(), rows, heads, kv, D));
+  stream.Sync();
+  EXPECT_EQ(gex.Download(), ex.ToVector()) << "expand kv copies";
+  ExpectRelErr(grd.Download(), rd.ToVector(), 1e-6, "reduce kv");
+  // Token embedding, with repeated tokens in the gradient.
+  std::vector<int32_t> tok(rows);
+  for (int i = 0; i < rows; ++i) tok[i] = (i * 7) % V;
+  const auto table = RandomVec(V * cols, 109);
+  Tensor tt = Tensor::Empty({rows}, DType::kI32);
+  std::copy(tok.begin(), tok.end(), tt.data<int32_t>());
+  Tensor eo = Tensor::Empty({rows, cols}), et = Tensor::Zeros({V, cols});
+  PW_ASSERT_OK(ops::TokenEmbeddingForward(cpu, tt, host(table, {V, cols}), eo, rows, cols));
+  PW_ASSERT_OK(ops::TokenEmbeddingBackward(cpu, tt, host(dy, {rows, cols}), et, rows, cols));
+  DeviceArray<int32_t> gtok(tok);
+  DeviceArray<float> gtab(table), geo(rows * cols), get(std::vector<float>(V * cols, 0.0f));
+  PW_ASSERT_OK(TokenEmbeddingForward(stream.get(), gtok.get(), gtab.get(), geo.get(), rows, cols));
+  PW_ASSERT_OK(TokenEmbeddingBackward(stream.get(), gtok.get(), gdy.get(), get.get(), rows, cols));
+  stream.Sync();
+  EXPECT_EQ(geo.Download(), eo.ToVector());
+  EXPECT_EQ(get.Download(), et.ToVector()) << "the same adds in token order";
 }
 
 TEST(CudaAttention, BackwardMatchesCpu) {

@@ -48,8 +48,8 @@ struct RunResult {
   int64_t peak_bytes = 0;
 };
 
-RunResult RunEngine(const EngineSetup& o) {
-  auto g = PresetModel("gpt-tiny", 2);
+RunResult RunEngine(const EngineSetup& o, const std::string& preset = "gpt-tiny") {
+  auto g = PresetModel(preset, 2);
   EXPECT_TRUE(g.ok());
   auto e = MakeEngine(*g, o);
   EXPECT_TRUE(e.ok()) << e.status();
@@ -95,6 +95,19 @@ TEST(EngineCuda, Fp32MatchesTheCpu) {
   }
   EXPECT_LT(MaxRelWeightDiff(gpu, cpu), 1e-3);
   EXPECT_GT(gpu.peak_bytes, 0);  // the device allocator counted the rank's memory
+}
+
+// The Llama family's CUDA kernels (kernels/cuda/llama.cu) in a whole run: llama-tiny on the GPU
+// trains as on the CPU, to fp32 rounding.
+TEST(EngineCuda, LlamaMatchesTheCpu) {
+  PW_NEED_GPUS(1);
+  RunResult cpu = RunEngine(Options(Device::Cpu(), 1, 1, Precision::kFp32), "llama-tiny");
+  RunResult gpu = RunEngine(Options(Device::Cuda(0), 1, 1, Precision::kFp32), "llama-tiny");
+  ASSERT_EQ(gpu.losses.size(), cpu.losses.size());
+  for (size_t i = 0; i < cpu.losses.size(); ++i) {
+    EXPECT_NEAR(gpu.losses[i], cpu.losses[i], 1e-4 * cpu.losses[i]) << i;
+  }
+  EXPECT_LT(MaxRelWeightDiff(gpu, cpu), 1e-3);
 }
 
 TEST(EngineCuda, Bf16MatchesTheCpuBf16) {
