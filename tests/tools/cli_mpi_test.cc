@@ -46,6 +46,19 @@ TEST(CliMpi, FourProcessesPp2Dp2MatchTheInProcessRunBitForBit) {
   EXPECT_EQ(JsonLines(mpi.out).size(), 5u) << mpi.out;
 }
 
+// The Llama family across processes (docs/models.md): the in-process run's losses bit for bit.
+TEST(CliMpi, LlamaFourProcessesPp2Dp2MatchTheInProcessRun) {
+  const std::string args =
+      "train --preset llama-tiny --micro-batch-size 2 --steps 3 --seed 7 --json --timeout 30 "
+      "--pp 2 --dp 2 --micro-batches 4";
+  Result local = RunCli(args);
+  ASSERT_EQ(local.exit_code, 0) << local.err;
+  Result mpi = RunMpi(4, args);
+  ASSERT_EQ(mpi.exit_code, 0) << mpi.err;
+  ASSERT_EQ(Losses(local).size(), 3u);
+  EXPECT_EQ(Losses(mpi), Losses(local));
+}
+
 // Gradient compression over MPI: bf16 (all-gather of the bf16 buckets, fp32 sum in replica
 // order on every receiver) and PowerSGD (all-gathered factors summed in replica order) give the
 // in-process run's losses bit for bit, with the same byte counts.
