@@ -206,10 +206,11 @@ absl::Status ExpandKv(const Exec& e, const Tensor& x, Tensor& qkv, int64_t rows,
   if constexpr (kWithCuda) {
     if (e.device().is_cuda()) return cuda_impl::ExpandKv(e, x, qkv, rows, heads, kv_heads, D);
   }
-  const int64_t C = heads * D, K = kv_heads * D, rep = heads / kv_heads;
+  const int64_t C = heads * D, K = kv_heads * D;
   PW_RETURN_IF_ERROR(Need(kv_heads >= 1 && heads % kv_heads == 0 &&
                               x.numel() >= rows * (C + 2 * K) && qkv.numel() >= rows * 3 * C,
                           "expand kv", "heads must be a multiple of kv heads"));
+  const int64_t rep = heads / kv_heads;
   const float* px = x.data<float>();
   float* pq = qkv.data<float>();
   OnThreads(rows, RowGrain(3 * C), [&](int64_t r0, int64_t n) {
@@ -233,10 +234,11 @@ absl::Status ReduceKv(const Exec& e, const Tensor& dqkv, Tensor& dx, int64_t row
   if constexpr (kWithCuda) {
     if (e.device().is_cuda()) return cuda_impl::ReduceKv(e, dqkv, dx, rows, heads, kv_heads, D);
   }
-  const int64_t C = heads * D, K = kv_heads * D, rep = heads / kv_heads;
+  const int64_t C = heads * D, K = kv_heads * D;
   PW_RETURN_IF_ERROR(Need(kv_heads >= 1 && heads % kv_heads == 0 &&
                               dx.numel() >= rows * (C + 2 * K) && dqkv.numel() >= rows * 3 * C,
                           "reduce kv", "heads must be a multiple of kv heads"));
+  const int64_t rep = heads / kv_heads;
   const float* pd = dqkv.data<float>();
   float* px = dx.data<float>();
   OnThreads(rows, RowGrain(3 * C), [&](int64_t r0, int64_t n) {

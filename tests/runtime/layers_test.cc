@@ -278,6 +278,8 @@ TEST(LayerTest, ExpandAndReduceKvAreTransposes) {
   // Query head 4 reads kv head 4 / (6 / 2) = 1.
   EXPECT_EQ(ev[C + 4 * D], xv[C + 1 * D]);
   EXPECT_FALSE(ops::ExpandKv(ops::Exec{}, x, ex, rows, heads, 4, D).ok()) << "6 % 4 != 0";
+  EXPECT_FALSE(ops::ExpandKv(ops::Exec{}, x, ex, rows, heads, 0, D).ok()) << "no kv heads";
+  EXPECT_FALSE(ops::ReduceKv(ops::Exec{}, y, ry, rows, heads, 0, D).ok()) << "no kv heads";
 }
 
 TEST(LayerGradTest, EmbeddingWeightsOnly) {
