@@ -280,8 +280,8 @@ void ReadModel(const json& doc, ModelCosts& m, Problems& p) {
   if (auto v = top.Int("input_bytes", 0, kInt64Max)) m.input_bytes = *v;
   if (const json* layers = top.Array("layers")) ReadLayers(*layers, m, p);
   if (top.Find("transformer") != nullptr) {
-    Fields t(top.Object("transformer"), "transformer", {"hidden", "heads", "ffn_hidden", "vocab"},
-             p);
+    Fields t(top.Object("transformer"), "transformer",
+             {"hidden", "heads", "ffn_hidden", "vocab", "kv_heads"}, p);
     TransformerShape shape;
     std::optional<int64_t> dims[] = {t.Int("hidden", 1, kInt64Max), t.Int("heads", 1, kInt64Max),
                                      t.Int("ffn_hidden", 1, kInt64Max),
@@ -292,6 +292,15 @@ void ReadModel(const json& doc, ModelCosts& m, Problems& p) {
         p.Add(
             "transformer.heads",
             absl::StrCat(shape.heads, " does not divide transformer.hidden (", shape.hidden, ")"));
+      }
+      if (t.Find("kv_heads") != nullptr) {
+        if (auto kv = t.Int("kv_heads", 1, shape.heads)) {
+          shape.kv_heads = *kv;
+          if (shape.heads % *kv != 0) {
+            p.Add("transformer.kv_heads",
+                  absl::StrCat(*kv, " does not divide transformer.heads (", shape.heads, ")"));
+          }
+        }
       }
       m.transformer = shape;
     }
@@ -686,6 +695,7 @@ std::string ModelCostsToJson(const ModelCosts& model) {
                         {"heads", t->heads},
                         {"ffn_hidden", t->ffn_hidden},
                         {"vocab", t->vocab}};
+    if (t->kv_heads > 0 && t->kv_heads != t->heads) j["transformer"]["kv_heads"] = t->kv_heads;
   }
   return Dump(j);
 }

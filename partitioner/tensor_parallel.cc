@@ -28,10 +28,19 @@
 //    gradient (the runtime keeps only the rank's rows, Note [Sequence parallelism] in
 //    pipewright/tensor_parallel.h): two all-gathers more per block backward. The block's output
 //    (what a stage boundary sends) is split only with sequence parallelism.
+//  * llama_block (f = ffn, k = kv_heads, d = h / a): the same collectives as transformer_block.
+//    Of its 2h + h(h + 2kd) + h^2 + 3hf parameters the two RMSNorm weights (2h) are whole, the
+//    bias-free products split (qkv in its q, k and v sections, gate_up in its two). FLOPs whole
+//    on every device without SP: the RMSNorms' and residual adds' 10nh forward and 18nh
+//    backward. Saved: 4(8nh + 2n + an + 3nf) bytes (the norms' inputs and statistics 8nh + 8n,
+//    the norm outputs the qkv and gate_up keep 8nh: whole without SP; the expanded qkv, the
+//    log-sum-exp, o_proj's input, the SwiGLU's input and down_proj's: split). Selective
+//    recomputation's 4(2nh + nf): the norm outputs (whole without SP) and the SwiGLU output
+//    (split); its FLOPs 8nh (whole without SP) + 6nf.
 //  * embedding (vocabulary-parallel): the V x h token table is split, the s x h position table
 //    stays whole; one all-reduce of [b, s, h] forward (with SP a reduce-scatter forward and an
-//    all-gather backward).
-//  * layernorm (the final one): whole, or split along the sequence with SP.
+//    all-gather backward). token_embedding (a Llama's, no positions) likewise, all of it split.
+//  * layernorm, rmsnorm (the final one): whole, or split along the sequence with SP.
 //  * lm_head (vocabulary-parallel, column-parallel on V): weights, FLOPs and logits divided by
 //    t; its saved input is whole without SP. Backward all-reduces its input gradient (with SP:
 //    an all-gather forward, and a reduce-scatter and the input's all-gather again backward).
@@ -89,6 +98,7 @@ void ScaleTime(std::optional<double>& t, double flops_before, double flops_after
 
 std::string internal::TensorParallelShapeProblem(const TransformerShape& shape, int64_t tp) {
   const std::pair<const char*, int64_t> dims[] = {{"attention heads", shape.heads},
+                                                  {"key-value heads", shape.KvHeads()},
                                                   {"hidden size", shape.hidden},
                                                   {"MLP hidden size", shape.ffn_hidden},
                                                   {"vocabulary entries", shape.vocab}};
@@ -199,8 +209,27 @@ absl::StatusOr<TensorParallelCosts> ShardForTensorParallel(const ModelCosts& mod
       if (sp) c.output_bytes = SplitCount(src.output_bytes, 0, tp);
       fwd = 2 * sublayer;
       bwd = 2 * sublayer + (sp ? 2 * coll(TpCollective::kAllGather, act) : 0);
-    } else if (src.kind == "embedding") {
-      c.params = SplitCount(src.params, src.params - static_cast<int64_t>(vh), tp);
+    } else if (src.kind == "llama_block") {
+      const double f = static_cast<double>(shape.ffn_hidden);
+      c.params = SplitCount(src.params, static_cast<int64_t>(2 * h), tp);
+      if (src.largest_group_params > 0) {
+        c.largest_group_params = std::min(c.params, SplitCount(src.largest_group_params, 0, tp));
+      }
+      c.forward_flops = SplitReal(src.forward_flops, sp ? 0 : 10 * n * h, tp);
+      c.backward_flops = SplitReal(src.backward_flops, sp ? 0 : 18 * n * h, tp);
+      const double saved = 8 * n * h + 2 * n + a * n + 3 * n * f;
+      c.activation_bytes =
+          SplitShare(src.activation_bytes, sp ? 0 : (4 * n * h + 2 * n) / saved, tp);
+      c.selective_saving_bytes =
+          SplitShare(src.selective_saving_bytes, sp ? 0 : 2 * h / (2 * h + f), tp);
+      c.selective_recompute_flops =
+          SplitReal(src.selective_recompute_flops, sp ? 0 : 8 * n * h, tp);
+      if (sp) c.output_bytes = SplitCount(src.output_bytes, 0, tp);
+      fwd = 2 * sublayer;
+      bwd = 2 * sublayer + (sp ? 2 * coll(TpCollective::kAllGather, act) : 0);
+    } else if (src.kind == "embedding" || src.kind == "token_embedding") {
+      const bool positions = src.kind == "embedding";
+      c.params = SplitCount(src.params, positions ? src.params - static_cast<int64_t>(vh) : 0, tp);
       if (sp) {
         c.output_bytes = SplitCount(src.output_bytes, 0, tp);
         fwd = coll(TpCollective::kReduceScatter, act);
@@ -208,7 +237,7 @@ absl::StatusOr<TensorParallelCosts> ShardForTensorParallel(const ModelCosts& mod
       } else {
         fwd = coll(TpCollective::kAllReduce, act);
       }
-    } else if (src.kind == "layernorm") {
+    } else if (src.kind == "layernorm" || src.kind == "rmsnorm") {
       if (sp) {
         c.forward_flops = src.forward_flops / tp;
         c.backward_flops = src.backward_flops / tp;

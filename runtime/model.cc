@@ -9,6 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "pipewright/ops.h"
 #include "runtime/sha256.h"
 
@@ -292,9 +293,12 @@ ModelCosts ToModelCosts(const LayerGraph& graph) {
     c.tied_to = n.spec->tied_to();
     m.layers.push_back(std::move(c));
   }
-  // A GPT's shape, which tensor parallelism splits (the planner's TransformerShape).
+  // A GPT's or a Llama's shape, which tensor parallelism splits (the planner's TransformerShape).
   if (absl::StatusOr<GptConfig> gpt = GptConfigOf(graph); gpt.ok()) {
     m.transformer = TransformerShape{gpt->hidden, gpt->heads, 4 * gpt->hidden, gpt->vocab};
+  } else if (absl::StatusOr<LlamaConfig> llama = LlamaConfigOf(graph); llama.ok()) {
+    m.transformer =
+        TransformerShape{llama->hidden, llama->heads, llama->ffn, llama->vocab, llama->kv_heads};
   }
   return m;
 }
@@ -621,6 +625,51 @@ absl::StatusOr<GptConfig> GptConfigOf(const LayerGraph& graph) {
   absl::StatusOr<LayerGraph> rebuilt = GptModel(graph.name(), c, graph.shape().batch);
   if (!rebuilt.ok() || rebuilt->Fingerprint() != graph.Fingerprint()) return not_gpt();
   return c;
+}
+
+namespace {
+// A Llama's config read from its layers' configurations (LlamaConfigOf checks it rebuilds them).
+absl::StatusOr<LlamaConfig> LlamaConfigFromLayers(const LayerGraph& graph) {
+  const int n = graph.num_layers();
+  if (n < 5 || graph.node(0).spec->kind() != "token_embedding" ||
+      graph.node(1).spec->kind() != "llama_block" || graph.node(n - 2).spec->kind() != "lm_head") {
+    return absl::NotFoundError("not a Llama layer graph");
+  }
+  const std::string block = graph.node(1).spec->Config();
+  auto number = [&](const std::string& config, absl::string_view key) {
+    int64_t v = 0;
+    return absl::SimpleAtoi(ConfigValue(config, key), &v) ? v : int64_t{0};
+  };
+  LlamaConfig c;
+  c.layers = n - 4;
+  c.vocab = number(graph.node(0).spec->Config(), "vocab");
+  c.seq = graph.shape().seq_len;
+  c.hidden = number(block, "dim");
+  c.heads = number(block, "heads");
+  c.kv_heads = number(block, "kv_heads");
+  c.ffn = number(block, "ffn");
+  c.tied = !graph.node(n - 2).spec->tied_to().empty();
+  if (!absl::SimpleAtod(ConfigValue(block, "rope_theta"), &c.rope_theta) ||
+      !absl::SimpleAtof(ConfigValue(block, "eps"), &c.eps)) {
+    return absl::NotFoundError("not a Llama layer graph");
+  }
+  PW_RETURN_IF_ERROR(CheckLlamaConfig(c, "Llama layer graph", graph.shape().batch));
+  return c;
+}
+}  // namespace
+
+absl::StatusOr<LlamaConfig> LlamaConfigOf(const LayerGraph& graph) {
+  // From the layers (any name), else from the name (a spec or preset whose numbers the layers'
+  // configurations print rounded); either way the rebuilt graph must be this one.
+  absl::string_view name = graph.name();
+  for (const absl::StatusOr<LlamaConfig>& c :
+       {LlamaConfigFromLayers(graph),
+        absl::ConsumePrefix(&name, "llama:") ? ParseLlamaSpec(name) : PresetLlamaConfig(name)}) {
+    if (!c.ok()) continue;
+    absl::StatusOr<LayerGraph> again = LlamaModel(graph.name(), *c, graph.shape().batch);
+    if (again.ok() && again->Fingerprint() == graph.Fingerprint()) return c;
+  }
+  return absl::NotFoundError(absl::StrCat("model '", graph.name(), "' is not a Llama model"));
 }
 
 absl::StatusOr<ModelCosts> GptModelCosts(const std::string& name, const GptConfig& c,

@@ -102,17 +102,6 @@ std::string ModelSpecName(const LlamaConfig& c) {
       c.layers, c.hidden, c.heads, c.kv_heads, c.ffn, c.seq, c.vocab, c.tied ? 1 : 0, c.rope_theta);
 }
 
-absl::StatusOr<LlamaConfig> LlamaConfigOf(const LayerGraph& graph) {
-  absl::string_view name = graph.name();
-  absl::StatusOr<LlamaConfig> c =
-      absl::ConsumePrefix(&name, "llama:") ? ParseLlamaSpec(name) : PresetLlamaConfig(name);
-  if (c.ok()) {
-    absl::StatusOr<LayerGraph> again = LlamaModel(graph.name(), *c, graph.shape().batch);
-    if (again.ok() && again->Fingerprint() == graph.Fingerprint()) return c;
-  }
-  return absl::NotFoundError(absl::StrCat("model '", graph.name(), "' is not a Llama model"));
-}
-
 bool IsModelSpec(absl::string_view name) {
   return absl::StartsWith(name, "gpt:") || absl::StartsWith(name, "llama:");
 }

@@ -45,25 +45,45 @@ AxisSplit SplitAt(const std::vector<int64_t>& shape, int axis) {
   return a;
 }
 
+// The whole axis's sections of `shard` along an axis of whole size `whole_along`.
+std::vector<int64_t> SectionsOf(const TensorShard& shard, int64_t whole_along) {
+  return shard.sections.empty() ? std::vector<int64_t>{whole_along} : shard.sections;
+}
+
 // Copies between a whole tensor and one part: `to_part` copies the part's elements out of
-// `whole`, else into it.
+// `whole`, else into it. Section g's piece sits at the sum of the earlier sections' pieces in the
+// part, and at the earlier sections' whole sizes plus index pieces in the whole.
 void CopyPart(float* whole, float* part, const std::vector<int64_t>& part_shape,
               const TensorShard& shard, bool to_part) {
   const AxisSplit a = SplitAt(part_shape, shard.axis);
-  const int64_t piece = a.along / shard.groups;  // the part's rows of one group
   const int64_t whole_along = a.along * shard.parts;
+  const std::vector<int64_t> sections = SectionsOf(shard, whole_along);
   for (int64_t o = 0; o < a.outer; ++o) {
-    for (int64_t g = 0; g < shard.groups; ++g) {
-      float* p = part + (o * a.along + g * piece) * a.inner;
-      float* w = whole + (o * whole_along + (g * shard.parts + shard.index) * piece) * a.inner;
+    int64_t at_part = 0, at_whole = 0;
+    for (const int64_t section : sections) {
+      const int64_t piece = section / shard.parts;  // the part's rows of this section
+      float* p = part + (o * a.along + at_part) * a.inner;
+      float* w = whole + (o * whole_along + at_whole + shard.index * piece) * a.inner;
       const size_t bytes = static_cast<size_t>(piece * a.inner) * sizeof(float);
       if (to_part) {
         std::memcpy(p, w, bytes);
       } else {
         std::memcpy(w, p, bytes);
       }
+      at_part += piece;
+      at_whole += section;
     }
   }
+}
+
+// Whether `sections` split a whole axis of `along` elements in `parts` alike.
+bool SectionsFit(const std::vector<int64_t>& sections, int64_t along, int parts) {
+  int64_t sum = 0;
+  for (const int64_t s : sections) {
+    if (s < 1 || s % parts != 0 || s > along - sum) return false;
+    sum += s;
+  }
+  return sum == along;
 }
 
 absl::Status CheckHostF32(const Tensor& t, absl::string_view what) {
@@ -183,24 +203,46 @@ absl::Status CheckTensorParallelCall(const LayerContext& ctx, int rank, int size
   return absl::OkStatus();
 }
 
+std::vector<int64_t> EqualSections(int64_t size, int64_t groups) {
+  if (groups <= 1) return {};
+  return std::vector<int64_t>(static_cast<size_t>(groups), size / groups);
+}
+
 absl::StatusOr<TensorShard> ShardOf(const InitContext& init, const std::vector<int64_t>& shape,
                                     int axis, int64_t groups, absl::string_view what) {
-  TensorShard s;
-  if (init.tp_size == 1) return s;
+  if (init.tp_size == 1) return TensorShard{};
   if (axis < 0 || axis >= static_cast<int>(shape.size()) || groups < 1) {
     return absl::InternalError(absl::StrCat(what, ": no axis ", axis, " to split"));
   }
-  if (shape[axis] % (groups * init.tp_size) != 0) {
+  if (shape[axis] % groups != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: dimension %d of [%s] is not %d equal blocks", what, axis,
+                        absl::StrJoin(shape, ", "), groups));
+  }
+  return ShardOf(init, shape, axis, EqualSections(shape[axis], groups), what);
+}
+
+absl::StatusOr<TensorShard> ShardOf(const InitContext& init, const std::vector<int64_t>& shape,
+                                    int axis, const std::vector<int64_t>& sections,
+                                    absl::string_view what) {
+  TensorShard s;
+  if (init.tp_size == 1) return s;
+  if (axis < 0 || axis >= static_cast<int>(shape.size())) {
+    return absl::InternalError(absl::StrCat(what, ": no axis ", axis, " to split"));
+  }
+  const std::vector<int64_t> whole =
+      sections.empty() ? std::vector<int64_t>{shape[axis]} : sections;
+  if (!SectionsFit(whole, shape[axis], init.tp_size)) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: a tensor-parallel size of %d does not divide %s%d (dimension %d of [%s]) into "
+        "%s: a tensor-parallel size of %d does not divide %s%s (dimension %d of [%s]) into "
         "equal parts",
-        what, init.tp_size, groups > 1 ? absl::StrFormat("each of %d blocks of ", groups) : "",
-        groups > 1 ? shape[axis] / groups : shape[axis], axis, absl::StrJoin(shape, ", ")));
+        what, init.tp_size, whole.size() > 1 ? "each of its sections " : "",
+        absl::StrJoin(whole, " + "), axis, absl::StrJoin(shape, ", ")));
   }
   s.axis = axis;
   s.parts = init.tp_size;
   s.index = init.tp_rank;
-  s.groups = groups;
+  if (whole.size() > 1) s.sections = whole;
   return s;
 }
 
@@ -219,10 +261,16 @@ int64_t WholeIndex(const TensorShard& shard, const std::vector<int64_t>& part_sh
   if (!shard.sharded()) return i;
   const AxisSplit a = SplitAt(part_shape, shard.axis);
   const int64_t in = i % a.inner, along = i / a.inner % a.along, o = i / a.inner / a.along;
-  const int64_t piece = a.along / shard.groups;
-  const int64_t g = along / piece, j = along % piece;
-  const int64_t whole_along = (g * shard.parts + shard.index) * piece + j;
-  return (o * a.along * shard.parts + whole_along) * a.inner + in;
+  const int64_t whole_along = a.along * shard.parts;
+  int64_t at_part = 0, at_whole = 0, piece = a.along;
+  for (const int64_t section : SectionsOf(shard, whole_along)) {
+    piece = section / shard.parts;
+    if (along < at_part + piece) break;
+    at_part += piece;
+    at_whole += section;
+  }
+  const int64_t j = at_whole + shard.index * piece + (along - at_part);
+  return (o * whole_along + j) * a.inner + in;
 }
 
 Parameter MakeShardedParameter(const InitContext& init, const std::string& local,
@@ -236,7 +284,8 @@ Parameter MakeShardedParameter(const InitContext& init, const std::string& local
 absl::StatusOr<Tensor> SlicePart(const Tensor& whole, const TensorShard& shard) {
   PW_RETURN_IF_ERROR(CheckHostF32(whole, "SlicePart"));
   if (!shard.sharded()) return whole.Clone();
-  if (shard.axis >= whole.rank() || whole.dim(shard.axis) % (shard.groups * shard.parts) != 0) {
+  if (shard.axis >= whole.rank() ||
+      !SectionsFit(SectionsOf(shard, whole.dim(shard.axis)), whole.dim(shard.axis), shard.parts)) {
     return absl::InvalidArgumentError(
         absl::StrFormat("a tensor of shape %s has no part %d of %d along dimension %d",
                         whole.ShapeString(), shard.index, shard.parts, shard.axis));
@@ -301,10 +350,10 @@ class ParallelLinearSpec final : public LayerSpec {
   }
   absl::StatusOr<std::unique_ptr<Layer>> Create(const InitContext& init) const override {
     PW_RETURN_IF_ERROR(
-        internal::LinearLayer::CheckSplit(init, in_, out_, parallel_, groups_, init.name));
+        internal::LinearLayer::CheckSplit(init, in_, out_, parallel_, Sections(), init.name));
     return std::make_unique<internal::LinearLayer>(init, in_, out_, bias_, std_,
                                                    internal::LinearLayer::Activation::kNone, "",
-                                                   parallel_, groups_);
+                                                   parallel_, Sections());
   }
   // A column-parallel layer's output is its rank's part ([.., out / tp]) when it runs
   // tensor-parallel; as a node of a graph (tp = 1) both are plain Linear layers.
@@ -316,6 +365,7 @@ class ParallelLinearSpec final : public LayerSpec {
   internal::LinearLayer::Parallel parallel_;
   int64_t in_, out_;
   bool bias_;
+  std::vector<int64_t> Sections() const { return EqualSections(out_, groups_); }
   int64_t groups_;
   float std_;
   LayerSpecPtr whole_;  // the same layer at tp 1

@@ -35,10 +35,12 @@ struct TensorParallelGroup;  // pipewright/tensor_parallel.h
 // Which part of a global tensor a tensor-parallel rank holds (Note [Tensor-parallel shards] in
 // pipewright/tensor_parallel.h). The default is the whole tensor.
 struct TensorShard {
-  int axis = -1;       // the split dimension of the whole tensor; -1: whole (replicated)
-  int parts = 1;       // the tensor-parallel size it is split over
-  int index = 0;       // this rank's part
-  int64_t groups = 1;  // the axis as [groups, parts, piece]: the part is piece `index` of each
+  int axis = -1;  // the split dimension of the whole tensor; -1: whole (replicated)
+  int parts = 1;  // the tensor-parallel size it is split over
+  int index = 0;  // this rank's part
+  // The whole axis's sections, in order (a fused product's q, k and v outputs), each split in
+  // `parts` alike: the part holds piece `index` of every section. Empty: one section.
+  std::vector<int64_t> sections;
   bool sharded() const { return axis >= 0 && parts > 1; }
 };
 
@@ -268,8 +270,8 @@ LayerSpecPtr Mlp(int64_t dim, int64_t hidden);
 LayerSpecPtr CausalSelfAttention(int64_t dim, int64_t heads);
 // Pre-LN GPT-2 block: x + attn(ln_1(x)), then h + mlp(ln_2(h)).
 LayerSpecPtr TransformerBlock(int64_t dim, int64_t heads);
-// The Llama family (Note [Llama layers] in runtime/ops/llama_ops.cc; CPU and CUDA, no
-// tensor-parallel form yet: refused by name). RMSNorm with a weight and no bias:
+// The Llama family (Note [Llama layers] in runtime/ops/llama_ops.cc; CPU and CUDA; tensor-parallel
+// as the GPT layers, Note [Tensor parallelism]). RMSNorm with a weight and no bias:
 LayerSpecPtr RmsNorm(int64_t dim, float eps = 1e-5f);
 // Token ids [B, T] -> rows of the table "wte.weight" [vocab, dim], no positions (an LmHead
 // tied to this layer reads the same table).

@@ -200,7 +200,8 @@ absl::Status EmbeddingPartForward(const Exec& e, const Tensor& tokens, const Ten
                                   int64_t begin, const Tensor& wpe, Tensor& out, int64_t B,
                                   int64_t T, int64_t C);
 // dwte_part[tokens[b, t] - begin, :] += dout[b, t, :] for the tokens in the range, row by row in
-// (b, t) order as EmbeddingBackward adds them, and dwpe[t, :] += sum over b of dout[b, t, :].
+// (b, t) order as EmbeddingBackward adds them, and dwpe[t, :] += sum over b of dout[b, t, :]
+// when `dwpe` is defined (an embedding without positions passes none).
 absl::Status EmbeddingPartBackward(const Exec& e, const Tensor& dout, const Tensor& tokens,
                                    int64_t begin, Tensor& dwte_part, Tensor& dwpe, int64_t B,
                                    int64_t T, int64_t C);

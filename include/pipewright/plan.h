@@ -78,15 +78,17 @@ struct LayerCost {
 };
 
 // The dimensions tensor parallelism splits (Megatron-LM: attention heads and the MLP hidden size
-// column-wise, the vocabulary of the embedding, LM head and loss), for a GPT layer graph: an
-// embedding, transformer blocks, a final LayerNorm, an LM head and a cross-entropy loss
-// (docs/memory.md, "Tensor parallelism"). A layer graph without it can be planned at tensor
+// column-wise, the vocabulary of the embedding, LM head and loss), for a GPT or Llama layer
+// graph: an embedding, transformer or Llama blocks, a final norm, an LM head and a cross-entropy
+// loss (docs/memory.md, "Tensor parallelism"). A layer graph without it can be planned at tensor
 // parallel degree 1 only.
 struct TransformerShape {
   int64_t hidden = 0;      // h
   int64_t heads = 0;       // a
-  int64_t ffn_hidden = 0;  // the MLP's inner size (4h in a GPT)
+  int64_t ffn_hidden = 0;  // the MLP's inner size (4h in a GPT; a Llama's ffn)
   int64_t vocab = 0;       // V
+  int64_t kv_heads = 0;    // key-value heads of grouped-query attention; 0: as many as heads
+  int64_t KvHeads() const { return kv_heads > 0 ? kv_heads : heads; }
 };
 
 struct ModelCosts {

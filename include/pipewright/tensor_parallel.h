@@ -15,7 +15,11 @@
 // The GPT block's attention splits heads (qkv column-parallel with its q, k and v thirds split
 // alike, the attention of the rank's heads, the projection row-parallel) and its MLP the hidden
 // width (fc column-parallel, GELU, proj row-parallel): one all-reduce per sub-layer forward and
-// one backward. The token embedding is vocab-parallel (each rank looks up the tokens of its
+// one backward. The Llama block splits alike: its fused qkv in three unequal sections (q of the
+// rank's heads/t query heads, k and v of its kv_heads/t key-value heads, so each of its query
+// heads reads a key-value head it holds), its fused gate_up in two (the rank's ffn/t gate and up
+// units), o_proj and down_proj row-parallel, the RMSNorms replicated. The token embedding is
+// vocab-parallel (each rank looks up the tokens of its
 // vocabulary range and the partial rows are all-reduced), the LM head is column-parallel over the
 // vocabulary, and the loss reads only its rank's logits (max, sum of exponentials and the target's
 // logit reduced over the group), so no rank holds the whole [B, T, V] logits. LayerNorms, biases
@@ -29,9 +33,10 @@
 // Note [Tensor-parallel shards]. Parameters are named and initialised as the whole tensor (the
 // initialisers of pipewright/init.h draw element i of the WHOLE tensor for each element of the
 // part), so a layer's weights are the same numbers at any t, and checkpoints store whole tensors:
-// TensorShard says which elements a part holds. The split axis is seen as [groups, parts, piece]
-// and part r holds piece r of every group, in group order: groups = 3 for a fused qkv weight
-// (part r holds its heads' rows of q, of k and of v).
+// TensorShard says which elements a part holds. The split axis is a sequence of sections, each
+// seen as [parts, piece], and part r holds piece r of every section, in section order: a fused
+// qkv weight has three (part r holds its heads' rows of q, of k and of v), of unequal sizes under
+// grouped-query attention (q's heads, then the fewer key and value heads).
 #ifndef PIPEWRIGHT_TENSOR_PARALLEL_H_
 #define PIPEWRIGHT_TENSOR_PARALLEL_H_
 
@@ -97,10 +102,18 @@ absl::Status CheckTensorParallelCall(const LayerContext& ctx, int rank, int size
                                      absl::string_view what);
 
 // The part of a whole tensor of `shape` that rank init.tp_rank of init.tp_size holds when split
-// along `axis` as [groups, tp_size, piece]. InvalidArgument naming `what` when the axis's size is
-// not a multiple of groups * tp_size.
+// along `axis` in `sections` (whole sizes along the axis, summing to its size; empty: one), each
+// section split in tp_size pieces. InvalidArgument naming `what` when tp_size does not divide a
+// section.
+absl::StatusOr<TensorShard> ShardOf(const InitContext& init, const std::vector<int64_t>& shape,
+                                    int axis, const std::vector<int64_t>& sections,
+                                    absl::string_view what);
+// The same with `groups` equal sections.
 absl::StatusOr<TensorShard> ShardOf(const InitContext& init, const std::vector<int64_t>& shape,
                                     int axis, int64_t groups, absl::string_view what);
+// `groups` equal sections of a size-`size` axis (ShardOf's sections; a size that `groups` does not
+// divide gives sections ShardOf refuses).
+std::vector<int64_t> EqualSections(int64_t size, int64_t groups);
 // The shape of `shard`'s part of a whole tensor of `shape`.
 std::vector<int64_t> PartShape(std::vector<int64_t> shape, const TensorShard& shard);
 // The whole tensor's shape of a parameter (its value's, or the tensor it is a part of).

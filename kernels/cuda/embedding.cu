@@ -136,6 +136,7 @@ absl::Status EmbeddingPartBackward(cudaStream_t stream, const float* dout, const
   EmbeddingBackwardTokenKernel<<<grid, kColThreads, 0, stream>>>(
       dout, tokens, dwte_part, static_cast<size_t>(B) * T, C, begin, part);
   PW_CUDA_LAUNCH_CHECK("EmbeddingBackwardTokenKernel");
+  if (dwpe == nullptr) return absl::OkStatus();  // no positions (the Llama token embedding)
   const size_t tc = static_cast<size_t>(T) * C;
   EmbeddingBackwardPositionKernel<<<internal::GridFor(tc), internal::kElementwiseThreads, 0,
                                     stream>>>(dout, dwpe, B, T, C);

@@ -74,18 +74,20 @@ absl::Status CheckTensorParallel(const TrainOptions& o, const LayerGraph& graph,
   }
   if (run.sequence_parallel) {
     // Note [Sequence parallelism]: every activation between layers must be one the built-in
-    // layers split along the sequence (a GPT: embedding, blocks, LayerNorm, LM head, loss).
+    // layers split along the sequence (a GPT or a Llama: embedding, blocks, final norm, LM head,
+    // loss).
     for (int i = 0; i < graph.num_layers(); ++i) {
       const LayerNode& n = graph.node(i);
       const std::string kind = n.spec->kind();
-      const bool ok = i == 0 ? kind == "embedding"
-                             : kind == "transformer_block" || kind == "layernorm" ||
-                                   kind == "lm_head" || kind == "cross_entropy";
+      const bool ok = i == 0 ? kind == "embedding" || kind == "token_embedding"
+                             : kind == "transformer_block" || kind == "llama_block" ||
+                                   kind == "layernorm" || kind == "rmsnorm" || kind == "lm_head" ||
+                                   kind == "cross_entropy";
       if (!ok) {
         return absl::InvalidArgumentError(absl::StrCat(
             "RunSpec.sequence_parallel: layer ", i, " '", n.name, "' (", kind,
-            ") does not take sequence-split activations; it supports GPT models (an embedding, "
-            "then transformer blocks, LayerNorms, the LM head and the loss)"));
+            ") does not take sequence-split activations; it supports GPT and Llama models (an "
+            "embedding, then blocks, norms, the LM head and the loss)"));
       }
     }
     if (graph.shape().seq_len % T != 0) {

@@ -135,15 +135,17 @@ std::vector<int64_t> WithLastDim(const std::vector<int64_t>& shape, int64_t last
 
 // ---------------------------------------------------------------------------------------------
 absl::Status LinearLayer::CheckSplit(const InitContext& init, int64_t in, int64_t out,
-                                     Parallel parallel, int64_t groups, absl::string_view what) {
+                                     Parallel parallel, const std::vector<int64_t>& sections,
+                                     absl::string_view what) {
   if (parallel == Parallel::kNone || init.tp_size == 1) return absl::OkStatus();
   const bool column = parallel == Parallel::kColumn;
-  return ShardOf(init, {out, in}, column ? 0 : 1, column ? groups : 1, what).status();
+  return ShardOf(init, {out, in}, column ? 0 : 1, column ? sections : std::vector<int64_t>{}, what)
+      .status();
 }
 
 LinearLayer::LinearLayer(const InitContext& init, int64_t in, int64_t out, bool bias, float std,
                          Activation activation, const std::string& tied_weight, Parallel parallel,
-                         int64_t groups)
+                         const std::vector<int64_t>& sections)
     : in_(in),
       out_(out),
       has_bias_(bias),
@@ -154,8 +156,8 @@ LinearLayer::LinearLayer(const InitContext& init, int64_t in, int64_t out, bool 
   TensorShard w_shard, b_shard;
   if (parallel_ != Parallel::kNone) {
     const bool column = parallel_ == Parallel::kColumn;
-    absl::StatusOr<TensorShard> s =
-        ShardOf(init, {out, in}, column ? 0 : 1, column ? groups : 1, init.name);
+    absl::StatusOr<TensorShard> s = ShardOf(init, {out, in}, column ? 0 : 1,
+                                            column ? sections : std::vector<int64_t>{}, init.name);
     PW_CHECK(s.ok());  // the spec ran CheckSplit
     w_shard = *s;
     if (column) b_shard = w_shard;  // a row-parallel layer's bias is whole

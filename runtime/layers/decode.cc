@@ -185,7 +185,7 @@ absl::Status TransformerBlockLayer::StartDecode(int64_t capacity, const LayerCon
   cache->children.resize(4);
   int i = 0;
   for (Layer* l :
-       std::initializer_list<Layer*>{ln_1_.get(), attn_.get(), ln_2_.get(), mlp_.get()}) {
+       std::initializer_list<Layer*>{norm_1_.get(), attn_.get(), norm_2_.get(), mlp_.get()}) {
     PW_RETURN_IF_ERROR(l->decoder()->StartDecode(capacity, ctx, &cache->children[i++]));
   }
   return absl::OkStatus();
@@ -199,10 +199,10 @@ absl::StatusOr<Tensor> TransformerBlockLayer::Decode(const Tensor& x, const Laye
   }
   const ops::Exec e = ops::ExecOf(ctx);
   std::vector<DecodeCache>& c = cache->children;
-  PW_ASSIGN_OR_RETURN(Tensor a, ln_1_->decoder()->Decode(x, ctx, &c[0]));
+  PW_ASSIGN_OR_RETURN(Tensor a, norm_1_->decoder()->Decode(x, ctx, &c[0]));
   PW_ASSIGN_OR_RETURN(Tensor h, attn_->Decode(a, ctx, &c[1]));
   PW_RETURN_IF_ERROR(ops::AddInPlace(e, h, x));  // h = x + attn(ln_1(x))
-  PW_ASSIGN_OR_RETURN(Tensor m, ln_2_->decoder()->Decode(h, ctx, &c[2]));
+  PW_ASSIGN_OR_RETURN(Tensor m, norm_2_->decoder()->Decode(h, ctx, &c[2]));
   PW_ASSIGN_OR_RETURN(Tensor d, mlp_->Decode(m, ctx, &c[3]));
   PW_RETURN_IF_ERROR(ops::AddInPlace(e, d, h));  // out = h + mlp(ln_2(h))
   cache->length += n;

@@ -29,10 +29,10 @@ absl::StatusOr<Tensor> DecodePositionwise(Layer& layer, const Tensor& x, const L
 // the plain Linear either way.
 //
 // Tensor parallelism (Note [Tensor parallelism] in pipewright/tensor_parallel.h): kColumn holds
-// its part of the outputs (the output axis of W and b as [groups, tp, piece]) and all-reduces its
-// input gradient; kRow holds its part of the inputs, adds the bias and residual on tensor rank 0
-// only and all-reduces its output. `in` and `out` are the whole layer's; at tp_size 1 both modes
-// are the plain layer.
+// its part of the outputs (piece tp_rank of each of the output axis's `sections` of W and b,
+// Note [Tensor-parallel shards]; empty: one section) and all-reduces its input gradient; kRow holds
+// its part of the inputs, adds the bias and residual on tensor rank 0 only and all-reduces its
+// output. `in` and `out` are the whole layer's; at tp_size 1 both modes are the plain layer.
 class LinearLayer final : public Layer, public IncrementalDecoder {
  public:
   enum class Activation { kNone, kGelu };
@@ -41,10 +41,11 @@ class LinearLayer final : public Layer, public IncrementalDecoder {
   // The caller checks the split first (CheckLinearSplit).
   LinearLayer(const InitContext& init, int64_t in, int64_t out, bool bias, float std,
               Activation activation = Activation::kNone, const std::string& tied_weight = "",
-              Parallel parallel = Parallel::kNone, int64_t groups = 1);
+              Parallel parallel = Parallel::kNone, const std::vector<int64_t>& sections = {});
   // InvalidArgument naming `what` when init.tp_size does not split the layer's axis.
   static absl::Status CheckSplit(const InitContext& init, int64_t in, int64_t out,
-                                 Parallel parallel, int64_t groups, absl::string_view what);
+                                 Parallel parallel, const std::vector<int64_t>& sections,
+                                 absl::string_view what);
   absl::string_view kind() const override { return "linear"; }
   IncrementalDecoder* decoder() override { return this; }
   absl::Status StartDecode(int64_t capacity, const LayerContext& ctx, DecodeCache* cache) override;
@@ -241,15 +242,14 @@ class AttentionCoreLayer final : public Layer, public IncrementalDecoder {
   int64_t dim_, heads_;
 };
 
-// Pre-LN GPT-2 block: h = x + attn(ln_1(x)); out = h + mlp(ln_2(h)).
-class TransformerBlockLayer final : public Layer, public IncrementalDecoder {
+// A pre-norm residual block: h = x + attn(norm_1(x)); out = h + mlp(norm_2(h)), where attn and mlp
+// are sequences whose first and last children are Linear layers (the GPT and Llama blocks). Its
+// Saved has the four sublayers' as children. Under selective recomputation
+// (LayerContext::selective_recompute) the inputs of the attention's first product, of the MLP's
+// first and of its last product are dropped after the forward and remade in the backward from
+// what the norms and the MLP's activation keep anyway (Note [Selective recomputation]).
+class PreNormBlockLayer : public Layer {
  public:
-  TransformerBlockLayer(const InitContext& init, int64_t dim, int64_t heads);
-  absl::string_view kind() const override { return "transformer_block"; }
-  IncrementalDecoder* decoder() override { return this; }
-  absl::Status StartDecode(int64_t capacity, const LayerContext& ctx, DecodeCache* cache) override;
-  absl::StatusOr<Tensor> Decode(const Tensor& x, const LayerContext& ctx,
-                                DecodeCache* cache) override;
   absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
   absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
                                        Saved* saved) override;
@@ -259,18 +259,40 @@ class TransformerBlockLayer final : public Layer, public IncrementalDecoder {
   std::vector<Parameter*> Parameters() override;
   std::vector<std::vector<Parameter*>> ParameterGroups() override;
 
+ protected:
+  PreNormBlockLayer(std::unique_ptr<Layer> norm_1, std::unique_ptr<SequentialLayer> attn,
+                    std::unique_ptr<Layer> norm_2, std::unique_ptr<SequentialLayer> mlp)
+      : norm_1_(std::move(norm_1)),
+        attn_(std::move(attn)),
+        norm_2_(std::move(norm_2)),
+        mlp_(std::move(mlp)) {}
+  // The MLP's activation output (its last product's input) from what the MLP's Saved keeps.
+  virtual absl::StatusOr<Tensor> RemakeActivation(const LayerContext& ctx,
+                                                  const Saved& mlp) const = 0;
+  std::unique_ptr<Layer> norm_1_;
+  std::unique_ptr<SequentialLayer> attn_;
+  std::unique_ptr<Layer> norm_2_;
+  std::unique_ptr<SequentialLayer> mlp_;
+
  private:
   // BackwardInput, or with `weights` Backward, of the sublayers in reverse order.
   absl::StatusOr<Tensor> BackwardSublayers(const Tensor& dy, const LayerContext& ctx, Saved* saved,
                                            bool weights);
-  static Tensor& QkvInput(Saved& s);
-  static Tensor& FcInput(Saved& s);
-  static Tensor& MlpProjInput(Saved& s);
   absl::Status Remake(const LayerContext& ctx, Saved* saved);
-  std::unique_ptr<Layer> ln_1_;
-  std::unique_ptr<SequentialLayer> attn_;
-  std::unique_ptr<Layer> ln_2_;
-  std::unique_ptr<SequentialLayer> mlp_;
+};
+
+// Pre-LN GPT-2 block: h = x + attn(ln_1(x)); out = h + mlp(ln_2(h)).
+class TransformerBlockLayer final : public PreNormBlockLayer, public IncrementalDecoder {
+ public:
+  TransformerBlockLayer(const InitContext& init, int64_t dim, int64_t heads);
+  absl::string_view kind() const override { return "transformer_block"; }
+  IncrementalDecoder* decoder() override { return this; }
+  absl::Status StartDecode(int64_t capacity, const LayerContext& ctx, DecodeCache* cache) override;
+  absl::StatusOr<Tensor> Decode(const Tensor& x, const LayerContext& ctx,
+                                DecodeCache* cache) override;
+
+ private:
+  absl::StatusOr<Tensor> RemakeActivation(const LayerContext& ctx, const Saved& mlp) const override;
 };
 
 // ---- The Llama family (runtime/layers/llama.cc; Note [Llama layers] in ops/llama_ops.cc) ----
@@ -293,7 +315,7 @@ class RmsNormLayer final : public Layer {
 };
 
 // Tokens [B, T] -> rows of the token table "wte.weight" (no positions: the attention turns its
-// queries and keys instead).
+// queries and keys instead). Vocab-parallel at init.tp_size > 1, as EmbeddingLayer.
 class TokenEmbeddingLayer final : public Layer {
  public:
   TokenEmbeddingLayer(const InitContext& init, int64_t vocab, int64_t dim);
@@ -306,6 +328,7 @@ class TokenEmbeddingLayer final : public Layer {
 
  private:
   int64_t vocab_, dim_;
+  int tp_rank_ = 0, tp_size_ = 1;
   Parameter wte_;
 };
 
@@ -349,25 +372,16 @@ struct LlamaBlockShape {
 // h = x + o_proj(attn(qkv(norm_1(x)))); out = h + down(swiglu(gate_up(norm_2(h)))), every
 // product without bias; parameter names as transformers' LlamaDecoderLayer's, q/k/v and
 // gate/up fused (self_attn.qkv, mlp.gate_up).
-class LlamaBlockLayer final : public Layer {
+class LlamaBlockLayer final : public PreNormBlockLayer {
  public:
+  // Tensor-parallel at init.tp_size > 1 (CheckSplit says first whether the size splits it:
+  // InvalidArgument naming the layer).
   LlamaBlockLayer(const InitContext& init, const LlamaBlockShape& shape);
+  static absl::Status CheckSplit(const InitContext& init, const LlamaBlockShape& shape);
   absl::string_view kind() const override { return "llama_block"; }
-  absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
-  absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
-                                       Saved* saved) override;
-  absl::Status BackwardWeight(const LayerContext& ctx, Saved* saved) override;
-  absl::StatusOr<Tensor> Backward(const Tensor& dy, const LayerContext& ctx, Saved* saved) override;
-  std::vector<Parameter*> Parameters() override;
-  std::vector<std::vector<Parameter*>> ParameterGroups() override;
 
  private:
-  absl::StatusOr<Tensor> BackwardSublayers(const Tensor& dy, const LayerContext& ctx, Saved* saved,
-                                           bool weights);
-  std::unique_ptr<Layer> norm_1_;
-  std::unique_ptr<SequentialLayer> attn_;
-  std::unique_ptr<Layer> norm_2_;
-  std::unique_ptr<SequentialLayer> mlp_;
+  absl::StatusOr<Tensor> RemakeActivation(const LayerContext& ctx, const Saved& mlp) const override;
 };
 
 // A composite layer's pass over one child (Note [Backward by layer]): its Backward (both halves)

@@ -5,6 +5,7 @@
 #include "absl/strings/str_format.h"
 #include "pipewright/init.h"
 #include "pipewright/ops.h"
+#include "pipewright/tensor_parallel.h"
 #include "runtime/layers/layers_internal.h"
 
 namespace pipewright::internal {
@@ -43,17 +44,33 @@ absl::Status RmsNormLayer::BackwardWeight(const LayerContext& ctx, Saved* saved)
     return absl::FailedPreconditionError("rmsnorm: BackwardWeight before BackwardInput");
   }
   const Tensor& x = saved->tensors[0];
-  PW_RETURN_IF_ERROR(ops::RmsNormBackwardWeight(ops::ExecOf(ctx), x, saved->tensors[1],
-                                                saved->tensors[2], weight_.grad, x.numel() / dim_,
-                                                dim_));
+  const ops::Exec e = ops::ExecOf(ctx);
+  if (SequenceParallel(ctx)) {
+    // This rank saw its positions only: the gradient is the group's sum (as LayerNormLayer's).
+    Tensor g = Tensor::Zeros({dim_}, DType::kF32, AllocatorOf(ctx));
+    PW_RETURN_IF_ERROR(ops::RmsNormBackwardWeight(e, x, saved->tensors[1], saved->tensors[2], g,
+                                                  x.numel() / dim_, dim_));
+    PW_RETURN_IF_ERROR(TensorParallelAllReduce(ctx, g, "rmsnorm's weight gradient"));
+    PW_RETURN_IF_ERROR(ops::AddInPlace(e, weight_.grad, g));
+    saved->Clear();
+    return absl::OkStatus();
+  }
+  PW_RETURN_IF_ERROR(ops::RmsNormBackwardWeight(e, x, saved->tensors[1], saved->tensors[2],
+                                                weight_.grad, x.numel() / dim_, dim_));
   saved->Clear();
   return absl::OkStatus();
 }
 
 // ---------------------------------------------------------------------------------------------
+// Vocab-parallel at tp_size > 1 as EmbeddingLayer is (Note [Tensor parallelism]), without
+// positions: the rank's rows of its tokens, zero rows for the others, summed over the group (or
+// reduce-scattered along the sequence under sequence parallelism). One nonzero term a row, so
+// the same bits as at tp = 1.
 TokenEmbeddingLayer::TokenEmbeddingLayer(const InitContext& init, int64_t vocab, int64_t dim)
-    : vocab_(vocab), dim_(dim) {
-  wte_ = MakeParameter(init, "wte.weight", {vocab, dim}, true);
+    : vocab_(vocab), dim_(dim), tp_rank_(init.tp_rank), tp_size_(init.tp_size) {
+  absl::StatusOr<TensorShard> shard = ShardOf(init, {vocab, dim}, 0, 1, init.name);
+  PW_CHECK(shard.ok());  // the spec checked that the size divides the vocabulary
+  wte_ = MakeShardedParameter(init, "wte.weight", {vocab, dim}, true, *shard);
   InitNormal(wte_, init, 0.02f);
 }
 
@@ -66,19 +83,32 @@ absl::StatusOr<Tensor> TokenEmbeddingLayer::Forward(const Tensor& x, const Layer
   }
   PW_RETURN_IF_ERROR(CheckTokens(x, vocab_));
   Tensor y = Tensor::Empty({x.dim(0), x.dim(1), dim_}, DType::kF32, AllocatorOf(ctx));
+  saved->tensors = {x};
+  if (tp_size_ > 1) {
+    PW_RETURN_IF_ERROR(CheckTensorParallelCall(ctx, tp_rank_, tp_size_, "token embedding"));
+    PW_RETURN_IF_ERROR(ops::EmbeddingPartForward(ops::ExecOf(ctx), x, wte_.value,
+                                                 tp_rank_ * wte_.value.dim(0), Tensor(), y,
+                                                 x.dim(0), x.dim(1), dim_));
+    if (SequenceParallel(ctx)) {
+      return SequenceReduceScatter(ctx, y, "vocab-parallel token embedding's rows");
+    }
+    PW_RETURN_IF_ERROR(TensorParallelAllReduce(ctx, y, "vocab-parallel token embedding's rows"));
+    return y;
+  }
   PW_RETURN_IF_ERROR(
       ops::TokenEmbeddingForward(ops::ExecOf(ctx), x, wte_.value, y, x.numel(), dim_));
-  saved->tensors = {x};
   return y;
 }
 
-absl::StatusOr<Tensor> TokenEmbeddingLayer::BackwardInput(const Tensor& dy, const LayerContext&,
+absl::StatusOr<Tensor> TokenEmbeddingLayer::BackwardInput(const Tensor& dy, const LayerContext& ctx,
                                                           Saved* saved) {
   if (saved->tensors.size() != 1) {
     return absl::FailedPreconditionError("token embedding: no forward");
   }
   const Tensor& x = saved->tensors[0];
-  PW_RETURN_IF_ERROR(CheckGradShape(dy, {x.dim(0), x.dim(1), dim_}, "token embedding backward"));
+  // Under sequence parallelism the gradient of this rank's positions.
+  const int64_t positions = SequenceParallel(ctx) ? x.dim(1) / ctx.tp->size : x.dim(1);
+  PW_RETURN_IF_ERROR(CheckGradShape(dy, {x.dim(0), positions, dim_}, "token embedding backward"));
   saved->tensors.push_back(dy);
   return Tensor();  // token inputs have no gradient
 }
@@ -88,6 +118,16 @@ absl::Status TokenEmbeddingLayer::BackwardWeight(const LayerContext& ctx, Saved*
     return absl::FailedPreconditionError("token embedding: BackwardWeight before BackwardInput");
   }
   const Tensor& x = saved->tensors[0];
+  if (tp_size_ > 1) {
+    PW_ASSIGN_OR_RETURN(
+        Tensor dy, SequenceAllGather(ctx, saved->tensors[1], "token embedding's output gradient"));
+    Tensor none;
+    PW_RETURN_IF_ERROR(ops::EmbeddingPartBackward(ops::ExecOf(ctx), dy, x,
+                                                  tp_rank_ * wte_.grad.dim(0), wte_.grad, none,
+                                                  x.dim(0), x.dim(1), dim_));
+    saved->Clear();
+    return absl::OkStatus();
+  }
   PW_RETURN_IF_ERROR(ops::TokenEmbeddingBackward(ops::ExecOf(ctx), x, saved->tensors[1], wte_.grad,
                                                  x.numel(), dim_));
   saved->Clear();
@@ -163,93 +203,74 @@ absl::StatusOr<Tensor> SwiGluLayer::BackwardInput(const Tensor& dy, const LayerC
 // ---------------------------------------------------------------------------------------------
 namespace {
 using Act = LinearLayer::Activation;
+using Parallel = LinearLayer::Parallel;
+
+int64_t KvWidth(const LlamaBlockShape& s) { return s.kv_heads * (s.dim / s.heads); }
+std::vector<int64_t> QkvSections(const LlamaBlockShape& s) {
+  return {s.dim, KvWidth(s), KvWidth(s)};
+}
 }  // namespace
 
-LlamaBlockLayer::LlamaBlockLayer(const InitContext& init, const LlamaBlockShape& s) {
-  const int64_t kv = s.kv_heads * (s.dim / s.heads);
-  norm_1_ = std::make_unique<RmsNormLayer>(ChildInit(init, "input_layernorm"), s.dim, s.eps);
-  std::vector<std::unique_ptr<Layer>> attn;
-  attn.push_back(std::make_unique<LinearLayer>(ChildInit(ChildInit(init, "self_attn"), "qkv"),
-                                               s.dim, s.dim + 2 * kv, false, 0.02f));
-  attn.push_back(std::make_unique<RotaryAttentionLayer>(s.dim, s.heads, s.kv_heads, s.rope_theta));
-  attn.push_back(std::make_unique<LinearLayer>(ChildInit(ChildInit(init, "self_attn"), "o_proj"),
-                                               s.dim, s.dim, false, 0.02f));
-  attn_ = std::make_unique<SequentialLayer>("llama_attention", std::move(attn));
-  norm_2_ =
-      std::make_unique<RmsNormLayer>(ChildInit(init, "post_attention_layernorm"), s.dim, s.eps);
-  std::vector<std::unique_ptr<Layer>> mlp;
-  mlp.push_back(std::make_unique<LinearLayer>(ChildInit(ChildInit(init, "mlp"), "gate_up"), s.dim,
-                                              2 * s.ffn, false, 0.02f, Act::kNone));
-  mlp.push_back(std::make_unique<SwiGluLayer>(s.ffn));
-  mlp.push_back(std::make_unique<LinearLayer>(ChildInit(ChildInit(init, "mlp"), "down_proj"), s.ffn,
-                                              s.dim, false, 0.02f));
-  mlp_ = std::make_unique<SequentialLayer>("llama_mlp", std::move(mlp));
-}
-
-absl::StatusOr<Tensor> LlamaBlockLayer::Forward(const Tensor& x, const LayerContext& ctx,
-                                                Saved* saved) {
-  saved->Clear();
-  saved->children.resize(4);
-  PW_ASSIGN_OR_RETURN(Tensor a, norm_1_->Forward(x, ctx, &saved->children[0]));
-  PW_ASSIGN_OR_RETURN(Tensor h, attn_->ForwardWithResidual(a, x, ctx, &saved->children[1]));
-  PW_ASSIGN_OR_RETURN(Tensor c, norm_2_->Forward(h, ctx, &saved->children[2]));
-  return mlp_->ForwardWithResidual(c, h, ctx, &saved->children[3]);
-}
-
-absl::StatusOr<Tensor> LlamaBlockLayer::BackwardSublayers(const Tensor& dy, const LayerContext& ctx,
-                                                          Saved* saved, bool weights) {
-  if (saved->children.size() != 4) {
-    return absl::FailedPreconditionError("llama_block: backward without forward");
+// Tensor-parallel as the GPT block (Note [Tensor parallelism]): the rank holds heads/t query
+// heads and kv_heads/t key-value heads (the fused qkv column-parallel in its three unequal
+// sections, so the rank's part is (q | k | v) of its heads and each of its query heads' kv head
+// is among its own), ffn/t of the gate and of the up units (gate_up's two sections), and the
+// o_proj and down_proj row-parallel. RMSNorms are replicated.
+absl::Status LlamaBlockLayer::CheckSplit(const InitContext& init, const LlamaBlockShape& s) {
+  if (init.tp_size == 1) return absl::OkStatus();
+  if (s.heads % init.tp_size != 0 || s.kv_heads % init.tp_size != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: a tensor-parallel size of %d does not divide its %d heads and %d key-value heads",
+        init.name, init.tp_size, s.heads, s.kv_heads));
   }
-  PW_ASSIGN_OR_RETURN(Tensor dc, ChildBackward(*mlp_, dy, ctx, &saved->children[3], weights));
-  PW_ASSIGN_OR_RETURN(Tensor dh, ChildBackward(*norm_2_, dc, ctx, &saved->children[2], weights));
-  PW_RETURN_IF_ERROR(ops::AddInPlace(ops::ExecOf(ctx), dh, dy));
-  PW_ASSIGN_OR_RETURN(Tensor da, ChildBackward(*attn_, dh, ctx, &saved->children[1], weights));
-  PW_ASSIGN_OR_RETURN(Tensor dx, ChildBackward(*norm_1_, da, ctx, &saved->children[0], weights));
-  PW_RETURN_IF_ERROR(ops::AddInPlace(ops::ExecOf(ctx), dx, dh));
-  if (weights) saved->Clear();
-  return dx;
+  PW_RETURN_IF_ERROR(LinearLayer::CheckSplit(init, s.dim, s.dim + 2 * KvWidth(s), Parallel::kColumn,
+                                             QkvSections(s), init.name));
+  return LinearLayer::CheckSplit(init, s.dim, 2 * s.ffn, Parallel::kColumn, {s.ffn, s.ffn},
+                                 absl::StrCat(init.name, " (ffn width)"));
 }
 
-absl::StatusOr<Tensor> LlamaBlockLayer::BackwardInput(const Tensor& dy, const LayerContext& ctx,
-                                                      Saved* saved) {
-  return BackwardSublayers(dy, ctx, saved, /*weights=*/false);
+namespace {
+std::unique_ptr<SequentialLayer> MakeLlamaAttention(const InitContext& init,
+                                                    const LlamaBlockShape& s) {
+  const int64_t t = init.tp_size;
+  std::vector<std::unique_ptr<Layer>> c;
+  c.push_back(std::make_unique<LinearLayer>(ChildInit(init, "qkv"), s.dim, s.dim + 2 * KvWidth(s),
+                                            false, 0.02f, Act::kNone, "", Parallel::kColumn,
+                                            QkvSections(s)));
+  c.push_back(
+      std::make_unique<RotaryAttentionLayer>(s.dim / t, s.heads / t, s.kv_heads / t, s.rope_theta));
+  c.push_back(std::make_unique<LinearLayer>(ChildInit(init, "o_proj"), s.dim, s.dim, false, 0.02f,
+                                            Act::kNone, "", Parallel::kRow));
+  return std::make_unique<SequentialLayer>("llama_attention", std::move(c));
 }
 
-absl::StatusOr<Tensor> LlamaBlockLayer::Backward(const Tensor& dy, const LayerContext& ctx,
-                                                 Saved* saved) {
-  return BackwardSublayers(dy, ctx, saved, /*weights=*/true);
+std::unique_ptr<SequentialLayer> MakeLlamaMlp(const InitContext& init, const LlamaBlockShape& s) {
+  std::vector<std::unique_ptr<Layer>> c;
+  c.push_back(std::make_unique<LinearLayer>(ChildInit(init, "gate_up"), s.dim, 2 * s.ffn, false,
+                                            0.02f, Act::kNone, "", Parallel::kColumn,
+                                            std::vector<int64_t>{s.ffn, s.ffn}));
+  c.push_back(std::make_unique<SwiGluLayer>(s.ffn / init.tp_size));
+  c.push_back(std::make_unique<LinearLayer>(ChildInit(init, "down_proj"), s.ffn, s.dim, false,
+                                            0.02f, Act::kNone, "", Parallel::kRow));
+  return std::make_unique<SequentialLayer>("llama_mlp", std::move(c));
 }
+}  // namespace
 
-absl::Status LlamaBlockLayer::BackwardWeight(const LayerContext& ctx, Saved* saved) {
-  if (saved->children.size() != 4) {
-    return absl::FailedPreconditionError("llama_block: BackwardWeight without forward");
-  }
-  Layer* const children[] = {norm_1_.get(), attn_.get(), norm_2_.get(), mlp_.get()};
-  for (int i = 4; i-- > 0;) {
-    PW_RETURN_IF_ERROR(children[i]->BackwardWeight(ctx, &saved->children[i]));
-    PW_RETURN_IF_ERROR(ReportGradients(ctx, *children[i]));
-  }
-  saved->Clear();
-  return absl::OkStatus();
-}
+LlamaBlockLayer::LlamaBlockLayer(const InitContext& init, const LlamaBlockShape& s)
+    : PreNormBlockLayer(
+          std::make_unique<RmsNormLayer>(ChildInit(init, "input_layernorm"), s.dim, s.eps),
+          MakeLlamaAttention(ChildInit(init, "self_attn"), s),
+          std::make_unique<RmsNormLayer>(ChildInit(init, "post_attention_layernorm"), s.dim, s.eps),
+          MakeLlamaMlp(ChildInit(init, "mlp"), s)) {}
 
-std::vector<Parameter*> LlamaBlockLayer::Parameters() {
-  std::vector<Parameter*> out;
-  for (Layer* l : {static_cast<Layer*>(norm_1_.get()), static_cast<Layer*>(attn_.get()),
-                   static_cast<Layer*>(norm_2_.get()), static_cast<Layer*>(mlp_.get())}) {
-    for (Parameter* p : l->Parameters()) out.push_back(p);
-  }
-  return out;
-}
-
-std::vector<std::vector<Parameter*>> LlamaBlockLayer::ParameterGroups() {
-  std::vector<std::vector<Parameter*>> out;
-  for (Layer* l : {static_cast<Layer*>(norm_1_.get()), static_cast<Layer*>(attn_.get()),
-                   static_cast<Layer*>(norm_2_.get()), static_cast<Layer*>(mlp_.get())}) {
-    for (std::vector<Parameter*>& g : l->ParameterGroups()) out.push_back(std::move(g));
-  }
-  return out;
+// SwiGLU(g | u), from the gate_up output the SwiGLU layer keeps.
+absl::StatusOr<Tensor> LlamaBlockLayer::RemakeActivation(const LayerContext& ctx,
+                                                         const Saved& mlp) const {
+  const Tensor& gu = mlp.children.at(1).tensors.at(0);
+  const int64_t ffn = gu.dim(-1) / 2;
+  Tensor y = Tensor::Empty(WithLastDim(gu.shape(), ffn), DType::kF32, AllocatorOf(ctx));
+  PW_RETURN_IF_ERROR(ops::SwiGluForward(ops::ExecOf(ctx), gu, y, gu.numel() / (2 * ffn), ffn));
+  return y;
 }
 
 }  // namespace pipewright::internal

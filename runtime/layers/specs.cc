@@ -237,7 +237,7 @@ LayerSpecPtr LmHead(int64_t dim, int64_t vocab, const std::string& tied_to) {
         // vocab-parallel loss (Note [Tensor parallelism] in pipewright/tensor_parallel.h).
         constexpr auto kColumn = internal::LinearLayer::Parallel::kColumn;
         PW_RETURN_IF_ERROR(
-            internal::LinearLayer::CheckSplit(init, dim, vocab, kColumn, 1, init.name));
+            internal::LinearLayer::CheckSplit(init, dim, vocab, kColumn, {}, init.name));
         return std::make_unique<internal::LinearLayer>(init, dim, vocab, false, 0.02f,
                                                        internal::LinearLayer::Activation::kNone,
                                                        weight, kColumn);
@@ -258,14 +258,6 @@ Cost RmsNormCost(int64_t n, int64_t dim) {
   return c;
 }
 
-// The layers have no tensor-parallel form yet: a size > 1 is refused naming the layer.
-absl::Status NoTensorParallelism(const InitContext& init) {
-  if (init.tp_size <= 1) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      init.name, ": the Llama layers have no tensor-parallel form yet (tensor parallel size ",
-      init.tp_size, ")"));
-}
-
 }  // namespace
 
 LayerSpecPtr RmsNorm(int64_t dim, float eps) {
@@ -274,7 +266,6 @@ LayerSpecPtr RmsNorm(int64_t dim, float eps) {
       "rmsnorm", absl::StrFormat("dim=%d,eps=%g", dim, eps),
       [=](const MicroBatchShape& s, int64_t) { return RmsNormCost(s.tokens(), dim); },
       [=](const InitContext& init) -> absl::StatusOr<std::unique_ptr<Layer>> {
-        PW_RETURN_IF_ERROR(NoTensorParallelism(init));
         return std::make_unique<internal::RmsNormLayer>(init, dim, eps);
       });
 }
@@ -293,7 +284,7 @@ LayerSpecPtr TokenEmbedding(int64_t vocab, int64_t dim) {
         return c;
       },
       [=](const InitContext& init) -> absl::StatusOr<std::unique_ptr<Layer>> {
-        PW_RETURN_IF_ERROR(NoTensorParallelism(init));
+        PW_RETURN_IF_ERROR(ShardOf(init, {vocab, dim}, 0, 1, init.name).status());
         return std::make_unique<internal::TokenEmbeddingLayer>(init, vocab, dim);
       },
       [=](const std::vector<int64_t>& tokens) {  // [B, T] -> [B, T, dim]
@@ -331,12 +322,16 @@ LayerSpecPtr LlamaBlock(int64_t dim, int64_t heads, int64_t kv_heads, int64_t ff
         c += LinearCost(n, ffn, dim, false);
         c.forward_flops += 2.0 * n * dim;  // the two residual adds
         c.backward_flops += 2.0 * n * dim;
+        // Recompute::kSelective: the two RMSNorm outputs and the SwiGLU output (the qkv, gate_up
+        // and down_proj inputs), remade from what the norms and the SwiGLU keep anyway.
+        c.selective_saving_bytes = (2 * n * dim + n * ffn) * kF32;
+        c.selective_recompute_flops = 2 * RmsNormCost(n, dim).forward_flops + glu.forward_flops;
         return c;
       },
       [=](const InitContext& init) -> absl::StatusOr<std::unique_ptr<Layer>> {
-        PW_RETURN_IF_ERROR(NoTensorParallelism(init));
-        return std::make_unique<internal::LlamaBlockLayer>(
-            init, internal::LlamaBlockShape{dim, heads, kv_heads, ffn, rope_theta, eps});
+        const internal::LlamaBlockShape shape{dim, heads, kv_heads, ffn, rope_theta, eps};
+        PW_RETURN_IF_ERROR(internal::LlamaBlockLayer::CheckSplit(init, shape));
+        return std::make_unique<internal::LlamaBlockLayer>(init, shape);
       });
 }
 

@@ -171,7 +171,7 @@ absl::StatusOr<Tensor> AttentionCoreLayer::BackwardInput(const Tensor& dy, const
 using Parallel = LinearLayer::Parallel;
 
 absl::Status CheckMlpSplit(const InitContext& init, int64_t dim, int64_t hidden) {
-  return LinearLayer::CheckSplit(init, dim, hidden, Parallel::kColumn, 1,
+  return LinearLayer::CheckSplit(init, dim, hidden, Parallel::kColumn, {},
                                  absl::StrCat(init.name, " (hidden width)"));
 }
 
@@ -181,7 +181,7 @@ absl::Status CheckAttentionSplit(const InitContext& init, int64_t dim, int64_t h
         absl::StrFormat("%s: a tensor-parallel size of %d does not divide its %d heads", init.name,
                         init.tp_size, heads));
   }
-  return LinearLayer::CheckSplit(init, dim, 3 * dim, Parallel::kColumn, 3, init.name);
+  return LinearLayer::CheckSplit(init, dim, 3 * dim, Parallel::kColumn, {dim, dim, dim}, init.name);
 }
 
 std::unique_ptr<SequentialLayer> MakeMlp(const InitContext& init, int64_t dim, int64_t hidden) {
@@ -200,7 +200,7 @@ std::unique_ptr<SequentialLayer> MakeAttention(const InitContext& init, int64_t 
   std::vector<std::unique_ptr<Layer>> c;
   c.push_back(std::make_unique<LinearLayer>(ChildInit(init, "qkv"), dim, 3 * dim, true, 0.02f,
                                             LinearLayer::Activation::kNone, "", Parallel::kColumn,
-                                            /*groups=*/3));
+                                            std::vector<int64_t>{dim, dim, dim}));
   c.push_back(std::make_unique<AttentionCoreLayer>(dim / init.tp_size, heads / init.tp_size));
   c.push_back(std::make_unique<LinearLayer>(ChildInit(init, "proj"), dim, dim, true,
                                             ResidualStd(init), LinearLayer::Activation::kNone, "",
@@ -209,14 +209,16 @@ std::unique_ptr<SequentialLayer> MakeAttention(const InitContext& init, int64_t 
 }
 
 // ---------------------------------------------------------------------------------------------
-TransformerBlockLayer::TransformerBlockLayer(const InitContext& init, int64_t dim, int64_t heads)
-    : ln_1_(std::make_unique<LayerNormLayer>(ChildInit(init, "ln_1"), dim, 1e-5f)),
-      attn_(MakeAttention(ChildInit(init, "attn"), dim, heads)),
-      ln_2_(std::make_unique<LayerNormLayer>(ChildInit(init, "ln_2"), dim, 1e-5f)),
-      mlp_(MakeMlp(ChildInit(init, "mlp"), dim, 4 * dim)) {}
+namespace {
+// The Linear layers' saved inputs inside a block's Saved (LinearLayer keeps its input first): the
+// attention's first product (qkv), the MLP's first (fc, gate_up) and its last (proj, down_proj).
+Tensor& AttentionInput(Saved& s) { return s.children[1].children.at(0).tensors.at(0); }
+Tensor& MlpInput(Saved& s) { return s.children[3].children.at(0).tensors.at(0); }
+Tensor& MlpLastInput(Saved& s) { return s.children[3].children.back().tensors.at(0); }
+}  // namespace
 
-absl::StatusOr<Tensor> TransformerBlockLayer::Forward(const Tensor& x, const LayerContext& ctx,
-                                                      Saved* saved) {
+absl::StatusOr<Tensor> PreNormBlockLayer::Forward(const Tensor& x, const LayerContext& ctx,
+                                                  Saved* saved) {
   saved->Clear();
   saved->children.resize(4);
   // Note [Residual epilogue]. The residual adds run in the epilogues of the attention's and the
@@ -224,82 +226,74 @@ absl::StatusOr<Tensor> TransformerBlockLayer::Forward(const Tensor& x, const Lay
   // residual): h = x + attn(...) and out = h + mlp(...) are written once, where an Add pass
   // re-read the product's output and the residual and wrote the sum. The same additions of the
   // same values (x + y == y + x in IEEE arithmetic), so the same bits.
-  PW_ASSIGN_OR_RETURN(Tensor a, ln_1_->Forward(x, ctx, &saved->children[0]));
+  PW_ASSIGN_OR_RETURN(Tensor a, norm_1_->Forward(x, ctx, &saved->children[0]));
   PW_ASSIGN_OR_RETURN(Tensor h, attn_->ForwardWithResidual(a, x, ctx, &saved->children[1]));
-  PW_ASSIGN_OR_RETURN(Tensor c, ln_2_->Forward(h, ctx, &saved->children[2]));
+  PW_ASSIGN_OR_RETURN(Tensor c, norm_2_->Forward(h, ctx, &saved->children[2]));
   PW_ASSIGN_OR_RETURN(Tensor d, mlp_->ForwardWithResidual(c, h, ctx, &saved->children[3]));
   if (ctx.selective_recompute) {
     // Note [Selective recomputation]. The inputs the products kept that are pointwise functions
-    // of other kept tensors: ln_1(x) and ln_2(h) (their LayerNorms keep x and h) and
-    // GELU(pre) (the fc layer keeps pre). Dropped here, remade by Remake in the backward.
-    QkvInput(*saved) = Tensor();
-    FcInput(*saved) = Tensor();
-    MlpProjInput(*saved) = Tensor();
+    // of other kept tensors: norm_1(x) and norm_2(h) (the norms keep x and h) and the MLP's
+    // activation (GELU(pre), which the fused fc keeps pre for; SwiGLU(g | u), which the SwiGLU
+    // layer keeps g | u for). Dropped here, remade by Remake in the backward.
+    AttentionInput(*saved) = Tensor();
+    MlpInput(*saved) = Tensor();
+    MlpLastInput(*saved) = Tensor();
   }
   return d;
 }
 
-// The Linear layers' saved inputs inside the block's Saved (LinearLayer keeps its input first;
-// attn = {qkv, core, proj}, mlp = {fc + GELU, proj}).
-Tensor& TransformerBlockLayer::QkvInput(Saved& s) { return s.children[1].children[0].tensors[0]; }
-Tensor& TransformerBlockLayer::FcInput(Saved& s) { return s.children[3].children[0].tensors[0]; }
-Tensor& TransformerBlockLayer::MlpProjInput(Saved& s) {
-  return s.children[3].children[1].tensors[0];
-}
-
 // Remakes what Forward dropped under selective recomputation, with the same kernels on the same
 // inputs (so the same bits), rounded to the precision the products ran in.
-absl::Status TransformerBlockLayer::Remake(const LayerContext& ctx, Saved* saved) {
+absl::Status PreNormBlockLayer::Remake(const LayerContext& ctx, Saved* saved) {
   const ops::Exec e = ops::ExecOf(ctx);
   auto as_saved = [&](Tensor t) -> absl::StatusOr<Tensor> {
     if (ctx.compute_dtype == DType::kF32) return t;
     return ops::Cast(e, t, ctx.compute_dtype);
   };
   Saved scratch;
-  const Tensor& x = saved->children[0].tensors.at(0);                // ln_1's input
-  const Tensor& h = saved->children[2].tensors.at(0);                // ln_2's input
-  const Tensor& pre = saved->children[3].children[0].tensors.at(1);  // fc's pre-activation
-  PW_ASSIGN_OR_RETURN(Tensor a, ln_1_->Forward(x, ctx, &scratch));
-  PW_ASSIGN_OR_RETURN(QkvInput(*saved), as_saved(std::move(a)));
-  PW_ASSIGN_OR_RETURN(Tensor c, ln_2_->Forward(h, ctx, &scratch));
-  PW_ASSIGN_OR_RETURN(FcInput(*saved), as_saved(std::move(c)));
-  PW_ASSIGN_OR_RETURN(Tensor g, ops::GeluForward(e, pre));
-  PW_ASSIGN_OR_RETURN(MlpProjInput(*saved), as_saved(std::move(g)));
+  const Tensor& x = saved->children[0].tensors.at(0);  // norm_1's input
+  const Tensor& h = saved->children[2].tensors.at(0);  // norm_2's input
+  PW_ASSIGN_OR_RETURN(Tensor a, norm_1_->Forward(x, ctx, &scratch));
+  PW_ASSIGN_OR_RETURN(AttentionInput(*saved), as_saved(std::move(a)));
+  PW_ASSIGN_OR_RETURN(Tensor c, norm_2_->Forward(h, ctx, &scratch));
+  PW_ASSIGN_OR_RETURN(MlpInput(*saved), as_saved(std::move(c)));
+  PW_ASSIGN_OR_RETURN(Tensor g, RemakeActivation(ctx, saved->children[3]));
+  PW_ASSIGN_OR_RETURN(MlpLastInput(*saved), as_saved(std::move(g)));
   return absl::OkStatus();
 }
 
-absl::StatusOr<Tensor> TransformerBlockLayer::BackwardSublayers(const Tensor& dy,
-                                                                const LayerContext& ctx,
-                                                                Saved* saved, bool weights) {
+absl::StatusOr<Tensor> PreNormBlockLayer::BackwardSublayers(const Tensor& dy,
+                                                            const LayerContext& ctx, Saved* saved,
+                                                            bool weights) {
   if (saved->children.size() != 4) {
-    return absl::FailedPreconditionError("transformer_block: backward without forward");
+    return absl::FailedPreconditionError(absl::StrCat(kind(), ": backward without forward"));
   }
-  if (!QkvInput(*saved).defined()) PW_RETURN_IF_ERROR(Remake(ctx, saved));
+  if (!AttentionInput(*saved).defined()) PW_RETURN_IF_ERROR(Remake(ctx, saved));
   PW_ASSIGN_OR_RETURN(Tensor dc, ChildBackward(*mlp_, dy, ctx, &saved->children[3], weights));
-  PW_ASSIGN_OR_RETURN(Tensor dh, ChildBackward(*ln_2_, dc, ctx, &saved->children[2], weights));
+  PW_ASSIGN_OR_RETURN(Tensor dh, ChildBackward(*norm_2_, dc, ctx, &saved->children[2], weights));
   PW_RETURN_IF_ERROR(ops::AddInPlace(ops::ExecOf(ctx), dh, dy));
   PW_ASSIGN_OR_RETURN(Tensor da, ChildBackward(*attn_, dh, ctx, &saved->children[1], weights));
-  PW_ASSIGN_OR_RETURN(Tensor dx, ChildBackward(*ln_1_, da, ctx, &saved->children[0], weights));
+  PW_ASSIGN_OR_RETURN(Tensor dx, ChildBackward(*norm_1_, da, ctx, &saved->children[0], weights));
   PW_RETURN_IF_ERROR(ops::AddInPlace(ops::ExecOf(ctx), dx, dh));
   if (weights) saved->Clear();
   return dx;
 }
 
-absl::StatusOr<Tensor> TransformerBlockLayer::BackwardInput(const Tensor& dy,
-                                                            const LayerContext& ctx, Saved* saved) {
+absl::StatusOr<Tensor> PreNormBlockLayer::BackwardInput(const Tensor& dy, const LayerContext& ctx,
+                                                        Saved* saved) {
   return BackwardSublayers(dy, ctx, saved, /*weights=*/false);
 }
 
-absl::StatusOr<Tensor> TransformerBlockLayer::Backward(const Tensor& dy, const LayerContext& ctx,
-                                                       Saved* saved) {
+absl::StatusOr<Tensor> PreNormBlockLayer::Backward(const Tensor& dy, const LayerContext& ctx,
+                                                   Saved* saved) {
   return BackwardSublayers(dy, ctx, saved, /*weights=*/true);
 }
 
-absl::Status TransformerBlockLayer::BackwardWeight(const LayerContext& ctx, Saved* saved) {
+absl::Status PreNormBlockLayer::BackwardWeight(const LayerContext& ctx, Saved* saved) {
   if (saved->children.size() != 4) {
-    return absl::FailedPreconditionError("transformer_block: BackwardWeight without forward");
+    return absl::FailedPreconditionError(absl::StrCat(kind(), ": BackwardWeight without forward"));
   }
-  Layer* const children[] = {ln_1_.get(), attn_.get(), ln_2_.get(), mlp_.get()};
+  Layer* const children[] = {norm_1_.get(), attn_.get(), norm_2_.get(), mlp_.get()};
   for (int i = 4; i-- > 0;) {
     PW_RETURN_IF_ERROR(children[i]->BackwardWeight(ctx, &saved->children[i]));
     PW_RETURN_IF_ERROR(ReportGradients(ctx, *children[i]));
@@ -308,17 +302,30 @@ absl::Status TransformerBlockLayer::BackwardWeight(const LayerContext& ctx, Save
   return absl::OkStatus();
 }
 
-std::vector<std::vector<Parameter*>> TransformerBlockLayer::ParameterGroups() {
-  return ChildGroups({ln_1_.get(), attn_.get(), ln_2_.get(), mlp_.get()});
+std::vector<std::vector<Parameter*>> PreNormBlockLayer::ParameterGroups() {
+  return ChildGroups({norm_1_.get(), attn_.get(), norm_2_.get(), mlp_.get()});
 }
 
-std::vector<Parameter*> TransformerBlockLayer::Parameters() {
+std::vector<Parameter*> PreNormBlockLayer::Parameters() {
   std::vector<Parameter*> out;
   for (Layer* l :
-       std::initializer_list<Layer*>{ln_1_.get(), attn_.get(), ln_2_.get(), mlp_.get()}) {
+       std::initializer_list<Layer*>{norm_1_.get(), attn_.get(), norm_2_.get(), mlp_.get()}) {
     for (Parameter* p : l->Parameters()) out.push_back(p);
   }
   return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+TransformerBlockLayer::TransformerBlockLayer(const InitContext& init, int64_t dim, int64_t heads)
+    : PreNormBlockLayer(std::make_unique<LayerNormLayer>(ChildInit(init, "ln_1"), dim, 1e-5f),
+                        MakeAttention(ChildInit(init, "attn"), dim, heads),
+                        std::make_unique<LayerNormLayer>(ChildInit(init, "ln_2"), dim, 1e-5f),
+                        MakeMlp(ChildInit(init, "mlp"), dim, 4 * dim)) {}
+
+// GELU(pre), from the pre-activation the fused fc keeps.
+absl::StatusOr<Tensor> TransformerBlockLayer::RemakeActivation(const LayerContext& ctx,
+                                                               const Saved& mlp) const {
+  return ops::GeluForward(ops::ExecOf(ctx), mlp.children.at(0).tensors.at(1));
 }
 
 }  // namespace pipewright::internal

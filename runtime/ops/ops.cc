@@ -520,7 +520,7 @@ absl::Status EmbeddingPartBackward(const Exec& e, const Tensor& dout, const Tens
   const int32_t* tok = tokens.data<int32_t>();
   const float* d = dout.data<float>();
   float* dwte = dwte_part.data<float>();
-  float* dpos = dwpe.data<float>();
+  float* dpos = dwpe.defined() ? dwpe.data<float>() : nullptr;
   for (int64_t bt = 0; bt < B * T; ++bt) {  // one thread: rows may share a token
     const int64_t v = tok[bt] - begin;
     const float* g = d + bt * C;
@@ -528,6 +528,7 @@ absl::Status EmbeddingPartBackward(const Exec& e, const Tensor& dout, const Tens
       float* w = dwte + v * C;
       for (int64_t c = 0; c < C; ++c) w[c] += g[c];
     }
+    if (dpos == nullptr) continue;
     float* p = dpos + (bt % T) * C;
     for (int64_t c = 0; c < C; ++c) p[c] += g[c];
   }

@@ -267,9 +267,9 @@ absl::Status EmbeddingPartForward(const Exec& e, const Tensor& tokens, const Ten
 absl::Status EmbeddingPartBackward(const Exec& e, const Tensor& dout, const Tensor& tokens,
                                    int64_t begin, Tensor& dwte_part, Tensor& dwpe, int64_t B,
                                    int64_t T, int64_t C) {
-  return cuda::EmbeddingPartBackward(StreamOf(e), dout.data<float>(), tokens.data<int32_t>(), begin,
-                                     dwte_part.dim(0), dwte_part.data<float>(), dwpe.data<float>(),
-                                     I(B), I(T), I(C));
+  return cuda::EmbeddingPartBackward(
+      StreamOf(e), dout.data<float>(), tokens.data<int32_t>(), begin, dwte_part.dim(0),
+      dwte_part.data<float>(), dwpe.defined() ? dwpe.data<float>() : nullptr, I(B), I(T), I(C));
 }
 
 absl::Status RowMax(const Exec& e, const Tensor& logits, int64_t rows, int64_t cols, Tensor& max) {

@@ -369,6 +369,58 @@ TEST(PlanJsonTensorParallel, TpMustDivideTheModelsHeadsAndVocabulary) {
   EXPECT_TRUE(Has(After([](json&) {}, &m), "tensor_parallel", "no transformer shape"));
 }
 
+// The Llama block (Note [Tensor-parallel costs]): of its 4(8nh + 2n + an + 3nf) saved bytes the
+// norms' inputs, statistics and outputs (4(4nh + 2n)) are whole without SP; of its parameters
+// only the two RMSNorm weights; a tp that does not divide the key-value heads is refused.
+TEST(TensorParallel, TheLlamaBlockSplitsAllButItsNorms) {
+  LlamaConfig c;
+  c.layers = 2;
+  c.hidden = 256;
+  c.heads = 8;
+  c.kv_heads = 4;
+  c.ffn = 688;
+  c.seq = 128;
+  c.vocab = 512;
+  const int64_t b = 2, n = b * c.seq, h = c.hidden, a = c.heads, f = c.ffn;
+  absl::StatusOr<LayerGraph> g = LlamaModel("llama-test", c, b);
+  ASSERT_TRUE(g.ok()) << g.status();
+  const ModelCosts m = ToModelCosts(*g);
+  ASSERT_TRUE(m.transformer.has_value()) << "a Llama graph has a shape under any name";
+  EXPECT_EQ(m.transformer->kv_heads, 4);
+  EXPECT_EQ(m.transformer->ffn_hidden, f);
+  const LayerCost& whole = Layer(m, "blocks.0");
+  ASSERT_EQ(whole.activation_bytes, 4 * (8 * n * h + 2 * n + a * n + 3 * n * f));
+  ASSERT_EQ(whole.selective_saving_bytes, 4 * (2 * n * h + n * f));
+  for (int t : {2, 4}) {
+    absl::StatusOr<TensorParallelCosts> tp = ShardForTensorParallel(m, Devices(t), t, false);
+    absl::StatusOr<TensorParallelCosts> sp = ShardForTensorParallel(m, Devices(t), t, true);
+    ASSERT_TRUE(tp.ok() && sp.ok()) << tp.status() << sp.status();
+    const LayerCost& r = Layer(tp->rank, "blocks.0");
+    EXPECT_EQ(r.activation_bytes, 4 * (4 * n * h + 2 * n) + 4 * (4 * n * h + a * n + 3 * n * f) / t)
+        << t;
+    EXPECT_EQ(Layer(sp->rank, "blocks.0").activation_bytes, whole.activation_bytes / t) << t;
+    EXPECT_EQ(r.selective_saving_bytes, 8 * n * h + 4 * n * f / t) << t;
+    EXPECT_EQ(r.params, 2 * h + (whole.params - 2 * h) / t) << t;
+    EXPECT_EQ(Layer(tp->rank, "embed").params, c.vocab * h / t) << t;
+    EXPECT_EQ(Layer(sp->rank, "norm").output_bytes, 4 * n * h / t) << t;
+    EXPECT_GT(tp->forward_comm_s[1], 0);
+  }
+  EXPECT_TRUE(absl::StrContains(CheckTensorParallel(m, Devices(8), 8, false).message(),
+                                "4 key-value heads"));
+  // The shape round-trips through the model JSON with its kv_heads, which must divide heads.
+  const std::string text = ModelCostsToJson(m);
+  absl::StatusOr<ModelCosts> back = ModelCostsFromJson(text);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->transformer->kv_heads, 4);
+  json j = json::parse(text);
+  j["transformer"]["kv_heads"] = 3;
+  EXPECT_TRUE(absl::StrContains(ModelCostsFromJson(j.dump()).status().message(),
+                                "transformer.kv_heads: 3 does not divide"));
+  j["transformer"]["kv_heads"] = 9;
+  EXPECT_TRUE(
+      absl::StrContains(ModelCostsFromJson(j.dump()).status().message(), "transformer.kv_heads"));
+}
+
 TEST(ModelJsonTensorParallel, TheShapeRoundTripsAndIsChecked) {
   const ModelCosts m = Gpt(Small(), 1);
   const std::string text = ModelCostsToJson(m);

@@ -4,6 +4,7 @@
 // stages; the presets' shapes and parameter counts are the published ones.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -49,6 +50,7 @@ TEST(LlamaEngine, EveryScheduleIsBitIdenticalToOneStage) {
   for (const Case c : {Case{1, ScheduleKind::k1F1B, 1, Recompute::kNone},
                        Case{2, ScheduleKind::kGpipe, 1, Recompute::kNone},
                        Case{4, ScheduleKind::k1F1B, 1, Recompute::kFull},
+                       Case{2, ScheduleKind::k1F1B, 1, Recompute::kSelective},
                        Case{2, ScheduleKind::kInterleaved, 2, Recompute::kNone},
                        Case{2, ScheduleKind::kZbH1, 1, Recompute::kNone},
                        Case{2, ScheduleKind::kZbV, 2, Recompute::kFull}}) {
@@ -86,6 +88,85 @@ TEST(LlamaEngine, DataParallelZeroBf16AndTiesPipelineBitIdentically) {
   EXPECT_EQ(t1.weights.count("lm_head.weight"), 0u) << "a tied head stores no weight of its own";
 }
 
+// Selective recomputation drops the two RMSNorm outputs and the SwiGLU output of each block and
+// remakes them (Note [Selective recomputation]): the same bits (above), less activation memory.
+TEST(LlamaEngine, SelectiveRecomputationKeepsLess) {
+  const LayerGraph g = LlamaTiny();
+  std::vector<StepReport> none, selective;
+  testing_util::RunSteps(g, Layout(1, 1), 1, &none);
+  testing_util::RunSteps(g, Layout(1, 1, ScheduleKind::k1F1B, 1, Recompute::kSelective), 1,
+                         &selective);
+  ASSERT_FALSE(none.empty());
+  ASSERT_FALSE(selective.empty());
+  EXPECT_LT(selective.back().ranks[0].peak_activation_bytes,
+            none.back().ranks[0].peak_activation_bytes);
+}
+
+EngineSetup Tp(int tp, int pp, int dp, ScheduleKind kind = ScheduleKind::k1F1B, int chunks = 1,
+               Recompute rc = Recompute::kNone, bool sp = false) {
+  EngineSetup s = Layout(pp, dp, kind, chunks, rc);
+  s.tp = tp;
+  s.sequence_parallel = sp;
+  return s;
+}
+
+// Tensor parallelism (Note [Tensor parallelism]): llama-tiny's 4 query heads and 2 key-value heads
+// split over 2 ranks (the fused qkv in its unequal q, k and v sections). At tp 2 the layout, the
+// schedule, recomputation, replicas and ZeRO change no bit, with and without sequence
+// parallelism; against tp 1 the sums are split differently and agree within rounding.
+TEST(LlamaEngine, TensorParallelIsBitIdenticalAcrossLayoutsAndAgreesWithOneRank) {
+  const LayerGraph g = LlamaTiny();
+  for (const bool sp : {false, true}) {
+    const std::string with = sp ? "sp, " : "";
+    const RunResult ref = testing_util::RunSteps(
+        g, Tp(2, 1, 1, ScheduleKind::k1F1B, 1, Recompute::kNone, sp), kSteps);
+    ASSERT_EQ(ref.losses.size(), static_cast<size_t>(kSteps));
+    ExpectSameRun(testing_util::RunSteps(
+                      g, Tp(2, 2, 1, ScheduleKind::k1F1B, 1, Recompute::kNone, sp), kSteps),
+                  ref, with + "tp 2 pp 2");
+    ExpectSameRun(testing_util::RunSteps(
+                      g, Tp(2, 2, 1, ScheduleKind::kInterleaved, 2, Recompute::kNone, sp), kSteps),
+                  ref, with + "interleaved");
+    ExpectSameRun(testing_util::RunSteps(
+                      g, Tp(2, 2, 1, ScheduleKind::kZbH1, 1, Recompute::kNone, sp), kSteps),
+                  ref, with + "zb-h1");
+    ExpectSameRun(testing_util::RunSteps(
+                      g, Tp(2, 2, 1, ScheduleKind::k1F1B, 1, Recompute::kSelective, sp), kSteps),
+                  ref, with + "selective");
+    ExpectSameRun(testing_util::RunSteps(
+                      g, Tp(2, 1, 1, ScheduleKind::k1F1B, 1, Recompute::kFull, sp), kSteps),
+                  ref, with + "full");
+    const RunResult dp = testing_util::RunSteps(
+        g, Tp(2, 1, 2, ScheduleKind::k1F1B, 1, Recompute::kNone, sp), kSteps);
+    EngineSetup zero = Tp(2, 2, 2, ScheduleKind::k1F1B, 1, Recompute::kNone, sp);
+    zero.train.zero = 1;
+    ExpectSameRun(testing_util::RunSteps(g, zero, kSteps), dp, with + "pp 2 dp 2 ZeRO-1");
+  }
+  const RunResult one = testing_util::RunSteps(g, Tp(1, 1, 1), kSteps);
+  const RunResult two = testing_util::RunSteps(g, Tp(2, 1, 1), kSteps);
+  ASSERT_EQ(two.losses.size(), one.losses.size());
+  for (size_t i = 0; i < one.losses.size(); ++i) {
+    EXPECT_NEAR(two.losses[i], one.losses[i], 1e-5 * one.losses[i]) << "step " << i;
+  }
+  ASSERT_EQ(two.weights.size(), one.weights.size());
+  for (const auto& [name, w] : one.weights) {
+    const std::vector<float>& v = two.weights.at(name);
+    ASSERT_EQ(v.size(), w.size()) << name << ": checkpoints hold whole tensors";
+    for (size_t i = 0; i < w.size(); ++i) EXPECT_NEAR(v[i], w[i], 1e-4) << name << " " << i;
+  }
+  const LayerGraph tied = LlamaTiny(/*tied=*/true);
+  const RunResult t2 = testing_util::RunSteps(tied, Tp(2, 1, 1), kSteps);
+  ExpectSameRun(testing_util::RunSteps(tied, Tp(2, 4, 1), kSteps), t2, "tied, tp 2 pp 4");
+}
+
+// A size that does not split the key-value heads is refused naming the layer.
+TEST(LlamaEngine, ATensorParallelSizeThatDoesNotSplitTheKvHeadsIsRefusedByName) {
+  const LayerGraph g = LlamaTiny();  // 4 heads, 2 key-value heads
+  absl::StatusOr<std::unique_ptr<Engine>> e = testing_util::MakeEngine(g, Tp(4, 1, 1));
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("2 key-value heads"), std::string::npos) << e.status();
+}
+
 // The presets are the published shapes: parameter counts as transformers reports them.
 TEST(LlamaModels, PresetsHaveThePublishedParameterCounts) {
   const std::vector<std::pair<std::string, int64_t>> want = {{"smollm2-135m", 134515008},
@@ -111,6 +192,35 @@ TEST(LlamaModels, PresetsHaveThePublishedParameterCounts) {
   bad.ffn = 1 << 23;
   EXPECT_NE(CheckLlamaConfig(bad, "x").message().find("overflow"), std::string::npos);
   EXPECT_FALSE(PresetGptConfig("llama-tiny").ok());
+}
+
+// The cost model's FLOPs against the 6 N D rule (Kaplan et al. 2020) and the Llama 3 paper's
+// total: 3.8e25 FLOPs for 405B parameters on 15.6T tokens. The products are 6 N a token (the
+// embedding's lookups aside); the attention core adds 12 T h a token and block (it counts the
+// whole T x T square, as the kernels compute it), 8% at T = 8192.
+TEST(LlamaModels, FlopsFollowSixNDAndTheLlama3PaperTotal) {
+  auto costs = PresetModelCosts("llama3-405b", 1);
+  ASSERT_TRUE(costs.ok()) << costs.status();
+  const double tokens = static_cast<double>(costs->seq_len);  // one sequence
+  double total = 0, attention = 0;
+  int blocks = 0;
+  for (const LayerCost& l : costs->layers) {
+    total += l.forward_flops + l.backward_flops;
+    if (l.kind == "llama_block") ++blocks;
+  }
+  const LlamaConfig c = *PresetLlamaConfig("llama3-405b");
+  attention = 12.0 * tokens * tokens * static_cast<double>(c.hidden) * blocks;
+  const double n = static_cast<double>(costs->UniqueParams());
+  const double embedding = static_cast<double>(c.vocab * c.hidden);  // looked up, not multiplied
+  const double per_token = total / tokens;
+  const double six_n = 6 * (n - embedding);
+  EXPECT_NEAR((total - attention) / tokens / six_n, 1.0, 0.01) << per_token / six_n;
+  const double run = per_token * 15.6e12;
+  std::printf("llama3-405b: %.4g FLOPs a token (6N = %.4g); 15.6T tokens: %.3g FLOPs\n", per_token,
+              6 * n, run);
+  EXPECT_NEAR(6 * n * 15.6e12 / 3.8e25, 1.0, 0.01) << "the published total is 6 N D";
+  EXPECT_GT(run / 3.8e25, 1.0);
+  EXPECT_LT(run / 3.8e25, 1.1) << "attention at T = 8192 adds under 10%";
 }
 
 // Model specs: any shape by its name, which rebuilds it (checkpoints and plans record only it).

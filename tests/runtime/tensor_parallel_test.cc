@@ -427,33 +427,37 @@ TEST_F(TensorParallelCheckpoint, ResumesAcrossTensorParallelSizes) {
 
 // The planner's per-device memory (Partition at tp 2: weights, gradients and optimizer state) is
 // what each tensor-parallel rank of the run holds before its first step.
+// A GPT's and a Llama's (grouped-query attention, fused qkv in unequal sections).
 TEST(TensorParallelEngine, PredictedStaticMemoryIsWhatEachRankHolds) {
-  const LayerGraph g = Tiny();
-  const ModelCosts costs = ToModelCosts(g);
-  ASSERT_TRUE(costs.transformer.has_value());
-  for (int pp : {1, 2}) {
-    PartitionOptions po;
-    po.pp = pp;
-    po.tp = 2;
-    po.schedule = ScheduleKind::k1F1B;
-    po.micro_batches = 4;
-    DeviceSpec dev;
-    dev.count = pp * 2;
-    dev.memory_bytes = int64_t{1} << 40;
-    absl::StatusOr<Plan> plan = Partition(costs, dev, po);
-    ASSERT_TRUE(plan.ok()) << plan.status();
-    EngineSetup run = Tp(2, pp, 1);
-    run.stage_boundaries = {0};
-    std::vector<int64_t> predicted(pp, 0);
-    for (const PlanStage& st : plan->stages) {
-      predicted[st.rank] += st.memory.params + st.memory.grads + st.memory.optimizer;
-      run.stage_boundaries.push_back(st.end);
-    }
-    absl::StatusOr<std::unique_ptr<Engine>> e = testing_util::MakeEngine(g, run);
-    ASSERT_TRUE(e.ok()) << e.status();
-    for (int global = 0; global < 2 * pp; ++global) {
-      EXPECT_EQ((*e)->RankMemoryBytes(global), predicted[(*e)->topology().PipelineRank(global)])
-          << "pp " << pp << " rank " << global;
+  absl::StatusOr<LayerGraph> llama = LlamaModel("llama-tiny", LlamaConfig{}, 2);
+  ASSERT_TRUE(llama.ok()) << llama.status();
+  for (const LayerGraph& g : {Tiny(), *llama}) {
+    const ModelCosts costs = ToModelCosts(g);
+    ASSERT_TRUE(costs.transformer.has_value()) << g.name();
+    for (int pp : {1, 2}) {
+      PartitionOptions po;
+      po.pp = pp;
+      po.tp = 2;
+      po.schedule = ScheduleKind::k1F1B;
+      po.micro_batches = 4;
+      DeviceSpec dev;
+      dev.count = pp * 2;
+      dev.memory_bytes = int64_t{1} << 40;
+      absl::StatusOr<Plan> plan = Partition(costs, dev, po);
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      EngineSetup run = Tp(2, pp, 1);
+      run.stage_boundaries = {0};
+      std::vector<int64_t> predicted(pp, 0);
+      for (const PlanStage& st : plan->stages) {
+        predicted[st.rank] += st.memory.params + st.memory.grads + st.memory.optimizer;
+        run.stage_boundaries.push_back(st.end);
+      }
+      absl::StatusOr<std::unique_ptr<Engine>> e = testing_util::MakeEngine(g, run);
+      ASSERT_TRUE(e.ok()) << e.status();
+      for (int global = 0; global < 2 * pp; ++global) {
+        EXPECT_EQ((*e)->RankMemoryBytes(global), predicted[(*e)->topology().PipelineRank(global)])
+            << "pp " << pp << " rank " << global;
+      }
     }
   }
 }
