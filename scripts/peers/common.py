@@ -235,6 +235,14 @@ def param_count(model):
     return sum(p.numel() for n, p in model.named_parameters() if n != copy)
 
 
+def tied_count(model, a):
+    """The tied weight's elements when the part holds the embedding of a tied model, else 0:
+    `pipewright train --json` counts them twice (its summary adds every layer's parameters,
+    the head's copy included; `pipewright model` counts them once)."""
+    own = dict(model.named_parameters())
+    return own[OWNER].numel() if a.tied and OWNER in own else 0
+
+
 # ---------------------------------------------------------------- run reports
 
 
@@ -329,7 +337,8 @@ def run_single(model_def, a):
             prof.stop()
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20),
                   file=sys.stderr)
-    extra = {"parameters": param_count(model), "decayed_tensors": n_decay,
+    extra = {"parameters": param_count(model), "tied_parameters": tied_count(model, a),
+             "decayed_tensors": n_decay,
              "tensors": n_tensors, "versions": versions(torch),
              "parameter_names": own_names(model)}
     if names is not None:
@@ -394,7 +403,8 @@ def pipe_worker(rank, module_name, a, port, queue):
             if last:
                 losses.append(sum(float(v.detach()) for v in mb_losses) / len(mb_losses))
         queue.put({"rank": rank, "step_time_s": step_times, "loss": losses, "grad_norm": norms,
-                   "parameters": param_count(part), "tensors": n_tensors,
+                   "parameters": param_count(part), "tied_parameters": tied_count(part, a),
+                   "tensors": n_tensors,
                    "decayed_tensors": n_decay, "parameter_names": own_names(part),
                    "versions": versions(torch) if first else None})
         dist.barrier()
@@ -443,6 +453,7 @@ def run_pipe(module_name, a):
     # A step ends when its slowest rank ends (the clipping all-reduce aligns the ranks).
     step_times = [max(r["step_time_s"][s] for r in ranks) for s in range(a.steps)]
     extra = {"parameters": sum(r["parameters"] for r in ranks),
+             "tied_parameters": sum(r["tied_parameters"] for r in ranks),
              "tensors": sum(r["tensors"] for r in ranks),
              "decayed_tensors": sum(r["decayed_tensors"] for r in ranks),
              "stage_boundaries": a.bounds,

@@ -95,7 +95,9 @@ def main():
             with open(tpath) as f:
                 pt = json.load(f)
             versions = versions or pt.get("versions")
-            if pw["parameters"] != pt["parameters"]:
+            # pipewright's train summary counts a tied head's copy again: accept either count.
+            tied = pt.get("tied_parameters", 0)
+            if pw["parameters"] not in (pt["parameters"], pt["parameters"] + tied):
                 problems.append(f"pp={pp} repeat {r}: parameters differ: pipewright {pw['parameters']}, "
                                 f"PyTorch {pt['parameters']}")
             if ckpt_names is not None and sorted(pt["parameter_names"]) != ckpt_names:
@@ -116,7 +118,8 @@ def main():
                          "peer_step_time_s": pt["step_time_s"],
                          "pipewright_loss": pw["loss"], "peer_loss": pt["loss"],
                          "max_abs_loss_diff": dloss,
-                         "parameters": {"pipewright": pw["parameters"], "peer": pt["parameters"]},
+                         "parameters": {"pipewright": pw["parameters"], "peer": pt["parameters"],
+                                        "tied": tied},
                          "stage_boundaries": pw["stage_boundaries"]})
         if not reps:
             continue
@@ -160,6 +163,8 @@ def main():
     for r in rows:
         p = r["parameters"]
         same = "equal" if p["pipewright"] == p["peer"] else "DIFFERENT"
+        if p.get("tied") and p["pipewright"] == p["peer"] + p["tied"]:
+            same = f"equal: pipewright's summary counts the tied head's {p['tied']:,} again"
         print(f"pp={r['pp']}: parameters pipewright {p['pipewright']:,} / PyTorch {p['peer']:,} ({same}); "
               f"stage boundaries {r['stage_boundaries']}; max |loss difference| over steps "
               f"{r['max_abs_loss_diff']:.2e} (tolerance {tolerance:g}, {precision})")
