@@ -156,8 +156,10 @@ def main():
           f"  {'ratio':>6}  per repeat")
     for r in rows:
         per = " ".join(f"{x:.2f}" for x in r["ratio_per_repeat"])
-        print(f"{r['model']:<{wm}}  {r['precision']:<4}  {r['run']:<{w}}  {r['pipewright_samples_per_s']:>20.2f}"
-              f"  {r['peer_samples_per_s']:>14.2f}  {r['ratio']:>6.2f}  {per}")
+        pw_s, pt_s = (f"{x:.2f}" if x >= 1 else f"{x:.3f}"
+                      for x in (r["pipewright_samples_per_s"], r["peer_samples_per_s"]))
+        print(f"{r['model']:<{wm}}  {r['precision']:<4}  {r['run']:<{w}}  {pw_s:>20}  {pt_s:>14}"
+              f"  {r['ratio']:>6.2f}  {per}")
     print("  ratio = pipewright / peer (above 1: pipewright is faster)")
     print()
     for r in rows:
