@@ -20,7 +20,7 @@ import struct
 import sys
 
 # The most two loss curves may depart, per precision (docs/benchmarks.md, "Against PyTorch" and
-# "More models, bf16"). fp32: reductions in another order drift apart slowly over steps (about
+# "More models and bf16"). fp32: reductions in another order drift apart slowly over steps (about
 # 2e-4 after 8 steps). bf16: the two sides round different tensors to 8-bit mantissas (pipewright
 # the products' inputs only; autocast also the products' outputs, attention and the MLP's
 # activation), and training amplifies such perturbations: within 8 steps a bf16 run departs
