@@ -236,6 +236,12 @@ void RegisterBench(CLI::App& app, int* exit_code) {
                         {"step_gflops_per_s", r->step_gflops_per_s},
                         {"step_fraction_of_sgemm", r->fraction_of_sgemm},
                         {"step_fraction_of_gemm", r->fraction_of_gemm}};
+    if (!r->bf16_kernel.empty()) {
+      j["bf16_kernel"] = r->bf16_kernel;
+      j["bf16_gemm_gflops_per_s"] = r->bf16_gemm_gflops_per_s;
+      j["bf16_step_gflops_per_s"] = r->bf16_step_gflops_per_s;
+      j["bf16_step_fraction_of_gemm"] = r->bf16_fraction_of_gemm;
+    }
     if (f->json) {
       std::printf("%s\n", j.dump(2).c_str());
     } else {
@@ -251,6 +257,10 @@ void RegisterBench(CLI::App& app, int* exit_code) {
         std::printf(", %.1f%% of the fastest GEMM above", 100 * r->fraction_of_gemm);
       }
       std::printf("\n");
+      if (!r->bf16_kernel.empty()) {
+        std::printf("bf16 train step reaches %.1f%% of the bf16 GEMM (%s) above\n",
+                    100 * r->bf16_fraction_of_gemm, r->bf16_kernel.c_str());
+      }
     }
     *exit_code = 0;
   });

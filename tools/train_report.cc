@@ -220,7 +220,7 @@ json PrintSummary(const ReportInput& in, bool as_json) {
   const double grad_ratio =
       grad_sent > 0 ? static_cast<double>(grad_fp32) / static_cast<double>(grad_sent) : 1.0;
   json summary = {{"model", graph.name()},
-                  {"parameters", cost.params},
+                  {"parameters", ToModelCosts(graph).UniqueParams()},  // a tied head once
                   {"pipeline_parallel", run.pipeline_parallel()},
                   {"data_parallel", run.data_parallel},
                   {"tensor_parallel", run.tensor_parallel},

@@ -58,23 +58,34 @@ void GemmHalf(bool is_bf16, bool trans_a, bool trans_b, int m, int n, int k, flo
               Isa isa = KernelIsa());
 
 // ---- 16-bit GEMM on AVX-512 (Note [16-bit GEMM] in gemm_bf16.cc) ----
-// The micro-kernel's product instruction. Both compute the same summation, to the bit.
+// The micro-kernel's product instruction. kFma and kBf16Dot compute the same summation, to the
+// bit; kAmx its own order (Note [AMX GEMM] in gemm_amx.cc), within the same rounding bound.
 enum class HalfGemmKernel {
   kFma,      // vfmadd231ps on inputs widened to fp32 while packing (bf16 or half; AVX-512 F)
   kBf16Dot,  // vdpbf16ps on bf16 pairs (bf16 only; AVX512_BF16)
+  kAmx,      // TDPBF16PS on AMX tiles (bf16 only; AMX-TILE and AMX-BF16, granted by the OS)
 };
-const char* HalfGemmKernelName(HalfGemmKernel kernel);  // "fma", "vdpbf16ps"
+const char* HalfGemmKernelName(HalfGemmKernel kernel);  // "fma", "vdpbf16ps", "amx"
+// Whether this CPU has AMX-TILE, AMX-BF16 and the AVX-512 subset, and Linux let this process
+// use the tile state (asked once, on the first call).
+bool AmxAvailable();
+// GemmHalfBlock's bf16 product on AMX (Note [AMX GEMM]): rows [m0, m1) x columns [n0, n1) of C,
+// k > 0 and alpha != 0. Requires AmxAvailable().
+void GemmAmxBlock(bool trans_a, bool trans_b, int k, float alpha, const uint16_t* a, int lda,
+                  const uint16_t* b, int ldb, float beta, float* c, int ldc, int m0, int m1, int n0,
+                  int n1);
 // True when this CPU has the AVX-512 subset the kernels use (F, BW, VL, DQ).
 bool HaveGemmHalfAvx512();
 bool CanRunHalfGemmKernel(HalfGemmKernel kernel);
-// The kernel GemmHalf uses for bf16: the faster of the two on this CPU, timed once per process on
-// first use (the bits do not depend on it), or the one PIPEWRIGHT_BF16_GEMM=fma|dot forces;
-// kFma without AVX512_BF16.
+// The kernel GemmHalf uses for bf16: kAmx where AmxAvailable(), else the faster of the other two
+// on this CPU, timed once per process on first use (their bits do not depend on it); or the one
+// PIPEWRIGHT_BF16_GEMM=fma|dot|amx forces (if this CPU runs it); kFma without AVX512_BF16.
 HalfGemmKernel Bf16GemmKernel();
 // Rows [m_begin, m_end) x columns [n_begin, n_end) of GemmHalf's C; the rest of C is not
 // touched. One fp32 running sum per element, in a fixed order: beta * C (when alpha == 1), then
-// the k in increasing pairs, odd k first; denormals flushed. The bits do not depend on the range
-// or the kernel, so callers may split C by rows or columns across threads. k == 0 or alpha == 0
+// the k in increasing pairs, odd k first (kAmx: Note [AMX GEMM]'s order); denormals flushed. The
+// bits do not depend on the range (nor, between kFma and kBf16Dot, on the kernel), so callers
+// may split C by rows or columns across threads. k == 0 or alpha == 0
 // only scales C (A and B are not read). Requires CanRunHalfGemmKernel(kernel), and kFma for
 // half. Single-threaded; packing scratch is per thread, allocated on first use.
 void GemmHalfBlock(bool is_bf16, bool trans_a, bool trans_b, int m, int n, int k, float alpha,

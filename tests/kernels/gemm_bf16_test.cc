@@ -181,6 +181,60 @@ void CheckKernel(bool is_bf16, HalfGemmKernel kernel) {
 TEST(GemmHalfBlock, Bf16FmaMatchesReference) { CheckKernel(true, HalfGemmKernel::kFma); }
 TEST(GemmHalfBlock, Bf16DotMatchesReference) { CheckKernel(true, HalfGemmKernel::kBf16Dot); }
 TEST(GemmHalfBlock, HalfFmaMatchesReference) { CheckKernel(false, HalfGemmKernel::kFma); }
+TEST(GemmHalfBlock, Bf16AmxMatchesReference) { CheckKernel(true, HalfGemmKernel::kAmx); }
+
+// Note [AMX GEMM]'s order, emulated: per element, from beta * c (alpha == 1) or 0, each chunk of
+// 32 k adds (E + O), E and O the chunk's even and odd fused multiply-add chains from +0; then
+// alpha and beta. Inputs in the normal range (the hardware flushes denormals; std::fma does not).
+std::vector<float> AmxOrder(const Problem& p) {
+  std::vector<float> c = p.c;
+  auto at_a = [&](int i, int k) {
+    return p.a[p.ta ? static_cast<size_t>(k) * p.lda + i : static_cast<size_t>(i) * p.lda + k];
+  };
+  auto at_b = [&](int k, int j) {
+    return p.b[p.tb ? static_cast<size_t>(j) * p.ldb + k : static_cast<size_t>(k) * p.ldb + j];
+  };
+  for (int i = 0; i < p.m; ++i) {
+    for (int j = 0; j < p.n; ++j) {
+      float& out = c[static_cast<size_t>(i) * p.ldc + j];
+      float s = p.alpha != 1.0f || p.beta == 0.0f ? 0.0f : (p.beta == 1.0f ? out : p.beta * out);
+      for (int k0 = 0; k0 < p.k; k0 += 32) {
+        float even = 0.0f, odd = 0.0f;
+        for (int k = k0; k < std::min(p.k, k0 + 32); ++k) {
+          float& chain = (k - k0) % 2 == 0 ? even : odd;
+          chain = std::fma(at_a(i, k), at_b(k, j), chain);
+        }
+        s = s + (even + odd);
+      }
+      out =
+          p.alpha == 1.0f ? s : (p.beta == 0.0f ? p.alpha * s : std::fma(p.alpha, s, p.beta * out));
+    }
+  }
+  return c;
+}
+
+// The AMX kernel computes exactly that order (so its bits are defined, whatever the blocking: k
+// blocks of 512, B blocks of 1 MiB, edge blocks through the buffer), and any split of C gives the
+// whole product's bits.
+TEST(GemmAmx, ComputesTheDocumentedOrderBitForBit) {
+  if (!CanRunHalfGemmKernel(HalfGemmKernel::kAmx)) GTEST_SKIP() << "no AMX on this CPU";
+  uint32_t seed = 4000;
+  for (const Shape s : {Shape{1, 1, 1}, Shape{32, 32, 32}, Shape{45, 70, 1001}, Shape{64, 96, 512},
+                        Shape{33, 1100, 530}, Shape{7, 33, 65}}) {
+    for (int t = 0; t < 4; ++t) {
+      for (const Scaling& sc : kScalings) {
+        const Problem p = MakeProblem(true, t & 1, t & 2, s, sc, 1, seed++);
+        const std::vector<float> got = RunBlock(p, HalfGemmKernel::kAmx);
+        EXPECT_TRUE(SameBits(got, AmxOrder(p))) << Describe(p);
+        std::vector<float> split = RunBlock(p, HalfGemmKernel::kAmx, 0, p.m / 2, 0, p.n, p.c);
+        split = RunBlock(p, HalfGemmKernel::kAmx, p.m / 2, p.m, 0, p.n / 3, split);
+        split = RunBlock(p, HalfGemmKernel::kAmx, p.m / 2, p.m, p.n / 3, p.n, split);
+        EXPECT_TRUE(SameBits(got, split)) << Describe(p) << ": split";
+        if (::testing::Test::HasFailure()) return;
+      }
+    }
+  }
+}
 
 // The widening path (f32 copies for OpenBLAS), which CPUs without AVX-512 and forced narrower
 // ISAs take, meets the same bound.
@@ -212,7 +266,8 @@ TEST(GemmHalfBlock, KernelsGiveIdenticalBits) {
 // Any split of C into row or column ranges gives the whole product's bits, and a range call
 // writes nothing outside its range.
 TEST(GemmHalfBlock, SubRangesGiveTheSameBits) {
-  const HalfGemmKernel kernels[] = {HalfGemmKernel::kFma, HalfGemmKernel::kBf16Dot};
+  const HalfGemmKernel kernels[] = {HalfGemmKernel::kFma, HalfGemmKernel::kBf16Dot,
+                                    HalfGemmKernel::kAmx};
   for (HalfGemmKernel kernel : kernels) {
     if (!CanRunHalfGemmKernel(kernel)) continue;
     for (int t = 0; t < 4; ++t) {
@@ -308,6 +363,9 @@ TEST(GemmBlocking, WideProductsSpanSeveralBlocksOfB) {
       ExpectMatchesReference(p, RunBlock(p, HalfGemmKernel::kFma));
       if (CanRunHalfGemmKernel(HalfGemmKernel::kBf16Dot)) {
         ExpectMatchesReference(p, RunBlock(p, HalfGemmKernel::kBf16Dot));
+      }
+      if (CanRunHalfGemmKernel(HalfGemmKernel::kAmx)) {
+        ExpectMatchesReference(p, RunBlock(p, HalfGemmKernel::kAmx));
       }
       if (::testing::Test::HasFailure()) return;
     }
