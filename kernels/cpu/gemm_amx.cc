@@ -151,21 +151,8 @@ PW_TARGET_AMX void AmxBlock(const uint32_t* ap, const uint32_t* bp, int chunks, 
   }
 }
 
-struct Problem {
-  bool trans_a, trans_b;
-  int k;
-  float alpha;
-  const uint16_t* a;
-  int lda;
-  const uint16_t* b;
-  int ldb;
-  float beta;
-  float* c;
-  int ldc;
-};
-
 // Rows [m0, m1) x columns [n0, n1) of C; k > 0 and alpha != 0.
-PW_TARGET_AMX void GemmAmx(const Problem& g, int m0, int m1, int n0, int n1) {
+PW_TARGET_AMX void GemmAmx(const pack::Operands& g, int m0, int m1, int n0, int n1) {
   thread_local std::vector<pack::Line> a_pairs, a_tiles, b_buf;
   constexpr HalfGemmKernel kPairs = HalfGemmKernel::kBf16Dot;  // one word per k pair
   // alpha != 1 with beta != 0 combines the finished sum with c's old value: one k block.
@@ -265,7 +252,7 @@ void GemmAmxBlock(bool trans_a, bool trans_b, int k, float alpha, const uint16_t
                   const uint16_t* b, int ldb, float beta, float* c, int ldc, int m0, int m1, int n0,
                   int n1) {
   PW_CHECK(AmxAvailable());
-  GemmAmx({trans_a, trans_b, k, alpha, a, lda, b, ldb, beta, c, ldc}, m0, m1, n0, n1);
+  GemmAmx({true, trans_a, trans_b, k, alpha, a, lda, b, ldb, beta, c, ldc}, m0, m1, n0, n1);
 }
 
 #else  // not x86

@@ -74,6 +74,7 @@ constexpr int kKcF32 = 256;
 constexpr int kKcF32Whole = 1024;
 
 using pack::Line;
+using pack::Operands;
 using pack::PackColumnPairs;
 using pack::PackedSteps;
 using pack::PackRowPairs;
@@ -364,19 +365,6 @@ class FlushDenormals {
 
  private:
   unsigned saved_;
-};
-
-struct Operands {
-  bool is_bf16, trans_a, trans_b;
-  int k;
-  float alpha;
-  const uint16_t* a;
-  int lda;
-  const uint16_t* b;
-  int ldb;
-  float beta;
-  float* c;
-  int ldc;
 };
 
 // The blocking both GEMMs share (Note [16-bit GEMM], Note [fp32 GEMM]) over rows [m0, m1) x

@@ -16,6 +16,20 @@
 
 namespace pipewright::cpu::pack {
 
+// A 16-bit GEMM's operands (GemmHalfBlock's arguments).
+struct Operands {
+  bool is_bf16, trans_a, trans_b;
+  int k;
+  float alpha;
+  const uint16_t* a;
+  int lda;
+  const uint16_t* b;
+  int ldb;
+  float beta;
+  float* c;
+  int ldc;
+};
+
 // 64-byte aligned packing scratch of the calling thread; grows, never shrinks.
 struct alignas(64) Line {
   uint32_t w[16];

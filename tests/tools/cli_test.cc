@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_split.h"
 #include "pipewright/device.h"
 #include "tests/tools/cli_util.h"
 
@@ -692,6 +693,43 @@ TEST(CliModelSpec, ALlamaSpecTrainsPlansEvaluatesAndResumes) {
   EXPECT_NE(bad.err.find("missing vocab="), std::string::npos) << bad.err;
   Result both = RunCli("train --preset gpt-tiny --model " + spec + " --steps 1");
   EXPECT_EQ(both.exit_code, 2) << both.err;
+}
+
+// Tensor and sequence parallelism from the command line for a Llama spec: tp 2 at pp 2 gives
+// tp 2 at pp 1's losses bit for bit, with --sequence-parallel too; a plan searched at tp 2
+// runs; a tp that does not divide the key-value heads is a usage error naming them.
+TEST(CliModelSpec, ALlamaSpecRunsTensorParallel) {
+  const std::string run =
+      "train --model llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn=64,seq=16,vocab=256 "
+      "--micro-batches 2 --steps 2 --json --tp 2 ";
+  auto losses = [](const std::string& out) {
+    std::vector<double> l;
+    for (absl::string_view line : absl::StrSplit(out, '\n')) {
+      if (line.empty()) continue;
+      nlohmann::json j = nlohmann::json::parse(line);
+      if (j.contains("loss") && j.contains("step")) l.push_back(j["loss"].get<double>());
+    }
+    return l;
+  };
+  for (const std::string sp : {"", "--sequence-parallel "}) {
+    Result one = RunCli(run + sp + "--pp 1");
+    ASSERT_EQ(one.exit_code, 0) << one.err;
+    Result two = RunCli(run + sp + "--pp 2");
+    ASSERT_EQ(two.exit_code, 0) << two.err;
+    ASSERT_EQ(losses(one.out).size(), 2u) << one.out;
+    EXPECT_EQ(losses(one.out), losses(two.out)) << sp;
+  }
+  const std::string plan = TempPath("cli_llama_tp_plan.json");
+  Result p = RunCli(
+      "plan --model llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn=64,seq=16,vocab=256 "
+      "--devices 2 --tp 2 --device-memory 1GiB -o " +
+      plan);
+  ASSERT_EQ(p.exit_code, 0) << p.err;
+  Result t = RunCli("train --plan " + plan + " --steps 1 --json");
+  ASSERT_EQ(t.exit_code, 0) << t.err;
+  Result bad = RunCli("train --preset llama-tiny --tp 4 --steps 1");
+  EXPECT_EQ(bad.exit_code, 2) << bad.err;
+  EXPECT_NE(bad.err.find("key-value heads"), std::string::npos) << bad.err;
 }
 
 // --- The ecosystem's token files (issue 38, item 5) ---------------------------------------------
