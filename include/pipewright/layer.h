@@ -19,12 +19,18 @@
 #define PIPEWRIGHT_LAYER_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "pipewright/cost.h"
 #include "pipewright/tensor.h"
 
@@ -95,6 +101,34 @@ class GradientObserver {
   virtual absl::Status GradientsDone(const std::vector<Parameter*>& params) = 0;
 };
 
+// Note [16-bit weights once a step]. Under mixed precision a Linear layer multiplies the 16-bit
+// rounding of its fp32 master weight, in the forward and again in the backward of every
+// micro-batch: 2M casts of every weight a step, 11% of gpt2-124m's bf16 step on the CPU
+// (docs/benchmarks.md, "AMX tiles"). The masters do not change between a step's first forward
+// and its optimizer update, so the engine gives its layers a cache (LayerContext::half_weights)
+// that keeps each rounding from its first use in a step and forgets them all when the next step
+// begins (RankExecutor::BeginStep: after the update, after an asynchronous replica's pull).
+// The rounding is the same function of the same masters, so the bits are those of casting at
+// every use (tested: MixedPrecisionTraining.HalfWeightsOnceAStepGiveTheBitsOfEveryUse). The
+// copies are the 2 bytes a parameter the memory model already charges for mixed precision
+// (docs/memory.md). A caller without an engine (evaluation, generation, a layer's own tests)
+// passes none and casts at every use.
+class HalfWeightCache {
+ public:
+  // The rounding of `master` (a parameter's fp32 value) to `dtype`: `make`'s result on the first
+  // call for this tensor and dtype since Clear(), the same tensor afterwards.
+  absl::StatusOr<Tensor> GetOrMake(const Tensor& master, DType dtype,
+                                   absl::FunctionRef<absl::StatusOr<Tensor>()> make);
+  // The masters may have changed: every copy is dropped.
+  void Clear();
+  int64_t size() const;  // copies held
+
+ private:
+  using Key = std::tuple<const void*, int64_t, DType>;  // the master's data, its size, the dtype
+  mutable absl::Mutex mu_;
+  std::map<Key, Tensor> copies_ ABSL_GUARDED_BY(mu_);
+};
+
 // Per-call context: where to allocate outputs, and the targets for a loss layer.
 struct LayerContext {
   Allocator* allocator = nullptr;   // nullptr = DefaultCpuAllocator()
@@ -114,6 +148,9 @@ struct LayerContext {
   // (backward passes) Told as each group of weight gradients is complete (Note [Gradient
   // groups]); null when no one listens.
   GradientObserver* gradients = nullptr;
+  // Mixed precision: the step's 16-bit weight copies (Note [16-bit weights once a step]); null:
+  // cast at every use.
+  HalfWeightCache* half_weights = nullptr;
 };
 
 // Note [Incremental decoding]. Generating text one token at a time (`pipewright generate`,

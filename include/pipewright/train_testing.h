@@ -25,6 +25,9 @@ struct TrainTestingHooks {
   // (-1: never).
   int inject_failure_rank = -1;
   int64_t inject_failure_step = -1;
+  // Mixed precision without the step's 16-bit weight copies: every use casts its master again
+  // (Note [16-bit weights once a step] in layer.h; the test that the copies change no bit).
+  bool half_weights_every_use = false;
 };
 
 // InvalidArgument naming the field (`TrainTestingHooks.slow_factor = 0.5: must be in [1,

@@ -266,6 +266,7 @@ class RankExecutor {
   int cuda_device_ = -1;  // >= 0 on CUDA
   std::unique_ptr<CudaStream> stream_;
   std::unique_ptr<Allocator> alloc_ = std::make_unique<CpuAllocator>();
+  HalfWeightCache half_weights_;  // this step's 16-bit weights (Note [16-bit weights once a step])
   // Host memory for the rank's host-side values on CUDA (batches, scalars, staging).
   std::unique_ptr<CpuAllocator> host_ = std::make_unique<CpuAllocator>();
   // The rank's communicators: its world and the groups split off it (process_groups.h).

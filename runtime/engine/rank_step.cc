@@ -30,6 +30,8 @@ void RankExecutor::BeginStep(int64_t step) {
   tp_.collective_s = 0;
   const int M = ctx_->run->micro_batches();
   ZeroGrads(params_);
+  // The masters changed at the last update (Note [16-bit weights once a step]).
+  half_weights_.Clear();
   step_events_ = events_.size();
   buckets_.Clear();  // before the strategy drops the last step's Works (BucketWatch)
   for (StageRt& st : stages_) {
@@ -189,6 +191,9 @@ absl::StatusOr<LayerContext> RankExecutor::ContextFor(const StageRt& st, int mb)
   lc.selective_recompute = st.recompute == Recompute::kSelective;
   if (tp_.comm != nullptr) lc.tp = &tp_;
   if (dp_ != nullptr) lc.gradients = dp_->observer(local_[st.index]);
+  if (lc.compute_dtype != DType::kF32 && !ctx_->testing->half_weights_every_use) {
+    lc.half_weights = &half_weights_;
+  }
   return lc;
 }
 

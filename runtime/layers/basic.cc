@@ -38,6 +38,26 @@ std::vector<std::vector<Parameter*>> Layer::ParameterGroups() {
   return {std::move(p)};
 }
 
+absl::StatusOr<Tensor> HalfWeightCache::GetOrMake(
+    const Tensor& master, DType dtype, absl::FunctionRef<absl::StatusOr<Tensor>()> make) {
+  absl::MutexLock lock(&mu_);
+  const Key key{master.raw(), master.numel(), dtype};
+  if (auto it = copies_.find(key); it != copies_.end()) return it->second;
+  PW_ASSIGN_OR_RETURN(Tensor copy, make());
+  copies_.emplace(key, copy);
+  return copy;
+}
+
+void HalfWeightCache::Clear() {
+  absl::MutexLock lock(&mu_);
+  copies_.clear();
+}
+
+int64_t HalfWeightCache::size() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(copies_.size());
+}
+
 absl::Status ReportGradients(const LayerContext& ctx, Layer& child) {
   if (ctx.gradients == nullptr) return absl::OkStatus();
   const std::vector<Parameter*> p = child.Parameters();
@@ -174,6 +194,14 @@ LinearLayer::LinearLayer(const InitContext& init, int64_t in, int64_t out, bool 
 
 namespace {
 bool IsHalf(DType d) { return d == DType::kBF16 || d == DType::kF16; }
+
+// The weight rounded to `cd`: the step's copy where the engine keeps them (Note [16-bit weights
+// once a step] in layer.h), else a fresh cast.
+absl::StatusOr<Tensor> HalfWeight(const LayerContext& ctx, const Tensor& master, DType cd) {
+  auto cast = [&] { return ops::Cast(ops::ExecOf(ctx), master, cd); };
+  if (ctx.half_weights == nullptr) return cast();
+  return ctx.half_weights->GetOrMake(master, cd, cast);
+}
 }  // namespace
 
 // fp32: y = x W^T + b with x saved. Mixed precision (ctx.compute_dtype bf16/f16): x, W and dy
@@ -243,7 +271,7 @@ absl::StatusOr<Tensor> LinearLayer::ForwardPart(const Tensor& x, int64_t rows,
   const DType cd = ctx.compute_dtype;
   if (IsHalf(cd)) {
     PW_ASSIGN_OR_RETURN(Tensor xh, ops::Cast(e, x, cd));
-    PW_ASSIGN_OR_RETURN(Tensor wh, ops::Cast(e, weight_.value, cd));
+    PW_ASSIGN_OR_RETURN(Tensor wh, HalfWeight(ctx, weight_.value, cd));
     PW_RETURN_IF_ERROR(
         ops::Gemm(e, false, true, rows, out_, in_, 1.0f, xh, in_, wh, in_, 0.0f, y, out_));
     saved->tensors = {std::move(xh)};
@@ -329,7 +357,7 @@ absl::StatusOr<Tensor> LinearLayer::BackwardImpl(const Tensor& dy_given, const L
   Tensor w = weight_.value;
   if (IsHalf(cd)) {
     PW_ASSIGN_OR_RETURN(dy, ops::Cast(e, dy, cd));
-    PW_ASSIGN_OR_RETURN(w, ops::Cast(e, weight_.value, cd));
+    PW_ASSIGN_OR_RETURN(w, HalfWeight(ctx, weight_.value, cd));
   }
   saved->tensors.push_back(dy);
   if (activation_ == Activation::kGelu) saved->tensors.push_back(std::move(dbias_partial));
