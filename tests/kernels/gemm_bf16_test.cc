@@ -221,8 +221,15 @@ TEST(GemmAmx, ComputesTheDocumentedOrderBitForBit) {
   uint32_t seed = 4000;
   for (const Shape s : {Shape{1, 1, 1}, Shape{32, 32, 32}, Shape{45, 70, 1001}, Shape{64, 96, 512},
                         Shape{33, 1100, 530}, Shape{7, 33, 65}}) {
+    // Large shapes are slow to emulate (under ASan most of all): for them the two layouts
+    // that between them use every packer (A and B as stored, and both transposed), with a
+    // fresh sum, a running sum over k blocks, and alpha and beta both scaling.
+    const bool large = int64_t{s.m} * s.n * s.k > 200000;
     for (int t = 0; t < 4; ++t) {
+      if (large && t != 0 && t != 3) continue;
       for (const Scaling& sc : kScalings) {
+        if (large && sc.alpha == 1.0f && sc.beta == 0.5f) continue;
+        if (large && sc.alpha == -0.5f) continue;
         const Problem p = MakeProblem(true, t & 1, t & 2, s, sc, 1, seed++);
         const std::vector<float> got = RunBlock(p, HalfGemmKernel::kAmx);
         EXPECT_TRUE(SameBits(got, AmxOrder(p))) << Describe(p);
