@@ -448,8 +448,10 @@ TEST(CliCalibrate, ARunOutputThatDoesNotFitIsRefusedByName) {
 // plan, validated, and trained by `train --plan` at the plan's tp.
 TEST(CliPlan, TensorParallelismIsPlannedShownAndTrained) {
   const std::string plan = TempPath("plan_tp_" + std::to_string(getpid()) + ".json");
-  Result r =
-      RunCli("plan --preset gpt-small --devices 4 --tp 2 --device-memory 1GiB --json -o " + plan);
+  Result r = RunCli(
+      "plan --preset gpt-small --devices 4 --tp 2 --device-memory 1GiB --global-batch 8 "
+      "--json -o " +
+      plan);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   json j = json::parse(r.out, nullptr, false);
   ASSERT_TRUE(j.is_object()) << r.out;
@@ -471,11 +473,14 @@ TEST(CliPlan, TensorParallelismIsPlannedShownAndTrained) {
   Result conflict = RunCli("train --plan " + plan + " --steps 1 --tp 1");
   EXPECT_EQ(conflict.exit_code, 2) << conflict.err;
   EXPECT_NE(conflict.err.find("--tp conflicts with --plan"), std::string::npos) << conflict.err;
-  // The human table has a tp column; the default search tries tp too.
-  Result human = RunCli("plan --preset gpt-small --devices 4 --device-memory 1GiB");
+  // The human table has a tp column; the default search tries tp too. (A global batch of 8
+  // keeps the trained step small: the default, 32 sequences, took 150 s of this test under ASan.)
+  Result human =
+      RunCli("plan --preset gpt-small --devices 4 --device-memory 1GiB --global-batch 8");
   ASSERT_EQ(human.exit_code, 0) << human.err;
   EXPECT_NE(human.out.find("  pp  dp  tp sp zero"), std::string::npos) << human.out;
-  Result all = RunCli("plan --preset gpt-small --devices 4 --device-memory 1GiB --json");
+  Result all =
+      RunCli("plan --preset gpt-small --devices 4 --device-memory 1GiB --global-batch 8 --json");
   ASSERT_EQ(all.exit_code, 0) << all.err;
   EXPECT_GT(json::parse(all.out)["candidates"].get<int>(),
             json::parse(r.out)["candidates"].get<int>());
