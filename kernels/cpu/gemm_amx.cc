@@ -54,7 +54,6 @@ namespace {
 constexpr int kBlock = 32;   // rows and columns of a C block
 constexpr int kChunk = 32;   // k of one TDPBF16PS
 constexpr int kKcAmx = 512;  // k per block: a 32-row A strip is 32 KiB, a B panel 32 KiB
-constexpr int kPackedBBytes = 1 << 20;
 constexpr int kChunkWords = 2 * 16 * 16;  // one chunk of a packed A strip: two 16 x 16 word tiles
 
 struct alignas(64) TileConfig {
@@ -161,7 +160,7 @@ PW_TARGET_AMX void GemmAmx(const pack::Operands& g, int m0, int m1, int n0, int 
   // Blocks of whole chunks, so that every chunk starts at a multiple of 32 (Note [AMX GEMM]).
   const int kc_max = ((g.k + blocks - 1) / blocks + kChunk - 1) / kChunk * kChunk;
   const int steps_max = kc_max / 2;
-  const int nc_max = std::max(kBlock, kPackedBBytes / (4 * steps_max) / kBlock * kBlock);
+  const int nc_max = std::max(kBlock, pack::kPackedBBytes / (4 * steps_max) / kBlock * kBlock);
   uint32_t* ap = pack::Scratch(a_pairs, static_cast<size_t>(kBlock) * steps_max);
   uint32_t* at = pack::Scratch(a_tiles, static_cast<size_t>(kBlock) * steps_max);
   uint32_t* bp =

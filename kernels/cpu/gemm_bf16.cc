@@ -59,11 +59,10 @@ void ScaleBlock(float beta, float* c, int ldc, int m0, int m1, int n0, int n1) {
 
 namespace {
 
-constexpr int kMr = 14;                 // rows of the C tile
-constexpr int kNv = 2;                  // zmm vectors per tile row
-constexpr int kNr = 16 * kNv;           // columns of the C tile
-constexpr int kPackedBBytes = 1 << 20;  // a packed block of B: half the 2 MiB L2
-constexpr int kMcPanels = 8;            // micro-panels of A packed at a time (~100 KiB, L2)
+constexpr int kMr = 14;        // rows of the C tile
+constexpr int kNv = 2;         // zmm vectors per tile row
+constexpr int kNr = 16 * kNv;  // columns of the C tile
+constexpr int kMcPanels = 8;   // micro-panels of A packed at a time (~100 KiB, L2)
 // k per block. 16-bit: an A micro-panel of kKc * kMr values is 21 KiB, the B micro-panel it
 // meets 24 KiB. fp32: 256 (14 KiB of A, 32 KiB of B), which measured faster than 192 on
 // gpt-small's products (docs/benchmarks.md) and keeps its k = 256 products in one block.
@@ -73,6 +72,7 @@ constexpr int kKcF32 = 256;
 // (Note [fp32 k blocks]).
 constexpr int kKcF32Whole = 1024;
 
+using pack::kPackedBBytes;
 using pack::Line;
 using pack::Operands;
 using pack::PackColumnPairs;

@@ -16,6 +16,10 @@
 
 namespace pipewright::cpu::pack {
 
+// A packed block of B, the columns a k block's micro-panels sweep (both blockings): half the
+// 2 MiB L2.
+constexpr int kPackedBBytes = 1 << 20;
+
 // A 16-bit GEMM's operands (GemmHalfBlock's arguments).
 struct Operands {
   bool is_bf16, trans_a, trans_b;
