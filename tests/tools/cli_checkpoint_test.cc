@@ -42,17 +42,24 @@ std::vector<std::string> Entries(const std::string& dir) {
 }
 
 // The step a `--resume auto` run on DIR starts at: the one `latest` names; with no pointer yet
-// (a kill between the first step's rename into place and the pointer's first write), the newest
-// complete step directory (debris has a suffix after the digits); 0 when there is none.
+// (a kill before the first pointer write), the newest complete step: a step directory, or what
+// a kill left of a save (step-NNNNNN.tmp-PID, .old-PID), which the run's recovery renames into
+// place when its files are complete, that is, once manifest.json.sha256 (written last, synced)
+// holds its whole line. 0 when there is none.
 int ResumeStep(const std::string& dir) {
   if (fs::exists(dir + "/latest")) return std::stoi(Latest(dir).substr(5));
   int step = 0;
   if (!fs::is_directory(dir)) return step;
   for (const std::string& e : Entries(dir)) {
-    if (e.size() == 11 && e.rfind("step-", 0) == 0 &&
-        e.find_first_not_of("0123456789", 5) == std::string::npos) {
-      step = std::max(step, std::stoi(e.substr(5)));
+    if (e.size() < 11 || e.rfind("step-", 0) != 0 || e.find_first_not_of("0123456789", 5) < 11) {
+      continue;
     }
+    const std::string rest = e.substr(11);
+    const bool complete =
+        rest.empty() ||
+        ((rest.rfind(".tmp-", 0) == 0 || rest.rfind(".old-", 0) == 0) &&
+         ReadAll(dir + "/" + e + "/manifest.json.sha256").size() == 64 + 2 + 13 + 1);
+    if (complete) step = std::max(step, std::stoi(e.substr(5, 6)));
   }
   return step;
 }
