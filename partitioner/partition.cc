@@ -672,11 +672,12 @@ absl::StatusOr<std::vector<RankMemory>> PredictRankMemory(const ModelCosts& mode
     }
     split.push_back({boundaries[k], boundaries[k + 1], recompute[k]});
   }
-  if (sharding.zero < 0 || sharding.zero > 2 || sharding.dp < 1 || sharding.bucket_bytes < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("PredictRankMemory: ZeRO ", sharding.zero, " over ", sharding.dp,
-                     " replicas with ", sharding.bucket_bytes,
-                     "-byte buckets: want zero 0, 1 or 2, dp >= 1 and buckets >= 1 byte"));
+  if (sharding.zero < 0 || sharding.zero > 2 || sharding.dp < 1 || sharding.bucket_bytes < 1 ||
+      sharding.buffers < 1 || sharding.buffers > 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "PredictRankMemory: ZeRO ", sharding.zero, " over ", sharding.dp, " replicas with ",
+        sharding.bucket_bytes, "-byte buckets and ", sharding.buffers,
+        " buffers: want zero 0, 1 or 2, dp >= 1, buckets >= 1 byte and 1 or 2 buffers"));
   }
   const std::vector<int> held = PeakInflightPerStage(schedule);
   StageCosts c(model, DeviceSpec{}, param_bytes, held, schedule.spec.chunks,

@@ -22,13 +22,13 @@ int64_t ZeroSharding::OptimizerBytes(int64_t bytes) const {
 int64_t ZeroSharding::GradientBytes(int64_t bytes) const {
   const int shards = gradient_shards();
   if (shards <= 1) return bytes;
-  // The shard accumulator, plus the two bucket buffers a replica fills and reduce-scatters in
-  // turn (one filling, one on the wire), each as large as the largest bucket (whole gradient
-  // groups, closed before passing bucket_bytes unless one group alone does), never more than
-  // the stage's whole gradient.
+  // The shard accumulator, plus the bucket buffers a replica fills and reduce-scatters in turn
+  // (with two, one filling and one on the wire), each as large as the largest bucket (whole
+  // gradient groups, closed before passing bucket_bytes unless one group alone does), never more
+  // than the stage's whole gradient.
   const int64_t bucket =
       std::max(std::max<int64_t>(1, bucket_bytes), std::max<int64_t>(0, largest_group_bytes));
-  const int64_t in_flight = std::min(SaturatingMul(2, bucket), bytes);
+  const int64_t in_flight = std::min(SaturatingMul(std::clamp(buffers, 1, 2), bucket), bytes);
   return SaturatingAdd(Share(bytes, shards), in_flight);
 }
 

@@ -113,11 +113,11 @@ absl::StatusOr<RunMemoryNeed> Predict(const ModelCosts& whole, const RunSpec& ru
         ShardForTensorParallel(whole, node, run.tensor_parallel, run.sequence_parallel));
     costs = std::move(split.rank);
   }
-  PW_ASSIGN_OR_RETURN(
-      std::vector<RankMemory> ranks,
-      PredictRankMemory(costs, run.schedule, run.boundaries, recompute,
-                        BytesPerParam(options.precision),
-                        ZeroSharding{options.zero, run.data_parallel, options.bucket_bytes}));
+  ZeroSharding sharding{options.zero, run.data_parallel, options.bucket_bytes};
+  sharding.buffers = options.zero_buffers;
+  PW_ASSIGN_OR_RETURN(std::vector<RankMemory> ranks,
+                      PredictRankMemory(costs, run.schedule, run.boundaries, recompute,
+                                        BytesPerParam(options.precision), sharding));
   RunMemoryNeed need;
   need.micro_batch_size = costs.micro_batch_size;
   need.micro_batches = run.micro_batches();

@@ -61,6 +61,16 @@ absl::Status CheckFields(const TrainOptions& o) {
   if (o.zero < 0 || o.zero > 2) {
     return Invalid(absl::StrCat("TrainOptions.zero = ", o.zero, ": must be 0, 1 or 2"));
   }
+  if (o.zero_buffers < 1 || o.zero_buffers > 2) {
+    return Invalid(
+        absl::StrCat("TrainOptions.zero_buffers = ", o.zero_buffers, ": must be 1 or 2"));
+  }
+  if (o.zero_buffers != 2 && o.zero != 2) {
+    return Invalid(absl::StrCat("TrainOptions.zero_buffers = ", o.zero_buffers,
+                                " sets ZeRO-2's gradient buffers: it needs TrainOptions.zero = 2 "
+                                "(got ",
+                                o.zero, ")"));
+  }
   return absl::OkStatus();
 }
 

@@ -192,6 +192,7 @@ const std::vector<FieldFlag>& FieldFlags() {
       {"TrainOptions.grad_compression", "--grad-compression"},
       {"TrainOptions.dp_mode", "--dp-mode"},
       {"TrainOptions.zero", "--zero"},
+      {"TrainOptions.zero_buffers", "--zero-buffers"},
       {"TrainOptions.staleness", "--staleness"},
       {"TrainOptions.threads_per_rank", "--threads-per-rank"},
       {"TrainOptions.data_workers", "--data-workers"},

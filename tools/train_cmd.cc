@@ -151,6 +151,7 @@ absl::StatusOr<TrainOptions> OptionsFromFlags(const TrainFlags& f) {
   o.data_workers = f.data_workers;
   PW_ASSIGN_OR_RETURN(o.dp_mode, ParseDpMode(f.dp_mode));
   o.zero = std::max(0, f.zero);
+  o.zero_buffers = f.zero_buffers;
   o.staleness = f.staleness;
   return o;
 }

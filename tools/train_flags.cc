@@ -31,6 +31,10 @@ void RegisterTrain(CLI::App& app, int* exit_code) {
          "state of its share of every gradient bucket (reduce-scatter, then all-gather); 2 "
          "(ZeRO-2): its gradient buffers shrink to that share too, for a reduce-scatter per "
          "micro-batch (dp >= 2; default: the plan's, else 0)");
+  AddInt(cmd, "--zero-buffers", &f->zero_buffers, {1, 2},
+         "ZeRO-2's bucket-sized gradient buffers per stage: 2 overlaps each bucket's "
+         "reduce-scatter with the backward of the next; 1 waits for it, holding one bucket less "
+         "(--zero 2 only; same losses either way)");
   AddInt(cmd, "--pp", &f->pp, {1, kMaxParallel}, "Pipeline-parallel stages");
   AddInt(cmd, "--dp", &f->dp, {1, kMaxParallel}, "Data-parallel replicas");
   AddInt(cmd, "--tp", &f->tp, {1, kMaxTensorParallel},

@@ -43,6 +43,7 @@ struct TrainFlags {
   int data_workers = 1;
   int tied = -1;              // --tied 0|1: the LM head tied to the embedding (-1: the preset's)
   int zero = -1;              // --zero 0|1|2 (-1: the plan's, else 0)
+  int zero_buffers = 2;       // --zero-buffers 1|2
   int64_t data_delay_us = 0;  // benchmark-only: an artificially slow data source
   bool json = false;
   std::set<std::string> given;  // flags the user gave explicitly

@@ -67,12 +67,14 @@ struct ZeroSharding {
                  // the gradients (dp >= 2 for 1 and 2)
   int dp = 1;    // the stage's replicas
   // ZeRO-2: gradients are reduce-scattered bucket by bucket as the backward produces them; a
-  // replica holds its 1/dp shard of the stage's gradients and two bucket buffers.
+  // replica holds its 1/dp shard of the stage's gradients and `buffers` bucket buffers
+  // (TrainOptions.zero_buffers: 2 overlap the reduce-scatter with the backward; plans use 2).
   int64_t bucket_bytes = kDefaultGradBucketBytes;
   // The largest gradient group's bytes (LayerCost::largest_group_params): a bucket holds whole
   // groups and closes before one that would take it past bucket_bytes, so one bucket is at most
   // max(bucket_bytes, this) (the partitioner and the run's prediction fill it from the model).
   int64_t largest_group_bytes = 0;
+  int buffers = 2;
 
   int optimizer_shards() const { return zero >= 1 && dp > 1 ? dp : 1; }
   int gradient_shards() const { return zero >= 2 && dp > 1 ? dp : 1; }

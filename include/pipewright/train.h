@@ -75,6 +75,10 @@ struct TrainOptions {
   // gradient buffers shrink to 1/dp too, for M times the reduce-scatter traffic; losses agree
   // with 0 to fp32 rounding. Needs dp >= 2, synchronous DP and no gradient compression.
   int zero = 0;
+  // ZeRO-2's bucket-sized gradient buffers per stage: 2 lets a bucket's reduce-scatter run while
+  // the backward fills the next bucket; 1 waits for it before the backward goes on (one bucket
+  // less memory, no overlap: DeepSpeed's overlap_comm = false). Results do not depend on it.
+  int zero_buffers = 2;
   int staleness = 1;  // kAsync: the most steps a replica may run ahead of the slowest (>= 0)
   // Threads each CPU rank runs its kernels on (its own thread included): matrix products and
   // the row-parallel kernels split their work over them. 0 = automatic: the CPU cores this
@@ -102,11 +106,11 @@ struct TrainOptions {
 // Checked: steps >= 0; lr finite and > 0; min_lr_ratio in [0, 1]; clip_norm finite and >= 0;
 // optimizer.weight_decay finite and >= 0; warmup_steps >= 0; base_batch >= 1; loss_scale
 // (LossScaler::Validate) under fp16; bucket_bytes >= 1; threads_per_rank in [0, 255];
-// data_workers in [0, 64]; staleness >= 0; zero 0, 1 or 2; and what combines: gradient compression
-// not with fp16 and only with dp >= 2, ZeRO-1 only with dp >= 2 and synchronous DP,
-// asynchronous DP only with dp >= 2, fp32 or bf16 and no compression. (What needs the world or
-// the model as well — async DP on the CPU, with concurrent point-to-point and no tied weight
-// split across pipeline ranks — Engine::Create checks, in the same terms.)
+// data_workers in [0, 64]; staleness >= 0; zero 0, 1 or 2; zero_buffers 1 or 2 (1 only with zero
+// 2); and what combines: gradient compression not with fp16 and only with dp >= 2, ZeRO-1 only with
+// dp >= 2 and synchronous DP, asynchronous DP only with dp >= 2, fp32 or bf16 and no compression.
+// (What needs the world or the model as well — async DP on the CPU, with concurrent point-to-point
+// and no tied weight split across pipeline ranks — Engine::Create checks, in the same terms.)
 absl::Status ValidateTrainOptions(const TrainOptions& options, int data_parallel);
 
 struct StepResult {

@@ -62,6 +62,7 @@ struct DataParallelContext {
   BucketWatch* buckets = nullptr;  // (optional) GradSyncContext::buckets: every bucket collective
   OptimizerConfig optimizer;
   int64_t bucket_bytes = int64_t{1} << 20;
+  int zero_buffers = 2;  // ZeRO-2: TrainOptions.zero_buffers
 };
 
 // The rank's parameters as the strategy sees them.

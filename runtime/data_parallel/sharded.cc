@@ -23,12 +23,13 @@
 // ZeRO-2 goes further: the gradient buffers no longer outlive a micro-batch. Its buckets are made
 // of gradient groups, not layers (BucketGroups: a leaf layer's parameters, Note [Gradient groups]
 // in pipewright/layer.h), so a bucket may end inside a transformer block, and each is at most
-// max(bucket_bytes, the largest group). Each stage has two buffers of the largest bucket's size;
-// a bucket's parameters' grads are bound to one of them when its turn in the backward comes
+// max(bucket_bytes, the largest group). Each stage has two buffers of the largest bucket's size
+// (TrainOptions.zero_buffers; with one, the backward waits for each reduce-scatter to bind the
+// next); a bucket's parameters' grads are bound to one of them when its turn in the backward comes
 // (BeginBackward binds the first, each bucket's completion the next), each micro-batch's bucket
 // is reduce-scattered as soon as its last group is reported (LayerContext::gradients, or the
 // executor's GradReady after the layer), and the owner adds the result into its shard's
-// accumulator. Gradient memory per rank: the stage's / replicas, two buckets and the tied
+// accumulator. Gradient memory per rank: the stage's / replicas, two buckets (or one) and the tied
 // parameters. Traffic: a reduce-scatter per micro-batch, M times ZeRO-1's.
 // The sum is grouped by micro-batch first ((g0 + g0') + (g1 + g1') ...) where zero 0 and 1 sum
 // each replica's micro-batches first: ZeRO-2 agrees with them to fp32 rounding, not to the bit
@@ -154,7 +155,7 @@ struct Bucket {
   int stage = 0, index = 0;  // its virtual stage and index there (Note [Bucket spans])
 };
 
-// ZeRO-2: one of a stage's two bucket-sized gradient buffers (reduce-scattered in place).
+// ZeRO-2: one of a stage's bucket-sized gradient buffers (reduce-scattered in place).
 struct Slot {
   Tensor grads;
   int bucket = -1;         // the bucket bound to it; -1: free
@@ -167,10 +168,12 @@ struct Stage {
   int index = 0;                  // virtual stage
   std::vector<int> layer_bucket;  // ZeRO-1
   std::vector<Bucket> buckets;
-  // ZeRO-2: each parameter's bucket and place in it; the two buffers; the next bucket to bind in
+  // ZeRO-2: each parameter's bucket and place in it; the buffers (TrainOptions.zero_buffers: two
+  // overlap a bucket's reduce-scatter with the next bucket's backward, one waits for it); the next
+  // bucket to bind in
   // this backward; whether the backward is of the step's last micro-batch; what the layers tell.
   std::map<const Parameter*, std::pair<int, int>> where;
-  Slot slots[2];
+  std::vector<Slot> slots;
   int next = 0;
   bool last = false;
   std::unique_ptr<GradientObserver> observer;
@@ -262,6 +265,7 @@ class Sharded final : public DataParallel {
         }
       }
       if (zero_ == 2) {
+        st.slots.resize(static_cast<size_t>(std::clamp(ctx_.zero_buffers, 1, 2)));
         for (Slot& slot : st.slots) {
           PW_ASSIGN_OR_RETURN(slot.grads, Tensor::TryEmpty({largest}, DType::kF32, ctx_.alloc));
         }
@@ -610,8 +614,8 @@ class Sharded final : public DataParallel {
     return absl::OkStatus();
   }
 
-  // Binds the stage's next bucket of this backward to a free slot (draining the older one when
-  // both are in flight) and zeroes its gradients.
+  // Binds the stage's next bucket of this backward to a free slot (draining the oldest one when
+  // none is free: with one slot, the reduce-scatter just posted) and zeroes its gradients.
   absl::Status BindNext(Stage& st) {
     if (st.next >= static_cast<int>(st.buckets.size())) return absl::OkStatus();
     const int k = st.next++;
@@ -620,9 +624,9 @@ class Sharded final : public DataParallel {
       if (s.bucket < 0) slot = &s;
     }
     if (slot == nullptr) {
-      Slot& a = st.slots[0];
-      Slot& c = st.slots[1];
-      slot = a.launched <= c.launched ? &a : &c;
+      slot = &*std::min_element(st.slots.begin(), st.slots.end(), [](const Slot& a, const Slot& c) {
+        return a.launched < c.launched;
+      });
       PW_RETURN_IF_ERROR(Drain(st, *slot));
     }
     Bucket& b = st.buckets[k];

@@ -134,6 +134,7 @@ DataParallelContext RankExecutor::DpContext() {
   c.buckets = g.buckets;
   c.optimizer = ctx_->options->optimizer;
   c.bucket_bytes = ctx_->options->bucket_bytes;
+  c.zero_buffers = ctx_->options->zero_buffers;
   return c;
 }
 

@@ -10,9 +10,11 @@
 #include <string>
 #include <vector>
 
+#include "pipewright/data.h"
 #include "pipewright/engine.h"
 #include "pipewright/model.h"
 #include "pipewright/partitioner.h"
+#include "pipewright/run_memory.h"
 #include "tests/runtime/engine_util.h"
 #include "tests/test_util.h"
 
@@ -136,6 +138,68 @@ TEST(Zero, TwoAgreesToRoundingAndHoldsAShareOfTheGradients) {
     EXPECT_GT(b.grad_bytes_sent, a.grad_bytes_sent) << "a reduce-scatter per micro-batch";
     EXPECT_LT(b.optimizer_state_bytes, a.optimizer_state_bytes);
   }
+}
+
+// TrainOptions.zero_buffers = 1: the backward waits for each bucket's reduce-scatter before it
+// fills the next bucket, so a rank holds one bucket buffer instead of two. The sums are the
+// same, so are the bits; the run's memory prediction counts one buffer too.
+TEST(Zero, OneBufferGivesTheSameBitsAndHoldsOneBucketLess) {
+  const LayerGraph g = testing_util::Tiny();
+  EngineSetup two = Layout(2, 2, 2), one = Layout(2, 2, 2);
+  two.train.bucket_bytes = one.train.bucket_bytes = 4096;
+  one.train.zero_buffers = 1;
+  std::vector<StepReport> r2, r1;
+  const RunResult want = testing_util::RunSteps(g, two, 4, &r2);
+  const RunResult got = testing_util::RunSteps(g, one, 4, &r1);
+  ExpectSameRun(got, want, "zero_buffers 1 against 2");
+  int64_t largest_group = 0;
+  for (const LayerCost& l : ToModelCosts(g).layers) {
+    largest_group = std::max<int64_t>(
+        largest_group, 4 * (l.largest_group_params > 0 ? l.largest_group_params : l.params));
+  }
+  const int64_t bucket = std::max<int64_t>(4096, largest_group);
+  ASSERT_FALSE(r1.empty());
+  ASSERT_FALSE(r2.empty());
+  for (size_t k = 0; k < r2[0].ranks.size(); ++k) {
+    const RankTimes &a = r2[0].ranks[k], &b = r1[0].ranks[k];
+    ASSERT_EQ(a.global_rank, b.global_rank);
+    // The buffer saved is the stage's largest bucket: at most a bucket and its chunk padding.
+    const int64_t saved = a.gradient_bytes - b.gradient_bytes;
+    EXPECT_GT(saved, 0) << "rank " << a.global_rank;
+    EXPECT_LE(saved, bucket + 4 * 2048 * 2) << "rank " << a.global_rank;
+    EXPECT_EQ(b.grad_bytes_sent, a.grad_bytes_sent) << "the same collectives";
+  }
+  auto e = MakeEngine(g, one);
+  ASSERT_TRUE(e.ok()) << e.status();
+  auto data = SyntheticDataset(32, 1);
+  EngineSetup none = Layout(2, 2, 0);
+  none.train.bucket_bytes = 4096;
+  auto p0 = PredictRunMemory(g, (*e)->run(), none.train, data->Spec(), {{0}, {1}});
+  auto p1 = PredictRunMemory(g, (*e)->run(), one.train, data->Spec(), {{0}, {1}});
+  auto p2 = PredictRunMemory(g, (*e)->run(), two.train, data->Spec(), {{0}, {1}});
+  ASSERT_TRUE(p0.ok() && p1.ok() && p2.ok()) << p0.status() << p1.status() << p2.status();
+  for (size_t i = 0; i < 2; ++i) {
+    const int64_t whole = p0->ranks[i].model.memory.grads, share = (whole + 1) / 2;
+    EXPECT_EQ(p1->ranks[i].model.memory.grads, share + std::min(bucket, whole)) << i;
+    EXPECT_EQ(p2->ranks[i].model.memory.grads, share + std::min(2 * bucket, whole)) << i;
+  }
+  // The option belongs to ZeRO-2 and is refused by name elsewhere.
+  EngineSetup z1 = Layout(2, 2, 1);
+  z1.train.zero_buffers = 1;
+  auto refused = MakeEngine(g, z1);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find(
+                "TrainOptions.zero_buffers = 1 sets ZeRO-2's gradient buffers: it needs "
+                "TrainOptions.zero = 2 (got 1)"),
+            std::string::npos)
+      << refused.status();
+  z1.train.zero = 2;
+  z1.train.zero_buffers = 3;
+  refused = MakeEngine(g, z1);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("TrainOptions.zero_buffers = 3: must be 1 or 2"),
+            std::string::npos)
+      << refused.status();
 }
 
 TEST(Zero, RefusesWhatItCannotDo) {

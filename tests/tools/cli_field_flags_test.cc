@@ -132,6 +132,14 @@ TEST(FieldFlags, EveryTrainOptionsCheckNamesItsFieldAndTheCliItsFlag) {
       {"TrainOptions.data_workers", "--data-workers", [](O& o) { o.data_workers = -1; }},
       {"TrainOptions.staleness = -1", "--staleness -1", [](O& o) { o.staleness = -1; }},
       {"TrainOptions.zero = 3", "--zero 3", [](O& o) { o.zero = 3; }},
+      {"TrainOptions.zero_buffers = 1 sets ZeRO-2's gradient buffers: it needs TrainOptions.zero = "
+       "2",
+       "--zero-buffers 1 sets ZeRO-2's gradient buffers: it needs --zero 2",
+       [](O& o) {
+         o.zero = 1;
+         o.zero_buffers = 1;
+       },
+       2},
       {"TrainOptions.zero = 2 does not combine with TrainOptions.grad_compression",
        "--zero 2 does not combine with --grad-compression",
        [](O& o) {
