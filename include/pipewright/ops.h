@@ -281,10 +281,11 @@ absl::Status RmsNormBackwardWeight(const Exec& e, const Tensor& x, const Tensor&
 // rows of x and each head of `heads` at column
 // offset `col` + h * D within a row of `ld` floats, the pairs (i, i + D/2), i < D/2, turn by the
 // angle pos * theta^(-2i/D): (a, b) -> (a cos - b sin, b cos + a sin), in place. The rows are
-// [B, T] sequences: row r is at position r % T. `inverse` turns by minus the angle (the
-// backward: the transpose of a rotation).
+// [B, T] sequences: row r is at position first + r % T (first > 0: the rows of later positions
+// of a sequence being decoded, Note [Incremental decoding]; the same bits as those rows of the
+// whole sequence). `inverse` turns by minus the angle (the backward: the transpose of a rotation).
 absl::Status Rope(const Exec& e, Tensor& x, int64_t rows, int64_t T, int64_t ld, int64_t col,
-                  int64_t heads, int64_t D, double theta, bool inverse);
+                  int64_t heads, int64_t D, double theta, bool inverse, int64_t first = 0);
 
 // SwiGLU: out [rows, F] = silu(g) * u for gu [rows, 2F] = (g | u).
 absl::Status SwiGluForward(const Exec& e, const Tensor& gu, Tensor& out, int64_t rows, int64_t F);

@@ -56,7 +56,7 @@ __global__ void RmsNormBackwardWeightKernel(const float* x, const float* rstd, c
 }
 
 __global__ void RopeKernel(float* x, int rows, int T, int ld, int col, int heads, int D,
-                           float theta, float sign) {
+                           float theta, float sign, int first) {
   const int half = D / 2;
   const int64_t total = static_cast<int64_t>(rows) * heads * half;
   for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < total;
@@ -65,7 +65,7 @@ __global__ void RopeKernel(float* x, int rows, int T, int ld, int col, int heads
     const int h = static_cast<int>((k / half) % heads);
     const int64_t r = k / (static_cast<int64_t>(half) * heads);
     const float inv = 1.0f / powf(theta, static_cast<float>(2 * i) / static_cast<float>(D));
-    const float a_t = static_cast<float>(r % T) * inv;
+    const float a_t = static_cast<float>(first + r % T) * inv;
     const float c = cosf(a_t), s = sign * sinf(a_t);
     float* v = x + r * ld + col + static_cast<int64_t>(h) * D;
     const float a = v[i], b = v[i + half];
@@ -190,11 +190,11 @@ absl::Status RmsNormBackwardWeight(cudaStream_t stream, const float* x, const fl
 }
 
 absl::Status Rope(cudaStream_t stream, float* x, int rows, int T, int ld, int col, int heads, int D,
-                  double theta, bool inverse) {
+                  double theta, bool inverse, int first) {
   const int64_t n = static_cast<int64_t>(rows) * heads * (D / 2);
   if (n == 0) return absl::OkStatus();
   RopeKernel<<<Grid(n), 256, 0, stream>>>(x, rows, T, ld, col, heads, D, static_cast<float>(theta),
-                                          inverse ? -1.0f : 1.0f);
+                                          inverse ? -1.0f : 1.0f, first);
   PW_CUDA_LAUNCH_CHECK("RopeKernel");
   return absl::OkStatus();
 }

@@ -23,10 +23,10 @@ absl::Status RmsNormBackwardInput(cudaStream_t stream, const float* x, const flo
 // dw += sum over rows of dy * x * rstd.
 absl::Status RmsNormBackwardWeight(cudaStream_t stream, const float* x, const float* rstd,
                                    const float* dy, float* dw, int rows, int cols);
-// In place on x: for each row r (position r % T) and head h at column col + h D of a row of
-// `ld` floats, pairs (i, i + D/2) turn by +-(r % T) theta^(-2i/D).
+// In place on x: for each row r (position first + r % T) and head h at column col + h D of a
+// row of `ld` floats, pairs (i, i + D/2) turn by +-(first + r % T) theta^(-2i/D).
 absl::Status Rope(cudaStream_t stream, float* x, int rows, int T, int ld, int col, int heads, int D,
-                  double theta, bool inverse);
+                  double theta, bool inverse, int first = 0);
 absl::Status SwiGluForward(cudaStream_t stream, const float* gu, float* out, int rows, int F);
 absl::Status SwiGluBackward(cudaStream_t stream, const float* gu, const float* dout, float* dgu,
                             int rows, int F);

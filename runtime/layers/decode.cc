@@ -178,35 +178,125 @@ absl::StatusOr<Tensor> SequentialLayer::Decode(const Tensor& x, const LayerConte
   return h;
 }
 
-// The block's cache: {ln_1, attn, ln_2, mlp}, as its Saved.
-absl::Status TransformerBlockLayer::StartDecode(int64_t capacity, const LayerContext& ctx,
-                                                DecodeCache* cache) {
+// The pre-norm block's cache: {norm_1, attn, norm_2, mlp}, as its Saved.
+IncrementalDecoder* PreNormBlockLayer::decoder() {
+  for (Layer* l :
+       std::initializer_list<Layer*>{norm_1_.get(), attn_.get(), norm_2_.get(), mlp_.get()}) {
+    if (l->decoder() == nullptr) return nullptr;
+  }
+  return this;
+}
+
+absl::Status PreNormBlockLayer::StartDecode(int64_t capacity, const LayerContext& ctx,
+                                            DecodeCache* cache) {
   PW_RETURN_IF_ERROR(StartCountingCache(capacity, kind(), cache));
   cache->children.resize(4);
   int i = 0;
   for (Layer* l :
        std::initializer_list<Layer*>{norm_1_.get(), attn_.get(), norm_2_.get(), mlp_.get()}) {
+    if (l->decoder() == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(kind(), ": its ", l->kind(), " has no incremental decoding"));
+    }
     PW_RETURN_IF_ERROR(l->decoder()->StartDecode(capacity, ctx, &cache->children[i++]));
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<Tensor> TransformerBlockLayer::Decode(const Tensor& x, const LayerContext& ctx,
-                                                     DecodeCache* cache) {
-  PW_ASSIGN_OR_RETURN(const int64_t n, CheckDecodeInput(x, *cache, "transformer_block decode"));
+absl::StatusOr<Tensor> PreNormBlockLayer::Decode(const Tensor& x, const LayerContext& ctx,
+                                                 DecodeCache* cache) {
+  PW_ASSIGN_OR_RETURN(const int64_t n, CheckDecodeInput(x, *cache, kind()));
   if (cache->children.size() != 4) {
-    return absl::FailedPreconditionError("transformer_block: decode without StartDecode");
+    return absl::FailedPreconditionError(absl::StrCat(kind(), ": decode without StartDecode"));
   }
   const ops::Exec e = ops::ExecOf(ctx);
   std::vector<DecodeCache>& c = cache->children;
   PW_ASSIGN_OR_RETURN(Tensor a, norm_1_->decoder()->Decode(x, ctx, &c[0]));
   PW_ASSIGN_OR_RETURN(Tensor h, attn_->Decode(a, ctx, &c[1]));
-  PW_RETURN_IF_ERROR(ops::AddInPlace(e, h, x));  // h = x + attn(ln_1(x))
+  PW_RETURN_IF_ERROR(ops::AddInPlace(e, h, x));  // h = x + attn(norm_1(x))
   PW_ASSIGN_OR_RETURN(Tensor m, norm_2_->decoder()->Decode(h, ctx, &c[2]));
   PW_ASSIGN_OR_RETURN(Tensor d, mlp_->Decode(m, ctx, &c[3]));
-  PW_RETURN_IF_ERROR(ops::AddInPlace(e, d, h));  // out = h + mlp(ln_2(h))
+  PW_RETURN_IF_ERROR(ops::AddInPlace(e, d, h));  // out = h + mlp(norm_2(h))
   cache->length += n;
   return d;
+}
+
+// ---- the Llama family: position-wise layers, and the rotary attention's cache ------------------
+absl::Status RmsNormLayer::StartDecode(int64_t capacity, const LayerContext&, DecodeCache* cache) {
+  return StartCountingCache(capacity, kind(), cache);
+}
+absl::StatusOr<Tensor> RmsNormLayer::Decode(const Tensor& x, const LayerContext& ctx,
+                                            DecodeCache* cache) {
+  return DecodePositionwise(*this, x, ctx, cache);
+}
+
+absl::Status SwiGluLayer::StartDecode(int64_t capacity, const LayerContext&, DecodeCache* cache) {
+  return StartCountingCache(capacity, kind(), cache);
+}
+absl::StatusOr<Tensor> SwiGluLayer::Decode(const Tensor& x, const LayerContext& ctx,
+                                           DecodeCache* cache) {
+  return DecodePositionwise(*this, x, ctx, cache);
+}
+
+// No position table: a token's row does not depend on where it is (the attention turns q and k).
+absl::Status TokenEmbeddingLayer::StartDecode(int64_t capacity, const LayerContext&,
+                                              DecodeCache* cache) {
+  return StartCountingCache(capacity, kind(), cache);
+}
+absl::StatusOr<Tensor> TokenEmbeddingLayer::Decode(const Tensor& x, const LayerContext& ctx,
+                                                   DecodeCache* cache) {
+  if (!x.defined() || x.dtype() != DType::kI32 || x.rank() != 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("token_embedding decode: expected [1, n] i32 tokens, got ",
+                     x.defined() ? x.ShapeString() : std::string("no tensor")));
+  }
+  return DecodePositionwise(*this, x, ctx, cache);
+}
+
+// cache->tensors = {kv}: [capacity, 2C], row j holding position j's key and value (k | v) turned
+// to position j and repeated for every query head (ExpandKv), as the attention's qkv rows hold
+// them after their q: the GPT attention's cache and ops::AttentionDecode, at heads / kv_heads
+// times a grouped cache's size.
+absl::Status RotaryAttentionLayer::StartDecode(int64_t capacity, const LayerContext& ctx,
+                                               DecodeCache* cache) {
+  PW_RETURN_IF_ERROR(StartCountingCache(capacity, kind(), cache));
+  cache->tensors = {Tensor::Empty({capacity, 2 * dim_}, DType::kF32, AllocatorOf(ctx))};
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Tensor> RotaryAttentionLayer::Decode(const Tensor& x, const LayerContext& ctx,
+                                                    DecodeCache* cache) {
+  const int64_t D = dim_ / heads_, K = kv_heads_ * D;
+  if (!x.defined() || x.rank() != 3 || x.dim(2) != dim_ + 2 * K || x.dtype() != DType::kF32) {
+    return absl::InvalidArgumentError(absl::StrCat("rotary attention decode: expected qkv [1, n, ",
+                                                   dim_ + 2 * K, "] f32, got ",
+                                                   x.defined() ? x.ShapeString() : "no tensor"));
+  }
+  PW_ASSIGN_OR_RETURN(const int64_t n, CheckDecodeInput(x, *cache, "rotary attention decode"));
+  if (cache->tensors.size() != 1) {
+    return absl::FailedPreconditionError("rotary attention decode: no StartDecode");
+  }
+  const ops::Exec e = ops::ExecOf(ctx);
+  const int64_t start = cache->length;
+  Tensor qkv = Tensor::Empty({1, n, 3 * dim_}, DType::kF32, AllocatorOf(ctx));
+  PW_RETURN_IF_ERROR(ops::ExpandKv(e, x, qkv, n, heads_, kv_heads_, D));
+  // The new rows at positions [start, start + n): Forward's turn of those rows, bit for bit.
+  PW_RETURN_IF_ERROR(
+      ops::Rope(e, qkv, n, n, 3 * dim_, 0, 2 * heads_, D, theta_, /*inverse=*/false, start));
+  Tensor& kv = cache->tensors[0];
+  for (int64_t i = 0; i < n; ++i) {
+    PW_RETURN_IF_ERROR(
+        ops::CopyRange(e, qkv, i * 3 * dim_ + dim_, kv, (start + i) * 2 * dim_, 2 * dim_));
+  }
+  Tensor out = Tensor::Empty({1, n, dim_}, DType::kF32, AllocatorOf(ctx));
+  if (start == 0) {  // a prefill: the training forward's kernel and bits
+    Tensor lse = Tensor::Empty(ops::AttentionLseShape(1, n, heads_), DType::kF32, AllocatorOf(ctx));
+    PW_RETURN_IF_ERROR(ops::AttentionForward(e, qkv, out, lse, 1, n, dim_, heads_));
+  } else {
+    PW_RETURN_IF_ERROR(ops::AttentionDecode(e, qkv, kv, out, start, n, dim_, heads_));
+  }
+  cache->length += n;
+  return out;
 }
 
 }  // namespace pipewright::internal

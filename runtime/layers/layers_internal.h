@@ -248,8 +248,14 @@ class AttentionCoreLayer final : public Layer, public IncrementalDecoder {
 // (LayerContext::selective_recompute) the inputs of the attention's first product, of the MLP's
 // first and of its last product are dropped after the forward and remade in the backward from
 // what the norms and the MLP's activation keep anyway (Note [Selective recomputation]).
-class PreNormBlockLayer : public Layer {
+class PreNormBlockLayer : public Layer, public IncrementalDecoder {
  public:
+  // This block when its four sublayers have decoders (the built-in ones do); its cache holds
+  // theirs: {norm_1, attn, norm_2, mlp}.
+  IncrementalDecoder* decoder() override;
+  absl::Status StartDecode(int64_t capacity, const LayerContext& ctx, DecodeCache* cache) override;
+  absl::StatusOr<Tensor> Decode(const Tensor& x, const LayerContext& ctx,
+                                DecodeCache* cache) override;
   absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
   absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
                                        Saved* saved) override;
@@ -282,14 +288,10 @@ class PreNormBlockLayer : public Layer {
 };
 
 // Pre-LN GPT-2 block: h = x + attn(ln_1(x)); out = h + mlp(ln_2(h)).
-class TransformerBlockLayer final : public PreNormBlockLayer, public IncrementalDecoder {
+class TransformerBlockLayer final : public PreNormBlockLayer {
  public:
   TransformerBlockLayer(const InitContext& init, int64_t dim, int64_t heads);
   absl::string_view kind() const override { return "transformer_block"; }
-  IncrementalDecoder* decoder() override { return this; }
-  absl::Status StartDecode(int64_t capacity, const LayerContext& ctx, DecodeCache* cache) override;
-  absl::StatusOr<Tensor> Decode(const Tensor& x, const LayerContext& ctx,
-                                DecodeCache* cache) override;
 
  private:
   absl::StatusOr<Tensor> RemakeActivation(const LayerContext& ctx, const Saved& mlp) const override;
@@ -298,10 +300,14 @@ class TransformerBlockLayer final : public PreNormBlockLayer, public Incremental
 // ---- The Llama family (runtime/layers/llama.cc; Note [Llama layers] in ops/llama_ops.cc) ----
 
 // y = weight * x / sqrt(mean(x^2) + eps) over the last dimension; weight starts at 1.
-class RmsNormLayer final : public Layer {
+class RmsNormLayer final : public Layer, public IncrementalDecoder {
  public:
   RmsNormLayer(const InitContext& init, int64_t dim, float eps);
   absl::string_view kind() const override { return "rmsnorm"; }
+  IncrementalDecoder* decoder() override { return this; }
+  absl::Status StartDecode(int64_t capacity, const LayerContext& ctx, DecodeCache* cache) override;
+  absl::StatusOr<Tensor> Decode(const Tensor& x, const LayerContext& ctx,
+                                DecodeCache* cache) override;
   absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
   absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
                                        Saved* saved) override;
@@ -316,10 +322,14 @@ class RmsNormLayer final : public Layer {
 
 // Tokens [B, T] -> rows of the token table "wte.weight" (no positions: the attention turns its
 // queries and keys instead). Vocab-parallel at init.tp_size > 1, as EmbeddingLayer.
-class TokenEmbeddingLayer final : public Layer {
+class TokenEmbeddingLayer final : public Layer, public IncrementalDecoder {
  public:
   TokenEmbeddingLayer(const InitContext& init, int64_t vocab, int64_t dim);
   absl::string_view kind() const override { return "token_embedding"; }
+  IncrementalDecoder* decoder() override { return this; }
+  absl::Status StartDecode(int64_t capacity, const LayerContext& ctx, DecodeCache* cache) override;
+  absl::StatusOr<Tensor> Decode(const Tensor& x, const LayerContext& ctx,
+                                DecodeCache* cache) override;
   absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
   absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
                                        Saved* saved) override;
@@ -334,11 +344,15 @@ class TokenEmbeddingLayer final : public Layer {
 
 // Grouped-query attention with rotary positions: (q | k | v) [B, T, C + 2 kv_heads D] -> [B, T, C],
 // no parameters.
-class RotaryAttentionLayer final : public Layer {
+class RotaryAttentionLayer final : public Layer, public IncrementalDecoder {
  public:
   RotaryAttentionLayer(int64_t dim, int64_t heads, int64_t kv_heads, double theta)
       : dim_(dim), heads_(heads), kv_heads_(kv_heads), theta_(theta) {}
   absl::string_view kind() const override { return "rotary_attention"; }
+  IncrementalDecoder* decoder() override { return this; }
+  absl::Status StartDecode(int64_t capacity, const LayerContext& ctx, DecodeCache* cache) override;
+  absl::StatusOr<Tensor> Decode(const Tensor& x, const LayerContext& ctx,
+                                DecodeCache* cache) override;
   absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
   absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
                                        Saved* saved) override;
@@ -350,10 +364,14 @@ class RotaryAttentionLayer final : public Layer {
 };
 
 // (g | u) [..., 2F] -> silu(g) * u [..., F], no parameters.
-class SwiGluLayer final : public Layer {
+class SwiGluLayer final : public Layer, public IncrementalDecoder {
  public:
   explicit SwiGluLayer(int64_t ffn) : ffn_(ffn) {}
   absl::string_view kind() const override { return "swiglu"; }
+  IncrementalDecoder* decoder() override { return this; }
+  absl::Status StartDecode(int64_t capacity, const LayerContext& ctx, DecodeCache* cache) override;
+  absl::StatusOr<Tensor> Decode(const Tensor& x, const LayerContext& ctx,
+                                DecodeCache* cache) override;
   absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
   absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
                                        Saved* saved) override;

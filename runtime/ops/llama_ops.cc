@@ -119,14 +119,17 @@ absl::Status RmsNormBackwardWeight(const Exec& e, const Tensor& x, const Tensor&
 }
 
 absl::Status Rope(const Exec& e, Tensor& x, int64_t rows, int64_t T, int64_t ld, int64_t col,
-                  int64_t heads, int64_t D, double theta, bool inverse) {
+                  int64_t heads, int64_t D, double theta, bool inverse, int64_t first) {
   PW_RETURN_IF_ERROR(Check(e, "rope", {&x}));
   PW_RETURN_IF_ERROR(Need(D >= 2 && D % 2 == 0 && T >= 1 && theta > 0 && col >= 0 &&
-                              col + heads * D <= ld && x.numel() >= rows * ld,
-                          "rope", "head dim must be even and the heads inside each row"));
+                              col + heads * D <= ld && x.numel() >= rows * ld && first >= 0 &&
+                              first <= (int64_t{1} << 24) - T,
+                          "rope",
+                          "head dim must be even, the heads inside each row and the positions "
+                          "below 2^24 (exact in float)"));
   if constexpr (kWithCuda) {
     if (e.device().is_cuda())
-      return cuda_impl::Rope(e, x, rows, T, ld, col, heads, D, theta, inverse);
+      return cuda_impl::Rope(e, x, rows, T, ld, col, heads, D, theta, inverse, first);
   }
   const int64_t half = D / 2;
   // transformers: inv_freq = 1 / theta^(arange(0, D, 2) / D) in float; angle = pos * inv_freq in
@@ -136,7 +139,7 @@ absl::Status Rope(const Exec& e, Tensor& x, int64_t rows, int64_t T, int64_t ld,
     const float inv = 1.0f / std::pow(static_cast<float>(theta),
                                       static_cast<float>(2 * i) / static_cast<float>(D));
     for (int64_t t = 0; t < T; ++t) {
-      const float a = static_cast<float>(t) * inv;
+      const float a = static_cast<float>(first + t) * inv;
       cs[t * half + i] = std::cos(a);
       sn[t * half + i] = inverse ? -std::sin(a) : std::sin(a);
     }

@@ -196,9 +196,9 @@ absl::Status RmsNormBackwardWeight(const Exec& e, const Tensor& x, const Tensor&
                                      dy.data<float>(), dw.data<float>(), I(rows), I(cols));
 }
 absl::Status Rope(const Exec& e, Tensor& x, int64_t rows, int64_t T, int64_t ld, int64_t col,
-                  int64_t heads, int64_t D, double theta, bool inverse) {
+                  int64_t heads, int64_t D, double theta, bool inverse, int64_t first) {
   return cuda::Rope(StreamOf(e), x.data<float>(), I(rows), I(T), I(ld), I(col), I(heads), I(D),
-                    theta, inverse);
+                    theta, inverse, I(first));
 }
 absl::Status SwiGluForward(const Exec& e, const Tensor& gu, Tensor& out, int64_t rows, int64_t F) {
   return cuda::SwiGluForward(StreamOf(e), gu.data<float>(), out.data<float>(), I(rows), I(F));

@@ -49,7 +49,7 @@ absl::Status RmsNormBackwardInput(const Exec& e, const Tensor& x, const Tensor& 
 absl::Status RmsNormBackwardWeight(const Exec& e, const Tensor& x, const Tensor& rstd,
                                    const Tensor& dy, Tensor& dw, int64_t rows, int64_t cols);
 absl::Status Rope(const Exec& e, Tensor& x, int64_t rows, int64_t T, int64_t ld, int64_t col,
-                  int64_t heads, int64_t D, double theta, bool inverse);
+                  int64_t heads, int64_t D, double theta, bool inverse, int64_t first);
 absl::Status SwiGluForward(const Exec& e, const Tensor& gu, Tensor& out, int64_t rows, int64_t F);
 absl::Status SwiGluBackward(const Exec& e, const Tensor& gu, const Tensor& dout, Tensor& dgu,
                             int64_t rows, int64_t F);

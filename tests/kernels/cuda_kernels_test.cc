@@ -749,6 +749,15 @@ TEST(CudaLlama, KernelsMatchTheCpuOps) {
     stream.Sync();
     ExpectRelErr(gr.Download(), rc.ToVector(), 1e-5, inverse ? "rope inverse" : "rope");
   }
+  {  // rows of later positions (incremental decoding's `first`)
+    Tensor rc = host(r, {rows, ld});
+    PW_ASSERT_OK(ops::Rope(cpu, rc, rows, rows, ld, 3, 2 * heads, D, 500000.0, false, 77));
+    DeviceArray<float> gr(r);
+    PW_ASSERT_OK(
+        Rope(stream.get(), gr.get(), rows, rows, ld, 3, 2 * heads, D, 500000.0, false, 77));
+    stream.Sync();
+    ExpectRelErr(gr.Download(), rc.ToVector(), 1e-5, "rope from position 77");
+  }
   // SwiGLU.
   const auto gu = RandomVec(rows * 2 * F, 105), dout = RandomVec(rows * F, 106);
   Tensor so = Tensor::Empty({rows, F}), sd = Tensor::Empty({rows, 2 * F});

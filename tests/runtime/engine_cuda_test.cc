@@ -223,56 +223,59 @@ TEST_F(EngineCudaCheckpoint, GpuCheckpointResumesOnTheCpu) {
 // CPU's greedy text; every sampled row of logits agrees with the CPU's to fp32 rounding.
 TEST(GenerateCuda, GreedyTextAndLogitsAreTheCpus) {
   if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
-  auto graph = PresetModel("gpt-tiny", 1);
-  ASSERT_TRUE(graph.ok());
-  auto cpu = graph->Instantiate(0, graph->num_layers(), 7);
-  ASSERT_TRUE(cpu.ok());
-  std::mt19937 rng(7);
-  std::normal_distribution<float> noise(0.0f, 0.1f);
-  for (Parameter* p : (*cpu)->Parameters()) {
-    for (int64_t i = 0; i < p->value.numel(); ++i) p->value.data<float>()[i] += noise(rng);
-  }
-  ASSERT_TRUE(SetCudaDevice(0).ok());
-  auto stream = CudaStream::Create(Device::Cuda(0));
-  ASSERT_TRUE(stream.ok());
-  auto alloc = CreateCudaAllocator(0, stream->get());
-  ASSERT_TRUE(alloc.ok());
-  {
-    auto gpu = graph->Instantiate(0, graph->num_layers(), 7, alloc->get());
-    ASSERT_TRUE(gpu.ok());
-    const auto from = (*cpu)->Parameters(), to = (*gpu)->Parameters();
-    ASSERT_EQ(from.size(), to.size());
-    for (size_t i = 0; i < from.size(); ++i)
-      ASSERT_TRUE(to[i]->value.CopyFrom(from[i]->value).ok());
-    const int L = graph->num_layers() - 1;
-    const int64_t T = graph->shape().seq_len;
-    for (bool cache : {true, false}) {
-      GenerateOptions o;
-      o.prompt = "ROMEO:";
-      o.tokens = 2 * T + 5;  // past the window: refills
-      o.temperature = 0;
-      o.kv_cache = cache;
-      std::vector<std::vector<float>> rows_cpu, rows_gpu;
-      auto keep = [](std::vector<std::vector<float>>* rows) {
-        return [rows](const std::vector<int32_t>&, const float* logits, int64_t v) {
-          rows->emplace_back(logits, logits + v);
+  for (const char* preset : {"gpt-tiny", "llama-tiny"}) {
+    SCOPED_TRACE(preset);
+    auto graph = PresetModel(preset, 1);
+    ASSERT_TRUE(graph.ok());
+    auto cpu = graph->Instantiate(0, graph->num_layers(), 7);
+    ASSERT_TRUE(cpu.ok());
+    std::mt19937 rng(7);
+    std::normal_distribution<float> noise(0.0f, 0.1f);
+    for (Parameter* p : (*cpu)->Parameters()) {
+      for (int64_t i = 0; i < p->value.numel(); ++i) p->value.data<float>()[i] += noise(rng);
+    }
+    ASSERT_TRUE(SetCudaDevice(0).ok());
+    auto stream = CudaStream::Create(Device::Cuda(0));
+    ASSERT_TRUE(stream.ok());
+    auto alloc = CreateCudaAllocator(0, stream->get());
+    ASSERT_TRUE(alloc.ok());
+    {
+      auto gpu = graph->Instantiate(0, graph->num_layers(), 7, alloc->get());
+      ASSERT_TRUE(gpu.ok());
+      const auto from = (*cpu)->Parameters(), to = (*gpu)->Parameters();
+      ASSERT_EQ(from.size(), to.size());
+      for (size_t i = 0; i < from.size(); ++i)
+        ASSERT_TRUE(to[i]->value.CopyFrom(from[i]->value).ok());
+      const int L = graph->num_layers() - 1;
+      const int64_t T = graph->shape().seq_len;
+      for (bool cache : {true, false}) {
+        GenerateOptions o;
+        o.prompt = "ROMEO:";
+        o.tokens = 2 * T + 5;  // past the window: refills
+        o.temperature = 0;
+        o.kv_cache = cache;
+        std::vector<std::vector<float>> rows_cpu, rows_gpu;
+        auto keep = [](std::vector<std::vector<float>>* rows) {
+          return [rows](const std::vector<int32_t>&, const float* logits, int64_t v) {
+            rows->emplace_back(logits, logits + v);
+          };
         };
-      };
-      GenerateResult a, b;
-      ASSERT_TRUE(internal::Generate(**cpu, L, T, 256, o, nullptr, &a, keep(&rows_cpu)).ok());
-      absl::Status s =
-          internal::Generate(**gpu, L, T, 256, o, nullptr, &b, keep(&rows_gpu), alloc->get());
-      ASSERT_TRUE(s.ok()) << s;
-      EXPECT_EQ(b.text, a.text) << "kv cache " << cache;
-      ASSERT_EQ(rows_gpu.size(), rows_cpu.size());
-      double worst = 0;
-      for (size_t r = 0; r < rows_cpu.size(); ++r) {
-        for (size_t k = 0; k < rows_cpu[r].size(); ++k) {
-          worst = std::max(worst, std::abs(static_cast<double>(rows_gpu[r][k]) - rows_cpu[r][k]) /
-                                      (1.0 + std::abs(rows_cpu[r][k])));
+        GenerateResult a, b;
+        ASSERT_TRUE(internal::Generate(**cpu, L, T, 256, o, nullptr, &a, keep(&rows_cpu)).ok());
+        absl::Status s =
+            internal::Generate(**gpu, L, T, 256, o, nullptr, &b, keep(&rows_gpu), alloc->get());
+        ASSERT_TRUE(s.ok()) << s;
+        EXPECT_EQ(b.text, a.text) << "kv cache " << cache;
+        ASSERT_EQ(rows_gpu.size(), rows_cpu.size());
+        double worst = 0;
+        for (size_t r = 0; r < rows_cpu.size(); ++r) {
+          for (size_t k = 0; k < rows_cpu[r].size(); ++k) {
+            worst = std::max(worst, std::abs(static_cast<double>(rows_gpu[r][k]) - rows_cpu[r][k]) /
+                                        (1.0 + std::abs(rows_cpu[r][k])));
+          }
         }
+        EXPECT_LT(worst, 1e-4) << "kv cache " << cache;
       }
-      EXPECT_LT(worst, 1e-4) << "kv cache " << cache;
     }
   }
 }

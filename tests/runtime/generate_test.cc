@@ -54,69 +54,75 @@ std::vector<float> FullForwardLast(Model& m, const std::vector<int32_t>& window)
   return std::vector<float>(last, last + m.V);
 }
 
+// For GPT (learned positions) and Llama (rotary positions, grouped-query attention: its cache
+// holds keys turned to their positions).
 TEST(Generate, CachedStepsMatchTheFullForwardOfTheirWindowAcrossRefills) {
-  Model m = Noisy("gpt-tiny", 11);
-  ASSERT_EQ(m.T, 32);
-  // A prompt within the window, and one longer than it (its first window is full at once).
-  std::string longer(50, 'a');
-  longer += 'b';
-  const std::vector<std::string> prompts = {"ROMEO:", longer};
-  for (const std::string& prompt : prompts) {
-    GenerateOptions o;
-    o.prompt = prompt;
-    o.tokens = 3 * m.T + 7;
-    o.temperature = 1.0;
-    o.top_k = 0;
-    o.seed = 5;
-    std::vector<int32_t> text(prompt.begin(), prompt.end());  // every token so far
-    std::vector<size_t> sizes;
-    double worst = 0, smallest_max = 1e30;
-    auto observe = [&](const std::vector<int32_t>& window, const float* logits, int64_t vocab) {
-      ASSERT_EQ(vocab, m.V);
-      ASSERT_LE(window.size(), static_cast<size_t>(m.T));
-      ASSERT_LE(window.size(), text.size());
-      EXPECT_TRUE(std::equal(window.begin(), window.end(), text.end() - window.size()))
-          << "the window is not the latest tokens at step " << sizes.size();
-      sizes.push_back(window.size());
-      const std::vector<float> full = FullForwardLast(m, window);
-      double diff = 0, max = 0;
-      for (int64_t v = 0; v < vocab; ++v) {
-        diff = std::max(diff, static_cast<double>(std::fabs(logits[v] - full[v])));
-        max = std::max(max, static_cast<double>(std::fabs(full[v])));
+  for (const std::string preset : {"gpt-tiny", "llama-tiny"}) {
+    SCOPED_TRACE(preset);
+    Model m = Noisy(preset, 11);
+    ASSERT_EQ(m.T, 32);
+    // A prompt within the window, and one longer than it (its first window is full at once).
+    std::string longer(50, 'a');
+    longer += 'b';
+    const std::vector<std::string> prompts = {"ROMEO:", longer};
+    for (const std::string& prompt : prompts) {
+      GenerateOptions o;
+      o.prompt = prompt;
+      o.tokens = 3 * m.T + 7;
+      o.temperature = 1.0;
+      o.top_k = 0;
+      o.seed = 5;
+      std::vector<int32_t> text(prompt.begin(), prompt.end());  // every token so far
+      std::vector<size_t> sizes;
+      double worst = 0, smallest_max = 1e30;
+      auto observe = [&](const std::vector<int32_t>& window, const float* logits, int64_t vocab) {
+        ASSERT_EQ(vocab, m.V);
+        ASSERT_LE(window.size(), static_cast<size_t>(m.T));
+        ASSERT_LE(window.size(), text.size());
+        EXPECT_TRUE(std::equal(window.begin(), window.end(), text.end() - window.size()))
+            << "the window is not the latest tokens at step " << sizes.size();
+        sizes.push_back(window.size());
+        const std::vector<float> full = FullForwardLast(m, window);
+        double diff = 0, max = 0;
+        for (int64_t v = 0; v < vocab; ++v) {
+          diff = std::max(diff, static_cast<double>(std::fabs(logits[v] - full[v])));
+          max = std::max(max, static_cast<double>(std::fabs(full[v])));
+        }
+        worst = std::max(worst, diff / max);
+        smallest_max = std::min(smallest_max, max);
+      };
+      GenerateResult r;
+      ASSERT_TRUE(internal::Generate(
+                      *m.stage, m.L, m.T, m.V, o,
+                      [&](const std::string& piece) {
+                        text.push_back(static_cast<unsigned char>(piece[0]));
+                      },
+                      &r, observe)
+                      .ok());
+      EXPECT_TRUE(r.kv_cache);
+      ASSERT_EQ(sizes.size(), static_cast<size_t>(o.tokens));
+      EXPECT_LE(worst, 1e-5) << "prompt of " << prompt.size();
+      RecordProperty(preset + "_worst_relative_difference_prompt_" + std::to_string(prompt.size()),
+                     std::to_string(worst));
+      EXPECT_GT(smallest_max, 0.1) << "logits too close to zero to test anything";
+      // Windows grow by one position a token; a full one (T) is followed by the last T/2 tokens.
+      EXPECT_EQ(sizes[0], std::min<size_t>(prompt.size(), m.T));
+      int refills = 0;
+      for (size_t i = 1; i < sizes.size(); ++i) {
+        if (sizes[i - 1] == static_cast<size_t>(m.T)) {
+          EXPECT_EQ(sizes[i], static_cast<size_t>(m.T / 2)) << "step " << i;
+          ++refills;
+        } else {
+          EXPECT_EQ(sizes[i], sizes[i - 1] + 1) << "step " << i;
+        }
       }
-      worst = std::max(worst, diff / max);
-      smallest_max = std::min(smallest_max, max);
-    };
-    GenerateResult r;
-    ASSERT_TRUE(
-        internal::Generate(
-            *m.stage, m.L, m.T, m.V, o,
-            [&](const std::string& piece) { text.push_back(static_cast<unsigned char>(piece[0])); },
-            &r, observe)
-            .ok());
-    EXPECT_TRUE(r.kv_cache);
-    ASSERT_EQ(sizes.size(), static_cast<size_t>(o.tokens));
-    EXPECT_LE(worst, 1e-5) << "prompt of " << prompt.size();
-    RecordProperty("worst_relative_difference_prompt_" + std::to_string(prompt.size()),
-                   std::to_string(worst));
-    EXPECT_GT(smallest_max, 0.1) << "logits too close to zero to test anything";
-    // Windows grow by one position a token; a full one (T) is followed by the last T/2 tokens.
-    EXPECT_EQ(sizes[0], std::min<size_t>(prompt.size(), m.T));
-    int refills = 0;
-    for (size_t i = 1; i < sizes.size(); ++i) {
-      if (sizes[i - 1] == static_cast<size_t>(m.T)) {
-        EXPECT_EQ(sizes[i], static_cast<size_t>(m.T / 2)) << "step " << i;
-        ++refills;
-      } else {
-        EXPECT_EQ(sizes[i], sizes[i - 1] + 1) << "step " << i;
-      }
+      EXPECT_GE(refills, 5) << "prompt of " << prompt.size();
     }
-    EXPECT_GE(refills, 5) << "prompt of " << prompt.size();
   }
 }
 
 TEST(Generate, GreedyTextWithTheCacheIsTheRecomputedTextWithinTheWindow) {
-  for (const char* preset : {"gpt-tiny", "mlp"}) {
+  for (const char* preset : {"gpt-tiny", "mlp", "llama-tiny"}) {
     Model m = Noisy(preset, 12);
     GenerateOptions o;
     o.prompt = "ROMEO:";
@@ -159,11 +165,13 @@ TEST(Generate, AModelWithALayerWithoutADecoderRecomputesTheWindow) {
 }
 
 TEST(IncrementalDecoding, EveryBuiltInLayerButTheLossHasADecoder) {
-  Model m = Noisy("gpt-tiny", 13);
-  for (int i = 0; i < m.L; ++i) {
-    EXPECT_NE(m.stage->layer(i).decoder(), nullptr) << m.stage->name(i);
+  for (const char* preset : {"gpt-tiny", "llama-tiny"}) {
+    Model m = Noisy(preset, 13);
+    for (int i = 0; i < m.L; ++i) {
+      EXPECT_NE(m.stage->layer(i).decoder(), nullptr) << preset << " " << m.stage->name(i);
+    }
+    EXPECT_EQ(m.stage->layer(m.L).decoder(), nullptr) << "the loss";
   }
-  EXPECT_EQ(m.stage->layer(m.L).decoder(), nullptr) << "the loss";
 }
 
 TEST(IncrementalDecoding, WhatDoesNotFitTheCacheIsRefusedAndLeavesItUnchanged) {

@@ -258,6 +258,14 @@ TEST(LayerTest, RopeTurnsPairsByThePositionsAngle) {
   const std::vector<float> back = x.ToVector();
   for (size_t k = 0; k < back.size(); ++k) EXPECT_NEAR(back[k], before[k], 1e-5) << k;
   EXPECT_FALSE(ops::Rope(ops::Exec{}, x, T, T, ld, 3, heads, 7, theta, false).ok()) << "odd D";
+  // Rows of later positions alone (`first`, as incremental decoding turns them): the bits of
+  // those rows in the whole sequence's turn.
+  const int64_t first = 3, n = T - first;
+  Tensor later = Tensor::Empty({n, ld});
+  std::copy(before.begin() + first * ld, before.end(), later.data<float>());
+  ASSERT_TRUE(ops::Rope(ops::Exec{}, later, n, n, ld, 3, heads, D, theta, false, first).ok());
+  EXPECT_EQ(later.ToVector(), std::vector<float>(after.begin() + first * ld, after.end()));
+  EXPECT_FALSE(ops::Rope(ops::Exec{}, later, n, n, ld, 3, heads, D, theta, false, -1).ok());
 }
 
 // ExpandKv and ReduceKv are each other's transpose: <Expand(x), y> = <x, Reduce(y)>.
