@@ -28,7 +28,8 @@ BENCHMARK(BM_Gemm)
     ->Args({kTokens, 4 * kC, kC})
     ->Args({1024, 1024, 1024});
 
-// ---- 16-bit GEMMs: the Linear layer's products in --precision bf16 (docs/benchmarks.md) ----
+// ---- 16-bit GEMMs: the Linear layer's products in --precision bf16
+// (docs/benchmarks-kernels.md) ----
 // Args: Linear (in, out), gemm (0 forward y = x W^T: NT; 1 input gradient dx = dy W: NN; 2 weight
 // gradient dW += dy^T x: TN), path (0 sgemm on f32 inputs, the fp32 baseline; 1 GemmHalf's
 // widening path: bf16 -> f32 copies + sgemm; 2 GemmHalfBlock kFma; 3 GemmHalfBlock kBf16Dot).

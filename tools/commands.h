@@ -43,7 +43,7 @@ int ReportError(const absl::Status& status);
 // The whole regular file `path`, at most `max_bytes` of it (ReadRegularFile, pipewright/input.h):
 // a FIFO, a device or a directory is InvalidArgument naming `what` (the flag, e.g. "--plan") and
 // the kind of file, a missing file NotFound, a larger file InvalidArgument naming the limit.
-// Every file a subcommand reads goes through ReadFile or ReadJsonFile (docs/runtime.md, "Input
+// Every file a subcommand reads goes through ReadFile or ReadJsonFile (docs/input-limits.md, "Input
 // limits").
 absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view what,
                                      int64_t max_bytes = kMaxJsonFileBytes);

@@ -21,7 +21,7 @@
 
 namespace pipewright::tools {
 
-// Ranges several subcommands share (docs/runtime.md, "Flag ranges").
+// Ranges several subcommands share (docs/input-limits.md, "Flag ranges").
 inline constexpr int64_t kMaxParallel = 65536;                 // --pp, --dp, --chunks, --stages
 inline constexpr int64_t kMaxMicroBatches = int64_t{1} << 20;  // per replica and step
 inline constexpr int64_t kMaxMicroBatchSize = int64_t{1} << 24;

@@ -12,7 +12,7 @@
 //
 // Errors are InvalidArgument (a usage error: the CLI exits 2) naming what the file was for and
 // its path, e.g. "--plan 'p.json' is a FIFO, not a regular file"; NotFound / PermissionDenied
-// when it cannot be opened. docs/runtime.md, "Input limits", lists every reader's limit.
+// when it cannot be opened. docs/input-limits.md, "Input limits", lists every reader's limit.
 #ifndef PIPEWRIGHT_INPUT_H_
 #define PIPEWRIGHT_INPUT_H_
 

@@ -104,15 +104,15 @@ class GradientObserver {
 // Note [16-bit weights once a step]. Under mixed precision a Linear layer multiplies the 16-bit
 // rounding of its fp32 master weight, in the forward and again in the backward of every
 // micro-batch: 2M casts of every weight a step, 11% of gpt2-124m's bf16 step on the CPU
-// (docs/benchmarks.md, "AMX tiles"). The masters do not change between a step's first forward
-// and its optimizer update, so the engine gives its layers a cache (LayerContext::half_weights)
-// that keeps each rounding from its first use in a step and forgets them all when the next step
-// begins (RankExecutor::BeginStep: after the update, after an asynchronous replica's pull).
-// The rounding is the same function of the same masters, so the bits are those of casting at
-// every use (tested: MixedPrecisionTraining.HalfWeightsOnceAStepGiveTheBitsOfEveryUse). The
-// copies are the 2 bytes a parameter the memory model already charges for mixed precision
-// (docs/memory.md). A caller without an engine (evaluation, generation, a layer's own tests)
-// passes none and casts at every use.
+// (docs/benchmarks-kernels.md, "AMX tiles"). The masters do not change between a step's first
+// forward and its optimizer update, so the engine gives its layers a cache
+// (LayerContext::half_weights) that keeps each rounding from its first use in a step and forgets
+// them all when the next step begins (RankExecutor::BeginStep: after the update, after an
+// asynchronous replica's pull). The rounding is the same function of the same masters, so the bits
+// are those of casting at every use (tested:
+// MixedPrecisionTraining.HalfWeightsOnceAStepGiveTheBitsOfEveryUse). The copies are the 2 bytes a
+// parameter the memory model already charges for mixed precision (docs/memory.md). A caller without
+// an engine (evaluation, generation, a layer's own tests) passes none and casts at every use.
 class HalfWeightCache {
  public:
   // The rounding of `master` (a parameter's fp32 value) to `dtype`: `make`'s result on the first

@@ -189,7 +189,7 @@ ModelCosts ToModelCosts(const LayerGraph& graph);
 // tie the LM head to the token embedding; tied=0 unties it). Errors are InvalidArgument naming the
 // key.
 absl::StatusOr<GptConfig> ParseGptSpec(absl::string_view spec);
-// The ranges of a GptConfig's fields (docs/runtime.md, "Input limits"); heads must also divide
+// The ranges of a GptConfig's fields (docs/input-limits.md, "Input limits"); heads must also divide
 // hidden. A micro-batch size is in [1, kMaxGptMicroBatchSize].
 inline constexpr int64_t kMaxGptLayers = 100000;
 inline constexpr int64_t kMaxGptHidden = int64_t{1} << 20;  // heads too

@@ -54,7 +54,7 @@
 // the same values (the same exp of the same differences); each query's sum now adds its keys
 // in order in one lane where it used W partial sums and a tree, so out and lse move in their
 // last bits. kernels_bench, gpt-small's micro-batch forward: 1.32-1.34 -> 1.15-1.17 ms
-// (docs/benchmarks.md).
+// (docs/benchmarks-kernels.md).
 #include <algorithm>
 #include <cmath>
 #include <cstring>

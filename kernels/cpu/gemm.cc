@@ -98,8 +98,8 @@ void BlasGemv(bool trans_a, bool trans_b, int n, int k, float alpha, const float
 }  // namespace
 
 // pipewright's fp32 GEMM (Note [fp32 GEMM] in gemm_bf16.cc) runs 5-10% faster than OpenBLAS's
-// Cooperlake sgemm inside a gpt-small training step (docs/benchmarks.md); PIPEWRIGHT_GEMM=openblas
-// keeps OpenBLAS, the GEMM of CPUs without AVX-512.
+// Cooperlake sgemm inside a gpt-small training step (docs/benchmarks-kernels.md);
+// PIPEWRIGHT_GEMM=openblas keeps OpenBLAS, the GEMM of CPUs without AVX-512.
 bool OwnF32Gemm() {
   static const bool own = [] {
     const char* v = std::getenv("PIPEWRIGHT_GEMM");

@@ -29,7 +29,8 @@ namespace pipewright::cpu {
 //
 //  - kBf16Dot: vdpbf16ps on "k-pair interleaved" bf16 panels (two consecutive k of one row or
 //    column share a 32-bit word). Half the instructions per flop of FMA, but some CPUs issue it
-//    at a quarter of the FMA rate (the Intel Xeon, family 6 model 207, of docs/benchmarks.md).
+//    at a quarter of the FMA rate (the Intel Xeon, family 6 model 207, of
+//    docs/benchmarks-kernels.md).
 //  - kFma: vfmadd231ps on panels widened to fp32 while packing (a 16-bit shift for bf16,
 //    vcvtph2ps for f16), k in the order above (2p + 1, then 2p).
 //
@@ -65,7 +66,7 @@ constexpr int kNr = 16 * kNv;  // columns of the C tile
 constexpr int kMcPanels = 8;   // micro-panels of A packed at a time (~100 KiB, L2)
 // k per block. 16-bit: an A micro-panel of kKc * kMr values is 21 KiB, the B micro-panel it
 // meets 24 KiB. fp32: 256 (14 KiB of A, 32 KiB of B), which measured faster than 192 on
-// gpt-small's products (docs/benchmarks.md) and keeps its k = 256 products in one block.
+// gpt-small's products (docs/benchmarks-kernels.md) and keeps its k = 256 products in one block.
 constexpr int kKcDot = 384, kKcFma = 192;
 constexpr int kKcF32 = 256;
 // ... but up to this k in one block when all of B's columns then fit one packed B block
@@ -88,7 +89,7 @@ using pack::Scratch;
 // part of C a call computes, and threads may split C freely. It is cpu::Gemm's fp32 GEMM on
 // CPUs with AVX-512 (PIPEWRIGHT_GEMM=openblas selects OpenBLAS instead): inside a training step
 // it runs 5-10% faster than OpenBLAS's Cooperlake sgemm on gpt-small's products
-// (docs/benchmarks.md), and it writes C without zeroing it first.
+// (docs/benchmarks-kernels.md), and it writes C without zeroing it first.
 //
 // Note [Whole-vector panel stores]. An A micro-panel's k step is kMr = 14 values (56 bytes):
 // stored one masked vector per step, 6 of every 8 stores straddle two cache lines. The packing
@@ -244,7 +245,7 @@ struct TileEpilogue {
 // come in behind the hardware's stream prefetchers. A harness of the blocking, rotating 8 cold
 // A matrices, measured 150 -> 158 GFLOP/s with 256 columns and k = 256, 145 -> 152 with
 // k = 1,024, and within 1% with 768 or 1,024 columns; in gpt-small's step its 256-column
-// products took 3-5% less time and all its products 1.0-1.5% less (docs/benchmarks.md). The
+// products took 3-5% less time and all its products 1.0-1.5% less (docs/benchmarks-kernels.md). The
 // values and the order of the multiply-adds are those of the packed panel, so the bits are too.
 // A partial strip's rows past `rows` read row rows - 1 again and are not stored: nothing
 // outside A is read.
@@ -377,8 +378,8 @@ class FlushDenormals {
 // strips of kMr rows, left to right: each row's tiles are consecutive cache lines, which the
 // hardware prefetchers fetch ahead of the stores. (Sweeping columns of tiles down the whole
 // height of C instead, with only a B micro-panel packed at a time, touched a new page per tile
-// row and ran 10-20% slower on a C not already in cache: docs/benchmarks.md.) Between k blocks
-// the running sums are stored in C itself.
+// row and ran 10-20% slower on a C not already in cache: docs/benchmarks-kernels.md.) Between k
+// blocks the running sums are stored in C itself.
 //
 // With in_place_a (Note [A in place]), A is not packed: micro_for's kernels read row i of a k
 // block at in_place_a->a + i * lda + pc.
@@ -505,8 +506,8 @@ struct OperandsF32 {
 // of B fit one packed block at that k (n * k * 4 <= kPackedBBytes), k runs as one block: C is
 // loaded and stored once and A packed once. gpt-small's products with k = 768 or 1,024 and 256
 // columns (the MLP projection's forward, the input gradients of the qkv and MLP input Linears)
-// measured 4-7% faster so (docs/benchmarks.md). Weight gradients (A transposed) keep kKcF32:
-// as one k block their A micro-panels of up to 1,024 steps outgrow L1, and their A packing
+// measured 4-7% faster so (docs/benchmarks-kernels.md). Weight gradients (A transposed) keep
+// kKcF32: as one k block their A micro-panels of up to 1,024 steps outgrow L1, and their A packing
 // (PackColumnsF32) grew in the step's profile for no gain in isolation. The bits are the same
 // either way (Note [fp32 GEMM]).
 int KcF32(bool trans_a, int k, int n) {

@@ -62,8 +62,8 @@ absl::StatusOr<Tensor> SequentialLayer::ForwardWithResidual(const Tensor& x, con
 // depends on its own layer's dY and X only), so the bits are the same; saved tensors are
 // released earlier too (docs/memory.md). gpt-small, pp=1, one thread: step 1.963 -> 1.926 s
 // (median of 6 interleaved rounds; interleaving the children alone, with each Linear's input
-// gradient first, measured no faster: docs/benchmarks.md). Zero-bubble schedules' separate I
-// and W passes still call BackwardInput and BackwardWeight.
+// gradient first, measured no faster: docs/benchmarks-kernels.md). Zero-bubble schedules' separate
+// I and W passes still call BackwardInput and BackwardWeight.
 absl::StatusOr<Tensor> ChildBackward(Layer& child, const Tensor& dy, const LayerContext& ctx,
                                      Saved* saved, bool weights) {
   if (!weights) return child.BackwardInput(dy, ctx, saved);

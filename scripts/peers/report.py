@@ -19,11 +19,11 @@ import statistics
 import struct
 import sys
 
-# The most two loss curves may depart, per precision (docs/benchmarks.md, "Against PyTorch" and
-# "More models and bf16"). fp32: reductions in another order drift apart slowly over steps (about
-# 2e-4 after 8 steps). bf16: the two sides round different tensors to 8-bit mantissas (pipewright
-# the products' inputs only; autocast also the products' outputs, attention and the MLP's
-# activation), and training amplifies such perturbations: within 8 steps a bf16 run departs
+# The most two loss curves may depart, per precision (docs/benchmarks-peers.md, "Against PyTorch"
+# and "More models and bf16"). fp32: reductions in another order drift apart slowly over steps
+# (about 2e-4 after 8 steps). bf16: the two sides round different tensors to 8-bit mantissas
+# (pipewright the products' inputs only; autocast also the products' outputs, attention and the
+# MLP's activation), and training amplifies such perturbations: within 8 steps a bf16 run departs
 # from its own fp32 run by up to 5.2e-2 (gpt-small) and the two sides' bf16 runs from each other
 # by up to 1.6e-2.
 LOSS_TOLERANCE = {"fp32": 1e-2, "bf16": 5e-2}

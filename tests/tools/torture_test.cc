@@ -2,7 +2,7 @@
 // steps of a save, special files where files are expected, two writers on one directory, and
 // damaged, foreign or mismatched checkpoints. Every case asserts what survives and what is said.
 // Labelled `torture`; `scripts/torture` runs the label (also under ASan), and CI runs it with the
-// rest of the suite (docs/runtime.md, "Torture tests", lists the cases and their counts).
+// rest of the suite (docs/input-limits.md, "Torture tests", lists the cases and their counts).
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
