@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -361,7 +362,11 @@ Split LeastOverflow(const StageCosts& c, int S, bool allow_recompute) {
   for (int k = 0; k < S; ++k) {
     for (int j = k + 1; j <= L - (S - k - 1); ++j) {
       for (int i = j - 1; i >= k; --i) {
-        if (worst[k][i] == kInf) continue;
+        // No i further down can do better than the best so far: its stage's memory is at least
+        // the lower bound, which only grows as the stage does. (Both skips keep the result: only
+        // a strictly smaller worst replaces the best.)
+        if (static_cast<double>(c.MemoryLowerBound(i, j) - c.budget()) >= worst[k + 1][j]) break;
+        if (worst[k][i] >= worst[k + 1][j]) continue;
         Recompute rc = Recompute::kNone;
         const double over =
             static_cast<double>(c.LeastMemory(k, i, j, allow_recompute, &rc).total - c.budget());
@@ -429,10 +434,11 @@ std::vector<StageMemory> SplitMemory(const StageCosts& c, const Schedule& sched,
   return memory;
 }
 
-// Fills stage and plan predictions for plan's split and recompute choices.
+// Fills stage and plan predictions for plan's split and recompute choices; `generated` is
+// GenerateSchedule(plan.schedule).
 absl::Status PredictWith(const StageCosts& c, const ModelCosts& model, const DeviceSpec& dev,
-                         Plan& plan) {
-  PW_ASSIGN_OR_RETURN(Schedule sched, GenerateSchedule(plan.schedule));
+                         const Schedule& generated, Plan& plan) {
+  Schedule sched = generated;
   PW_RETURN_IF_ERROR(LowerComm(sched));
   const int S = sched.num_stages;
   const int p = plan.pipeline_parallel;
@@ -494,7 +500,7 @@ absl::Status PredictWith(const StageCosts& c, const ModelCosts& model, const Dev
       static_cast<double>(most_params) / c.sharding().optimizer_shards() *
       (c.param_bytes().total() + c.param_bytes().weights + c.param_bytes().optimizer) /
       dev.memory_bandwidth;
-  PW_ASSIGN_OR_RETURN(SimResult sim, Simulate(sched, costs));
+  PW_ASSIGN_OR_RETURN(SimResult sim, Simulate(sched, costs, SimOptions{.timeline = false}));
   PlanPrediction& pr = plan.predicted;
   pr.step_time_s = sim.makespan;
   pr.bubble_fraction = sim.bubble_fraction;
@@ -510,7 +516,7 @@ absl::Status PredictWith(const StageCosts& c, const ModelCosts& model, const Dev
   ideal.stage_w.assign(S, per_stage * (1 - fwd_share) / 2);
   ideal.reduce_time = costs.reduce_time;
   ideal.optimizer_time = costs.optimizer_time;
-  PW_ASSIGN_OR_RETURN(SimResult best, Simulate(sched, ideal));
+  PW_ASSIGN_OR_RETURN(SimResult best, Simulate(sched, ideal, SimOptions{.timeline = false}));
   pr.lower_bound_step_time_s = std::min(best.makespan, sim.makespan);
   pr.lower_bound_gap =
       pr.lower_bound_step_time_s > 0 ? sim.makespan / pr.lower_bound_step_time_s - 1 : 0;
@@ -546,7 +552,8 @@ absl::StatusOr<Plan> Partition(const ModelCosts& model, const DeviceSpec& dev,
 }
 
 absl::StatusOr<Plan> internal::Partition(const ModelCosts& model, const DeviceSpec& dev,
-                                         const PartitionOptions& o, int64_t* shortfall) {
+                                         const PartitionOptions& o, int64_t* shortfall,
+                                         const Schedule* given) {
   *shortfall = 0;
   PW_RETURN_IF_ERROR(ValidatePartitionOptions(model, dev, o));
   const int64_t b = o.micro_batch_size ? o.micro_batch_size : model.micro_batch_size;
@@ -556,7 +563,14 @@ absl::StatusOr<Plan> internal::Partition(const ModelCosts& model, const DeviceSp
       ShardForTensorParallel(model.WithMicroBatchSize(b), dev, o.tp, o.sequence_parallel));
   const ModelCosts& scaled = tpc.rank;
   ScheduleSpec spec{o.schedule, o.pp, o.micro_batches, o.chunks};
-  PW_ASSIGN_OR_RETURN(Schedule sched, GenerateSchedule(spec));
+  std::optional<Schedule> generated;
+  if (given == nullptr) {
+    PW_ASSIGN_OR_RETURN(generated, GenerateSchedule(spec));
+  } else if (given->spec.kind != spec.kind || given->spec.ranks != spec.ranks ||
+             given->spec.micro_batches != spec.micro_batches) {
+    return absl::InternalError("Partition: the given schedule is not the options'");
+  }
+  const Schedule& sched = given != nullptr ? *given : *generated;
   spec = sched.spec;  // zb-v's chunks = 2
   const int S = sched.num_stages;
   const int L = scaled.num_layers();
@@ -622,7 +636,7 @@ absl::StatusOr<Plan> internal::Partition(const ModelCosts& model, const DeviceSp
     st.recompute = split.recompute[k];
     plan.stages.push_back(st);
   }
-  PW_RETURN_IF_ERROR(PredictWith(c, scaled, dev, plan));
+  PW_RETURN_IF_ERROR(PredictWith(c, scaled, dev, sched, plan));
   return plan;
 }
 
@@ -635,7 +649,7 @@ absl::Status Predict(const ModelCosts& model, const DeviceSpec& dev, Precision p
   StageCosts c(tpc.rank, dev, BytesPerParam(precision), PeakInflightPerStage(sched),
                sched.spec.chunks, SplitsBackward(sched),
                ZeroSharding{plan.zero, plan.data_parallel}, &tpc);
-  return PredictWith(c, tpc.rank, dev, plan);
+  return PredictWith(c, tpc.rank, dev, sched, plan);
 }
 
 absl::StatusOr<std::vector<RankMemory>> PredictRankMemory(const ModelCosts& model,

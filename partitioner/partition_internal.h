@@ -14,9 +14,12 @@ namespace pipewright::internal {
 std::string Bytes(int64_t b);
 
 // Partition() that also reports, when nothing fits, by how many bytes the best split's worst
-// stage overflows (0 otherwise): the plan search names the closest miss.
+// stage overflows (0 otherwise): the plan search names the closest miss. `schedule`, when given,
+// is GenerateSchedule of the options' schedule, pp, micro-batches and chunks (the search makes it
+// once for the three ZeRO stages).
 absl::StatusOr<Plan> Partition(const ModelCosts& model, const DeviceSpec& devices,
-                               const PartitionOptions& options, int64_t* shortfall);
+                               const PartitionOptions& options, int64_t* shortfall,
+                               const Schedule* schedule = nullptr);
 
 // What would fit instead of a configuration that does not (recomputation, a higher ZeRO stage,
 // 1f1b instead of gpipe, smaller micro-batches, a deeper pipeline, more tensor parallelism),

@@ -1,7 +1,15 @@
 // Plan search: every pp x dp = devices, micro-batch size and schedule, each partitioned
 // optimally (partition.cc), ranked by predicted step time.
+#include <sched.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "partitioner/partition_internal.h"
@@ -49,6 +57,28 @@ std::vector<std::pair<int, bool>> TensorParallelChoices(const ModelCosts& model,
   return out;
 }
 
+// One candidate configuration and what partitioning it gave.
+struct Try {
+  PartitionOptions options;
+  absl::StatusOr<Plan> plan = absl::UnknownError("not evaluated");
+  int64_t shortfall = 0;
+};
+
+// The candidates that share a schedule (tp, sp, pp, dp, b, schedule): the ZeRO stages tried.
+struct Group {
+  std::vector<Try> tries;
+  int skips_before = 0;        // the search's skips with a reason before this group
+  std::string schedule_error;  // GenerateSchedule's refusal
+  bool ruled_out = false;      // more stages than layers or than a plan holds
+};
+
+// The CPU cores this process may use.
+int SearchThreads() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
 }  // namespace
 
 absl::StatusOr<SearchResult> SearchPlans(const ModelCosts& model, const DeviceSpec& dev,
@@ -84,10 +114,11 @@ absl::StatusOr<SearchResult> SearchPlans(const ModelCosts& model, const DeviceSp
         ") and splits ", model.name,
         model.transformer ? "" : " (its layer graph has no transformer shape)"));
   }
-  SearchResult result;
-  // Why each infeasible candidate did not fit, by shortfall in bytes.
-  std::vector<std::pair<int64_t, std::string>> misses;
-  std::string last_invalid;
+  // Enumerated in order, evaluated on several threads, then read back in the same order: the
+  // result (and which error wins) is the sequential search's.
+  std::vector<Group> groups;
+  std::string last_invalid;  // the last reason for a skip, and how many there were
+  int skips = 0;
   for (const auto& [tp, sp] : tp_choices)
     for (int pp = 1; pp <= dev.count / tp; ++pp) {
       if ((dev.count / tp) % pp != 0 || (o.pp && *o.pp != pp)) continue;
@@ -96,13 +127,16 @@ absl::StatusOr<SearchResult> SearchPlans(const ModelCosts& model, const DeviceSp
       if (pp > model.num_layers()) continue;
       if (G % dp != 0) {
         last_invalid = absl::StrCat("the global batch ", G, " is not divisible by dp ", dp);
+        ++skips;
         continue;
       }
       for (int64_t b = 1; b <= G / dp; ++b) {
         if ((G / dp) % b != 0 || (o.micro_batch_size && *o.micro_batch_size != b)) continue;
         const int64_t m = G / dp / b;
         if (m > (int64_t{1} << 20)) continue;
-        for (const Choice& ch : Schedules(o, pp))
+        for (const Choice& ch : Schedules(o, pp)) {
+          Group g;
+          g.skips_before = skips;
           for (int zero : {0, 1, 2}) {
             if (o.zero && *o.zero != zero) continue;
             if (zero >= 1 && dp < 2) {
@@ -110,6 +144,7 @@ absl::StatusOr<SearchResult> SearchPlans(const ModelCosts& model, const DeviceSp
                 last_invalid = absl::StrCat("SearchOptions.zero = ", zero,
                                             " needs dp >= 2: it splits the optimizer state",
                                             zero == 2 ? " and the gradients" : "");
+                ++skips;
               }
               continue;
             }
@@ -126,35 +161,72 @@ absl::StatusOr<SearchResult> SearchPlans(const ModelCosts& model, const DeviceSp
             po.precision = o.precision;
             po.allow_recompute = o.allow_recompute;
             po.suggest = false;
-            // Configurations the schedule or the layer count rule out are not candidates.
-            absl::StatusOr<Schedule> sched =
-                GenerateSchedule({ch.kind, pp, static_cast<int>(m), ch.chunks});
-            if (!sched.ok()) {
-              last_invalid = std::string(sched.status().message());
-              continue;
-            }
-            if (sched->num_stages > model.num_layers() || sched->num_stages > kMaxPlanStages) {
-              continue;
-            }
-            ++result.candidates;
-            int64_t shortfall = 0;
-            absl::StatusOr<Plan> plan = internal::Partition(model, dev, po, &shortfall);
-            if (plan.ok()) {
-              ++result.feasible;
-              result.best.push_back(*std::move(plan));
-            } else if (plan.status().code() == absl::StatusCode::kFailedPrecondition) {
-              misses.emplace_back(
-                  shortfall,
-                  absl::StrCat("pp=", pp, " dp=", dp, tp > 1 ? absl::StrCat(" tp=", tp) : "",
-                               sp ? " sp" : "", zero ? absl::StrCat(" zero=", zero) : "", " b=", b,
-                               " m=", m, " ", ScheduleKindName(ch.kind), ": ",
-                               plan.status().message()));
-            } else {
-              return plan.status();
-            }
+            g.tries.push_back({po});
           }
+          // A group without tries changes nothing but last_invalid, already set.
+          if (!g.tries.empty()) groups.push_back(std::move(g));
+        }
       }
     }
+
+  // Each group's schedule is made once, for its ZeRO stages, and partitioned on a worker.
+  auto evaluate = [&](Group& g) {
+    const PartitionOptions& first = g.tries.front().options;
+    absl::StatusOr<Schedule> sched =
+        GenerateSchedule({first.schedule, first.pp, first.micro_batches, first.chunks});
+    if (!sched.ok()) {
+      g.schedule_error = std::string(sched.status().message());
+      return;
+    }
+    // Configurations the schedule or the layer count rule out are not candidates.
+    if (sched->num_stages > model.num_layers() || sched->num_stages > kMaxPlanStages) {
+      g.ruled_out = true;
+      return;
+    }
+    for (Try& t : g.tries)
+      t.plan = internal::Partition(model, dev, t.options, &t.shortfall, &*sched);
+  };
+  const int workers = static_cast<int>(std::min<size_t>(
+      groups.size(), static_cast<size_t>(o.threads > 0 ? o.threads : SearchThreads())));
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i = next++; i < groups.size(); i = next++) evaluate(groups[i]);
+  };
+  std::vector<std::thread> threads;
+  for (int t = 1; t < workers; ++t) threads.emplace_back(work);
+  work();
+  for (std::thread& t : threads) t.join();
+
+  SearchResult result;
+  // Why each infeasible candidate did not fit, by shortfall in bytes.
+  std::vector<std::pair<int64_t, std::string>> misses;
+  for (Group& g : groups) {
+    if (!g.schedule_error.empty() || g.ruled_out) continue;
+    for (Try& t : g.tries) {
+      const PartitionOptions& po = t.options;
+      ++result.candidates;
+      if (t.plan.ok()) {
+        ++result.feasible;
+        result.best.push_back(*std::move(t.plan));
+      } else if (t.plan.status().code() == absl::StatusCode::kFailedPrecondition) {
+        misses.emplace_back(
+            t.shortfall,
+            absl::StrCat("pp=", po.pp, " dp=", po.dp, po.tp > 1 ? absl::StrCat(" tp=", po.tp) : "",
+                         po.sequence_parallel ? " sp" : "",
+                         po.zero ? absl::StrCat(" zero=", po.zero) : "", " b=", po.micro_batch_size,
+                         " m=", po.micro_batches, " ", ScheduleKindName(po.schedule), ": ",
+                         t.plan.status().message()));
+      } else {
+        return t.plan.status();
+      }
+    }
+  }
+  // The last reason in the enumeration's order: a schedule's refusal unless a skip came after it.
+  for (auto g = groups.rbegin(); g != groups.rend(); ++g) {
+    if (g->schedule_error.empty()) continue;
+    if (g->skips_before == skips) last_invalid = g->schedule_error;
+    break;
+  }
   if (result.best.empty()) {
     if (result.candidates == 0) {
       return absl::InvalidArgumentError(absl::StrCat(

@@ -19,8 +19,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <map>
-#include <tuple>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -30,8 +30,12 @@
 namespace pipewright {
 namespace {
 
-// (src rank, dst rank, direction 0=F 1=B, micro-batch, receiving stage)
-using MsgKey = std::tuple<int, int, int, int, int>;
+// The messages of one (direction, receiving stage, micro-batch): the stages fix both ranks. A
+// valid schedule sends each once; a repeat queues behind the first (FIFO), in `more`.
+struct MsgSlot {
+  double first = 0;
+  uint32_t posted = 0, used = 0;
+};
 
 bool FiniteNonNegative(double x) { return std::isfinite(x) && x >= 0; }
 
@@ -63,7 +67,8 @@ absl::Status CheckCosts(const SimCosts& c, int num_stages) {
 
 }  // namespace
 
-absl::StatusOr<SimResult> Simulate(const Schedule& schedule, const SimCosts& costs) {
+absl::StatusOr<SimResult> Simulate(const Schedule& schedule, const SimCosts& costs,
+                                   const SimOptions& options) {
   if (!schedule.lowered) {
     return absl::FailedPreconditionError(
         "simulate: the schedule is not lowered (run LowerComm first)");
@@ -83,6 +88,7 @@ absl::StatusOr<SimResult> Simulate(const Schedule& schedule, const SimCosts& cos
   }
   if (absl::Status st = CheckCosts(costs, S); !st.ok()) return st;
   const double v = std::max(1, schedule.spec.chunks);
+  const int M = std::max(1, schedule.spec.micro_batches);
 
   // Static checks of every action, so the main loop can index freely.
   for (int r = 0; r < p; ++r) {
@@ -91,6 +97,11 @@ absl::StatusOr<SimResult> Simulate(const Schedule& schedule, const SimCosts& cos
       if (a.virtual_stage < 0 || a.virtual_stage >= S) {
         return absl::InvalidArgumentError(absl::StrCat(
             "simulate: rank ", r, " action ", a.ToString(), " names a stage outside [0, ", S, ")"));
+      }
+      if (IsComm(a.kind) && (a.micro_batch < 0 || a.micro_batch >= M)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("simulate: rank ", r, " action ", a.ToString(),
+                         " names a micro-batch outside [0, ", M, ")"));
       }
       const bool bad_neighbour = (a.kind == ActionKind::kRecvF && a.virtual_stage == 0) ||
                                  (a.kind == ActionKind::kSendF && a.virtual_stage == S - 1) ||
@@ -127,11 +138,18 @@ absl::StatusOr<SimResult> Simulate(const Schedule& schedule, const SimCosts& cos
   };
   const double msg_delay = costs.comm_latency + costs.message_bytes * costs.comm_per_byte;
 
-  std::map<MsgKey, std::vector<double>> available;  // FIFO of availability times per key
-  std::map<MsgKey, size_t> consumed;
+  // Message slots by (direction, receiving stage, micro-batch): as many as the sends and
+  // receives of a valid schedule, so no more memory than its programs.
+  std::vector<MsgSlot> slots(static_cast<size_t>(2) * S * M);
+  std::map<size_t, std::vector<double>> more;  // availability of repeated sends, FIFO
+  auto slot_of = [&](bool fwd, int stage, int mb) {
+    return (static_cast<size_t>(fwd ? 0 : 1) * S + stage) * M + mb;
+  };
   std::vector<size_t> pc(p, 0);
   std::vector<double> clock(p, 0.0);
   std::vector<std::vector<SimEvent>> events(p);
+  // Without a timeline, what the result needs of each rank's events as they happen.
+  std::vector<double> busy(p, 0.0), inflight(p, 0.0), peak(p, 0.0);
 
   bool progress = true;
   while (progress) {
@@ -143,25 +161,32 @@ absl::StatusOr<SimResult> Simulate(const Schedule& schedule, const SimCosts& cos
         SimEvent ev{r, a, clock[r], clock[r]};
         if (a.kind == ActionKind::kSendF || a.kind == ActionKind::kSendB) {
           const bool fwd = a.kind == ActionKind::kSendF;
-          const int dst_stage = a.virtual_stage + (fwd ? 1 : -1);
-          const MsgKey key{r, schedule.stage_rank[dst_stage], fwd ? 0 : 1, a.micro_batch,
-                           dst_stage};
-          available[key].push_back(clock[r] + msg_delay);
+          const size_t k = slot_of(fwd, a.virtual_stage + (fwd ? 1 : -1), a.micro_batch);
+          MsgSlot& m = slots[k];
+          if (m.posted++ == 0) {
+            m.first = clock[r] + msg_delay;
+          } else {
+            more[k].push_back(clock[r] + msg_delay);
+          }
         } else if (a.kind == ActionKind::kRecvF || a.kind == ActionKind::kRecvB) {
-          const bool fwd = a.kind == ActionKind::kRecvF;
-          const int src_stage = a.virtual_stage + (fwd ? -1 : 1);
-          const MsgKey key{schedule.stage_rank[src_stage], r, fwd ? 0 : 1, a.micro_batch,
-                           a.virtual_stage};
-          auto it = available.find(key);
-          size_t& used = consumed[key];
-          if (it == available.end() || used >= it->second.size()) break;  // blocked
-          ev.end = std::max(clock[r], it->second[used]);
-          ++used;
+          const size_t k = slot_of(a.kind == ActionKind::kRecvF, a.virtual_stage, a.micro_batch);
+          MsgSlot& m = slots[k];
+          if (m.used >= m.posted) break;  // blocked
+          ev.end = std::max(clock[r], m.used == 0 ? m.first : more[k][m.used - 1]);
+          ++m.used;
         } else {
           ev.end = clock[r] + duration(a);
         }
         clock[r] = ev.end;
-        events[r].push_back(ev);
+        const ActionKind kind = a.kind;
+        if (!IsComm(kind)) busy[r] += ev.end - ev.start;
+        if (kind == ActionKind::kF) {
+          inflight[r] += 1.0 / v;
+          peak[r] = std::max(peak[r], inflight[r]);
+        } else if (kind == ActionKind::kB || (kind == ActionKind::kW && schedule.split_backward)) {
+          inflight[r] -= 1.0 / v;
+        }
+        if (options.timeline) events[r].push_back(ev);
         ++pc[r];
         progress = true;
       }
@@ -184,22 +209,13 @@ absl::StatusOr<SimResult> Simulate(const Schedule& schedule, const SimCosts& cos
   double total_busy = 0;
   for (int r = 0; r < p; ++r) {
     SimRank& sr = result.ranks[r];
-    double inflight = 0;
-    for (const SimEvent& ev : events[r]) {
-      const ActionKind k = ev.action.kind;
-      if (!IsComm(k)) sr.busy += ev.end - ev.start;
-      if (k == ActionKind::kF) {
-        inflight += 1.0 / v;
-        sr.peak_inflight = std::max(sr.peak_inflight, inflight);
-      } else if (k == ActionKind::kB || (k == ActionKind::kW && schedule.split_backward)) {
-        inflight -= 1.0 / v;
-      }
-    }
+    sr.busy = busy[r];
+    sr.peak_inflight = peak[r];
     // Snap values that are whole multiples of 1/v up to rounding (e.g. 5.499999 -> 5.5).
     const double snapped = std::round(sr.peak_inflight * v) / v;
     if (std::fabs(snapped - sr.peak_inflight) < 1e-9) sr.peak_inflight = snapped;
     total_busy += sr.busy;
-    if (!events[r].empty()) result.makespan = std::max(result.makespan, clock[r]);
+    if (pc[r] > 0) result.makespan = std::max(result.makespan, clock[r]);
   }
   result.bubble_fraction =
       result.makespan > 0 ? 1.0 - total_busy / (static_cast<double>(p) * result.makespan) : 0.0;

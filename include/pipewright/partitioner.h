@@ -233,6 +233,9 @@ struct SearchOptions {
   Precision precision = Precision::kFp32;
   bool allow_recompute = true;
   int keep = 5;  // best plans returned
+  // Threads that partition candidates at once; 0: the CPU cores this process may use. The
+  // result does not depend on it.
+  int threads = 0;
 };
 
 struct SearchResult {

@@ -49,13 +49,21 @@ struct SimResult {
   std::vector<SimEvent> timeline;
 };
 
+struct SimOptions {
+  // Fill SimResult::timeline; without it (the planner's many simulations) the result has the
+  // same makespan, busy times, bubble and peaks, in less time and memory.
+  bool timeline = true;
+};
+
 // `schedule` must be lowered (LowerComm); an invalid one is an error naming the stuck actions.
 // A receive completes at max(its rank's time, send time + latency + bytes * per_byte); sends
 // and receives take no time on the rank. Activations of (mb, s) are held from the start of F
 // until the end of its B (or W when the backward is split), 1/v of a stage each. A deadlock
 // (a receive whose send never happens, or a cycle) is FailedPrecondition:
 //   "deadlock: rank 0 waits on RECV_B0@s0; rank 1 waits on RECV_F0@s1"
-absl::StatusOr<SimResult> Simulate(const Schedule& schedule, const SimCosts& costs);
+// A send or receive of a micro-batch outside [0, spec.micro_batches) is InvalidArgument.
+absl::StatusOr<SimResult> Simulate(const Schedule& schedule, const SimCosts& costs,
+                                   const SimOptions& options = {});
 
 // Chrome trace-event JSON (opens in Perfetto / chrome://tracing): process = rank, one slice per
 // action, flow arrows from each send to its receive.

@@ -480,6 +480,36 @@ TEST(Search, NoFitIsAnErrorWithTheClosestShortfall) {
   EXPECT_NE(r.status().message().find("short"), std::string::npos) << r.status();
 }
 
+// The search partitions candidates on several threads and reads them back in order: the plans,
+// the counts and, when nothing fits, the message are those of one thread.
+TEST(Search, ThreadsDoNotChangeTheResult) {
+  std::mt19937 rng(13);
+  ModelCosts model = RandomModel(rng, 24);
+  for (int64_t memory : {int64_t{1} << 40, int64_t{1} << 16}) {
+    SearchOptions o;
+    o.global_batch = 32;
+    o.keep = 50;
+    o.threads = 1;
+    auto one = SearchPlans(model, Devices(8, memory), o);
+    for (int threads : {2, 5}) {
+      o.threads = threads;
+      auto many = SearchPlans(model, Devices(8, memory), o);
+      ASSERT_EQ(many.ok(), one.ok()) << threads;
+      if (!one.ok()) {
+        EXPECT_EQ(many.status(), one.status()) << threads;
+        continue;
+      }
+      EXPECT_EQ(many->candidates, one->candidates);
+      EXPECT_EQ(many->feasible, one->feasible);
+      EXPECT_EQ(many->infeasible, one->infeasible);
+      ASSERT_EQ(many->best.size(), one->best.size());
+      for (size_t i = 0; i < one->best.size(); ++i) {
+        EXPECT_EQ(PlanToJson(many->best[i]), PlanToJson(one->best[i])) << threads << " " << i;
+      }
+    }
+  }
+}
+
 TEST(Partition, ThousandLayersOverSixtyFourStages) {
   // The benchmark (pipewright bench --suite partitioner) times this; here it must just work.
   std::mt19937 rng(21);

@@ -182,6 +182,55 @@ TEST(Simulator, RejectsUnloweredAndBadStages) {
   EXPECT_FALSE(Simulate(edge, Costs(1, 1)).ok());
 }
 
+// A message of a micro-batch the schedule does not have is refused by name (the simulator keeps
+// a slot per direction, stage and micro-batch); a repeated send queues behind the first.
+TEST(Simulator, MicroBatchesOutsideTheSpecAreRefusedAndRepeatsQueue) {
+  Schedule s = HandBuilt({
+      {A(K::kF, 0, 0), A(K::kSendF, 2, 0)},
+      {A(K::kRecvF, 2, 1), A(K::kF, 0, 1)},
+  });
+  auto r = Simulate(s, Costs(1, 1));
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("SEND_F2@s0 names a micro-batch outside [0, 2)"),
+            std::string::npos)
+      << r.status();
+  Schedule twice = HandBuilt({
+      {A(K::kF, 0, 0), A(K::kSendF, 0, 0), A(K::kF, 0, 0), A(K::kSendF, 0, 0)},
+      {A(K::kRecvF, 0, 1), A(K::kF, 0, 1), A(K::kRecvF, 0, 1), A(K::kF, 0, 1)},
+  });
+  SimCosts c = Costs(1, 1);
+  c.comm_latency = 0.5;
+  auto q = Simulate(twice, c);
+  ASSERT_TRUE(q.ok()) << q.status();
+  // Rank 1: the first message at 1.5, F until 2.5; the second (sent at 2) at 2.5, F until 3.5.
+  EXPECT_DOUBLE_EQ(q->makespan, 3.5);
+}
+
+// Without a timeline, every figure of the result is the same; the timeline is empty.
+TEST(Simulator, WithoutATimelineTheFiguresAreTheSame) {
+  for (ScheduleKind kind :
+       {ScheduleKind::k1F1B, ScheduleKind::kInterleaved, ScheduleKind::kZbH1, ScheduleKind::kZbV}) {
+    auto s = GenerateSchedule({kind, 4, 8, kind == ScheduleKind::kInterleaved ? 2 : 1});
+    ASSERT_TRUE(s.ok()) << s.status();
+    ASSERT_TRUE(LowerComm(*s).ok());
+    SimCosts c = Costs(1, 1.5, 0.5);
+    c.comm_latency = 0.1;
+    c.reduce_time = 0.7;
+    auto with = Simulate(*s, c), without = Simulate(*s, c, SimOptions{.timeline = false});
+    ASSERT_TRUE(with.ok()) << ScheduleKindName(kind) << ": " << with.status();
+    ASSERT_TRUE(without.ok()) << without.status();
+    EXPECT_EQ(without->makespan, with->makespan);
+    EXPECT_EQ(without->bubble_fraction, with->bubble_fraction);
+    ASSERT_EQ(without->ranks.size(), with->ranks.size());
+    for (size_t r = 0; r < with->ranks.size(); ++r) {
+      EXPECT_EQ(without->ranks[r].busy, with->ranks[r].busy);
+      EXPECT_EQ(without->ranks[r].peak_inflight, with->ranks[r].peak_inflight);
+    }
+    EXPECT_FALSE(with->timeline.empty());
+    EXPECT_TRUE(without->timeline.empty());
+  }
+}
+
 TEST(Simulator, PeakInflightCountsHeldActivations) {
   // GPipe-like on one rank: three forwards then three backwards -> 3 held at once.
   Schedule gpipe = HandBuilt({{A(K::kF, 0, 0), A(K::kF, 1, 0), A(K::kF, 2, 0), A(K::kB, 0, 0),
