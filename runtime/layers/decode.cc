@@ -48,32 +48,6 @@ absl::StatusOr<Tensor> DecodePositionwise(Layer& layer, const Tensor& x, const L
   return y;
 }
 
-// ---- position-wise layers -------------------------------------------------------------------
-absl::Status LinearLayer::StartDecode(int64_t capacity, const LayerContext&, DecodeCache* cache) {
-  return StartCountingCache(capacity, kind(), cache);
-}
-absl::StatusOr<Tensor> LinearLayer::Decode(const Tensor& x, const LayerContext& ctx,
-                                           DecodeCache* cache) {
-  return DecodePositionwise(*this, x, ctx, cache);
-}
-
-absl::Status GeluLayer::StartDecode(int64_t capacity, const LayerContext&, DecodeCache* cache) {
-  return StartCountingCache(capacity, kind(), cache);
-}
-absl::StatusOr<Tensor> GeluLayer::Decode(const Tensor& x, const LayerContext& ctx,
-                                         DecodeCache* cache) {
-  return DecodePositionwise(*this, x, ctx, cache);
-}
-
-absl::Status LayerNormLayer::StartDecode(int64_t capacity, const LayerContext&,
-                                         DecodeCache* cache) {
-  return StartCountingCache(capacity, kind(), cache);
-}
-absl::StatusOr<Tensor> LayerNormLayer::Decode(const Tensor& x, const LayerContext& ctx,
-                                              DecodeCache* cache) {
-  return DecodePositionwise(*this, x, ctx, cache);
-}
-
 // ---- embedding: the position table's rows of the new positions -------------------------------
 absl::Status EmbeddingLayer::StartDecode(int64_t capacity, const LayerContext&,
                                          DecodeCache* cache) {
@@ -221,38 +195,7 @@ absl::StatusOr<Tensor> PreNormBlockLayer::Decode(const Tensor& x, const LayerCon
   return d;
 }
 
-// ---- the Llama family: position-wise layers, and the rotary attention's cache ------------------
-absl::Status RmsNormLayer::StartDecode(int64_t capacity, const LayerContext&, DecodeCache* cache) {
-  return StartCountingCache(capacity, kind(), cache);
-}
-absl::StatusOr<Tensor> RmsNormLayer::Decode(const Tensor& x, const LayerContext& ctx,
-                                            DecodeCache* cache) {
-  return DecodePositionwise(*this, x, ctx, cache);
-}
-
-absl::Status SwiGluLayer::StartDecode(int64_t capacity, const LayerContext&, DecodeCache* cache) {
-  return StartCountingCache(capacity, kind(), cache);
-}
-absl::StatusOr<Tensor> SwiGluLayer::Decode(const Tensor& x, const LayerContext& ctx,
-                                           DecodeCache* cache) {
-  return DecodePositionwise(*this, x, ctx, cache);
-}
-
-// No position table: a token's row does not depend on where it is (the attention turns q and k).
-absl::Status TokenEmbeddingLayer::StartDecode(int64_t capacity, const LayerContext&,
-                                              DecodeCache* cache) {
-  return StartCountingCache(capacity, kind(), cache);
-}
-absl::StatusOr<Tensor> TokenEmbeddingLayer::Decode(const Tensor& x, const LayerContext& ctx,
-                                                   DecodeCache* cache) {
-  if (!x.defined() || x.dtype() != DType::kI32 || x.rank() != 2) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("token_embedding decode: expected [1, n] i32 tokens, got ",
-                     x.defined() ? x.ShapeString() : std::string("no tensor")));
-  }
-  return DecodePositionwise(*this, x, ctx, cache);
-}
-
+// ---- the Llama family's rotary attention: its cache -------------------------------------------
 // cache->tensors = {kv}: [capacity, 2C], row j holding position j's key and value (k | v) turned
 // to position j and repeated for every query head (ExpandKv), as the attention's qkv rows hold
 // them after their q: the GPT attention's cache and ops::AttentionDecode, at heads / kv_heads

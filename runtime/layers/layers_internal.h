@@ -19,9 +19,22 @@ absl::StatusOr<int64_t> CheckDecodeInput(const Tensor& x, const DecodeCache& cac
 // A fresh cache of `capacity` positions that keeps nothing but the count.
 absl::Status StartCountingCache(int64_t capacity, absl::string_view what, DecodeCache* cache);
 // Decode of a layer whose output rows depend on their own input rows only (Linear, LayerNorm,
-// GELU): its Forward on the new rows.
+// GELU, RMSNorm, SwiGLU, the token embedding): its Forward on the new rows.
 absl::StatusOr<Tensor> DecodePositionwise(Layer& layer, const Tensor& x, const LayerContext& ctx,
                                           DecodeCache* cache);
+// The incremental decoding of such a layer L (a Layer deriving from this): a cache that counts,
+// and Forward on the new rows.
+template <class L>
+class PositionwiseDecoder : public IncrementalDecoder {
+ public:
+  absl::Status StartDecode(int64_t capacity, const LayerContext&, DecodeCache* cache) override {
+    return StartCountingCache(capacity, static_cast<L*>(this)->kind(), cache);
+  }
+  absl::StatusOr<Tensor> Decode(const Tensor& x, const LayerContext& ctx,
+                                DecodeCache* cache) override {
+    return DecodePositionwise(*static_cast<L*>(this), x, ctx, cache);
+  }
+};
 
 // y = x W^T + b with W [out, in] row-major (PyTorch nn.Linear layout); with Activation::kGelu,
 // y = GELU(x W^T + b), the bias and the GELU applied in one fused pass (ops::BiasGeluForward) and
@@ -33,7 +46,7 @@ absl::StatusOr<Tensor> DecodePositionwise(Layer& layer, const Tensor& x, const L
 // Note [Tensor-parallel shards]; empty: one section) and all-reduces its input gradient; kRow holds
 // its part of the inputs, adds the bias and residual on tensor rank 0 only and all-reduces its
 // output. `in` and `out` are the whole layer's; at tp_size 1 both modes are the plain layer.
-class LinearLayer final : public Layer, public IncrementalDecoder {
+class LinearLayer final : public Layer, public PositionwiseDecoder<LinearLayer> {
  public:
   enum class Activation { kNone, kGelu };
   enum class Parallel { kNone, kColumn, kRow };
@@ -48,9 +61,6 @@ class LinearLayer final : public Layer, public IncrementalDecoder {
                                  absl::string_view what);
   absl::string_view kind() const override { return "linear"; }
   IncrementalDecoder* decoder() override { return this; }
-  absl::Status StartDecode(int64_t capacity, const LayerContext& ctx, DecodeCache* cache) override;
-  absl::StatusOr<Tensor> Decode(const Tensor& x, const LayerContext& ctx,
-                                DecodeCache* cache) override;
   absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
   absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
                                        Saved* saved) override;
@@ -81,27 +91,21 @@ class LinearLayer final : public Layer, public IncrementalDecoder {
   Parameter weight_, bias_;
 };
 
-class GeluLayer final : public Layer, public IncrementalDecoder {
+class GeluLayer final : public Layer, public PositionwiseDecoder<GeluLayer> {
  public:
   absl::string_view kind() const override { return "gelu"; }
   IncrementalDecoder* decoder() override { return this; }
-  absl::Status StartDecode(int64_t capacity, const LayerContext& ctx, DecodeCache* cache) override;
-  absl::StatusOr<Tensor> Decode(const Tensor& x, const LayerContext& ctx,
-                                DecodeCache* cache) override;
   absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
   absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
                                        Saved* saved) override;
   absl::Status BackwardWeight(const LayerContext&, Saved*) override { return absl::OkStatus(); }
 };
 
-class LayerNormLayer final : public Layer, public IncrementalDecoder {
+class LayerNormLayer final : public Layer, public PositionwiseDecoder<LayerNormLayer> {
  public:
   LayerNormLayer(const InitContext& init, int64_t dim, float eps);
   absl::string_view kind() const override { return "layernorm"; }
   IncrementalDecoder* decoder() override { return this; }
-  absl::Status StartDecode(int64_t capacity, const LayerContext& ctx, DecodeCache* cache) override;
-  absl::StatusOr<Tensor> Decode(const Tensor& x, const LayerContext& ctx,
-                                DecodeCache* cache) override;
   absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
   absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
                                        Saved* saved) override;
@@ -300,14 +304,11 @@ class TransformerBlockLayer final : public PreNormBlockLayer {
 // ---- The Llama family (runtime/layers/llama.cc; Note [Llama layers] in ops/llama_ops.cc) ----
 
 // y = weight * x / sqrt(mean(x^2) + eps) over the last dimension; weight starts at 1.
-class RmsNormLayer final : public Layer, public IncrementalDecoder {
+class RmsNormLayer final : public Layer, public PositionwiseDecoder<RmsNormLayer> {
  public:
   RmsNormLayer(const InitContext& init, int64_t dim, float eps);
   absl::string_view kind() const override { return "rmsnorm"; }
   IncrementalDecoder* decoder() override { return this; }
-  absl::Status StartDecode(int64_t capacity, const LayerContext& ctx, DecodeCache* cache) override;
-  absl::StatusOr<Tensor> Decode(const Tensor& x, const LayerContext& ctx,
-                                DecodeCache* cache) override;
   absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
   absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
                                        Saved* saved) override;
@@ -322,14 +323,11 @@ class RmsNormLayer final : public Layer, public IncrementalDecoder {
 
 // Tokens [B, T] -> rows of the token table "wte.weight" (no positions: the attention turns its
 // queries and keys instead). Vocab-parallel at init.tp_size > 1, as EmbeddingLayer.
-class TokenEmbeddingLayer final : public Layer, public IncrementalDecoder {
+class TokenEmbeddingLayer final : public Layer, public PositionwiseDecoder<TokenEmbeddingLayer> {
  public:
   TokenEmbeddingLayer(const InitContext& init, int64_t vocab, int64_t dim);
   absl::string_view kind() const override { return "token_embedding"; }
   IncrementalDecoder* decoder() override { return this; }
-  absl::Status StartDecode(int64_t capacity, const LayerContext& ctx, DecodeCache* cache) override;
-  absl::StatusOr<Tensor> Decode(const Tensor& x, const LayerContext& ctx,
-                                DecodeCache* cache) override;
   absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
   absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
                                        Saved* saved) override;
@@ -364,14 +362,11 @@ class RotaryAttentionLayer final : public Layer, public IncrementalDecoder {
 };
 
 // (g | u) [..., 2F] -> silu(g) * u [..., F], no parameters.
-class SwiGluLayer final : public Layer, public IncrementalDecoder {
+class SwiGluLayer final : public Layer, public PositionwiseDecoder<SwiGluLayer> {
  public:
   explicit SwiGluLayer(int64_t ffn) : ffn_(ffn) {}
   absl::string_view kind() const override { return "swiglu"; }
   IncrementalDecoder* decoder() override { return this; }
-  absl::Status StartDecode(int64_t capacity, const LayerContext& ctx, DecodeCache* cache) override;
-  absl::StatusOr<Tensor> Decode(const Tensor& x, const LayerContext& ctx,
-                                DecodeCache* cache) override;
   absl::StatusOr<Tensor> Forward(const Tensor& x, const LayerContext& ctx, Saved* saved) override;
   absl::StatusOr<Tensor> BackwardInput(const Tensor& dy, const LayerContext& ctx,
                                        Saved* saved) override;
