@@ -78,11 +78,46 @@ absl::StatusOr<Tensor> EmbeddingLayer::Decode(const Tensor& x, const LayerContex
 // ---- attention: the key/value cache ------------------------------------------------------------
 // cache->tensors = {kv}: [capacity, 2C], row j holding position j's key and value (k | v), as
 // the qkv rows hold them after their q.
+namespace {
+
+absl::Status StartKvCache(int64_t capacity, int64_t C, absl::string_view what,
+                          const LayerContext& ctx, DecodeCache* cache) {
+  PW_RETURN_IF_ERROR(StartCountingCache(capacity, what, cache));
+  cache->tensors = {Tensor::Empty({capacity, 2 * C}, DType::kF32, AllocatorOf(ctx))};
+  return absl::OkStatus();
+}
+
+// The attention of qkv [1, n, 3C]'s rows at positions [cache->length, + n): their k | v appended
+// to the cache, then a prefill (the training forward of its positions: that kernel's bits) or
+// ops::AttentionDecode over every cached position. Advances the cache.
+absl::StatusOr<Tensor> AttendWithKvCache(const Tensor& qkv, int64_t n, int64_t C, int64_t heads,
+                                         absl::string_view what, const LayerContext& ctx,
+                                         DecodeCache* cache) {
+  if (cache->tensors.size() != 1) {
+    return absl::FailedPreconditionError(absl::StrCat(what, ": no StartDecode"));
+  }
+  const ops::Exec e = ops::ExecOf(ctx);
+  Tensor& kv = cache->tensors[0];
+  const int64_t start = cache->length;
+  for (int64_t i = 0; i < n; ++i) {  // the new rows' k | v, after their q
+    PW_RETURN_IF_ERROR(ops::CopyRange(e, qkv, i * 3 * C + C, kv, (start + i) * 2 * C, 2 * C));
+  }
+  Tensor out = Tensor::Empty({1, n, C}, DType::kF32, AllocatorOf(ctx));
+  if (start == 0) {
+    Tensor lse = Tensor::Empty(ops::AttentionLseShape(1, n, heads), DType::kF32, AllocatorOf(ctx));
+    PW_RETURN_IF_ERROR(ops::AttentionForward(e, qkv, out, lse, 1, n, C, heads));
+  } else {
+    PW_RETURN_IF_ERROR(ops::AttentionDecode(e, qkv, kv, out, start, n, C, heads));
+  }
+  cache->length += n;
+  return out;
+}
+
+}  // namespace
+
 absl::Status AttentionCoreLayer::StartDecode(int64_t capacity, const LayerContext& ctx,
                                              DecodeCache* cache) {
-  PW_RETURN_IF_ERROR(StartCountingCache(capacity, kind(), cache));
-  cache->tensors = {Tensor::Empty({capacity, 2 * dim_}, DType::kF32, AllocatorOf(ctx))};
-  return absl::OkStatus();
+  return StartKvCache(capacity, dim_, kind(), ctx, cache);
 }
 
 absl::StatusOr<Tensor> AttentionCoreLayer::Decode(const Tensor& x, const LayerContext& ctx,
@@ -93,26 +128,7 @@ absl::StatusOr<Tensor> AttentionCoreLayer::Decode(const Tensor& x, const LayerCo
                                                    x.defined() ? x.ShapeString() : "no tensor"));
   }
   PW_ASSIGN_OR_RETURN(const int64_t n, CheckDecodeInput(x, *cache, "attention decode"));
-  if (cache->tensors.size() != 1) {
-    return absl::FailedPreconditionError("attention decode: no StartDecode");
-  }
-  const ops::Exec e = ops::ExecOf(ctx);
-  Tensor& kv = cache->tensors[0];
-  const int64_t start = cache->length;
-  for (int64_t i = 0; i < n; ++i) {  // the new rows' k | v, after their q
-    PW_RETURN_IF_ERROR(
-        ops::CopyRange(e, x, i * 3 * dim_ + dim_, kv, (start + i) * 2 * dim_, 2 * dim_));
-  }
-  Tensor out = Tensor::Empty({1, n, dim_}, DType::kF32, AllocatorOf(ctx));
-  if (start == 0) {
-    // A prefill is the training forward of its positions: its rows are that kernel's bits.
-    Tensor lse = Tensor::Empty(ops::AttentionLseShape(1, n, heads_), DType::kF32, AllocatorOf(ctx));
-    PW_RETURN_IF_ERROR(ops::AttentionForward(e, x, out, lse, 1, n, dim_, heads_));
-  } else {
-    PW_RETURN_IF_ERROR(ops::AttentionDecode(e, x, kv, out, start, n, dim_, heads_));
-  }
-  cache->length += n;
-  return out;
+  return AttendWithKvCache(x, n, dim_, heads_, "attention decode", ctx, cache);
 }
 
 // ---- composites: the children in turn ----------------------------------------------------------
@@ -202,9 +218,7 @@ absl::StatusOr<Tensor> PreNormBlockLayer::Decode(const Tensor& x, const LayerCon
 // times a grouped cache's size.
 absl::Status RotaryAttentionLayer::StartDecode(int64_t capacity, const LayerContext& ctx,
                                                DecodeCache* cache) {
-  PW_RETURN_IF_ERROR(StartCountingCache(capacity, kind(), cache));
-  cache->tensors = {Tensor::Empty({capacity, 2 * dim_}, DType::kF32, AllocatorOf(ctx))};
-  return absl::OkStatus();
+  return StartKvCache(capacity, dim_, kind(), ctx, cache);
 }
 
 absl::StatusOr<Tensor> RotaryAttentionLayer::Decode(const Tensor& x, const LayerContext& ctx,
@@ -220,26 +234,12 @@ absl::StatusOr<Tensor> RotaryAttentionLayer::Decode(const Tensor& x, const Layer
     return absl::FailedPreconditionError("rotary attention decode: no StartDecode");
   }
   const ops::Exec e = ops::ExecOf(ctx);
-  const int64_t start = cache->length;
   Tensor qkv = Tensor::Empty({1, n, 3 * dim_}, DType::kF32, AllocatorOf(ctx));
   PW_RETURN_IF_ERROR(ops::ExpandKv(e, x, qkv, n, heads_, kv_heads_, D));
-  // The new rows at positions [start, start + n): Forward's turn of those rows, bit for bit.
-  PW_RETURN_IF_ERROR(
-      ops::Rope(e, qkv, n, n, 3 * dim_, 0, 2 * heads_, D, theta_, /*inverse=*/false, start));
-  Tensor& kv = cache->tensors[0];
-  for (int64_t i = 0; i < n; ++i) {
-    PW_RETURN_IF_ERROR(
-        ops::CopyRange(e, qkv, i * 3 * dim_ + dim_, kv, (start + i) * 2 * dim_, 2 * dim_));
-  }
-  Tensor out = Tensor::Empty({1, n, dim_}, DType::kF32, AllocatorOf(ctx));
-  if (start == 0) {  // a prefill: the training forward's kernel and bits
-    Tensor lse = Tensor::Empty(ops::AttentionLseShape(1, n, heads_), DType::kF32, AllocatorOf(ctx));
-    PW_RETURN_IF_ERROR(ops::AttentionForward(e, qkv, out, lse, 1, n, dim_, heads_));
-  } else {
-    PW_RETURN_IF_ERROR(ops::AttentionDecode(e, qkv, kv, out, start, n, dim_, heads_));
-  }
-  cache->length += n;
-  return out;
+  // The new rows at positions [length, length + n): Forward's turn of those rows, bit for bit.
+  PW_RETURN_IF_ERROR(ops::Rope(e, qkv, n, n, 3 * dim_, 0, 2 * heads_, D, theta_,
+                               /*inverse=*/false, cache->length));
+  return AttendWithKvCache(qkv, n, dim_, heads_, "rotary attention decode", ctx, cache);
 }
 
 }  // namespace pipewright::internal
