@@ -7,6 +7,7 @@
 #include <cmath>
 #include <optional>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -193,7 +194,13 @@ absl::StatusOr<SearchResult> SearchPlans(const ModelCosts& model, const DeviceSp
     for (size_t i = next++; i < groups.size(); i = next++) evaluate(groups[i]);
   };
   std::vector<std::thread> threads;
-  for (int t = 1; t < workers; ++t) threads.emplace_back(work);
+  for (int t = 1; t < workers; ++t) {
+    try {
+      threads.emplace_back(work);
+    } catch (const std::system_error&) {
+      break;  // no more threads to be had (a process limit): the ones started share the rest
+    }
+  }
   work();
   for (std::thread& t : threads) t.join();
 
