@@ -160,9 +160,19 @@ TEST(Zero, OneBufferGivesTheSameBitsAndHoldsOneBucketLess) {
   const int64_t bucket = std::max<int64_t>(4096, largest_group);
   ASSERT_FALSE(r1.empty());
   ASSERT_FALSE(r2.empty());
+  std::vector<StepReport> r0;
+  EngineSetup none = Layout(2, 2, 0);
+  none.train.bucket_bytes = 4096;
+  testing_util::RunSteps(g, none, 1, &r0);
+  ASSERT_FALSE(r0.empty());
   for (size_t k = 0; k < r2[0].ranks.size(); ++k) {
     const RankTimes &a = r2[0].ranks[k], &b = r1[0].ranks[k];
     ASSERT_EQ(a.global_rank, b.global_rank);
+    // Issue 35's target: within one bucket (here the largest gradient group: one tensor and
+    // its bias) and the chunk padding of 1/dp of zero 0's gradient memory.
+    ASSERT_EQ(r0[0].ranks[k].global_rank, b.global_rank);
+    EXPECT_LE(b.gradient_bytes, r0[0].ranks[k].gradient_bytes / 2 + bucket + 4 * 2048 * 2)
+        << "rank " << b.global_rank;
     // The buffer saved is the stage's largest bucket: at most a bucket and its chunk padding.
     const int64_t saved = a.gradient_bytes - b.gradient_bytes;
     EXPECT_GT(saved, 0) << "rank " << a.global_rank;
@@ -172,8 +182,6 @@ TEST(Zero, OneBufferGivesTheSameBitsAndHoldsOneBucketLess) {
   auto e = MakeEngine(g, one);
   ASSERT_TRUE(e.ok()) << e.status();
   auto data = SyntheticDataset(32, 1);
-  EngineSetup none = Layout(2, 2, 0);
-  none.train.bucket_bytes = 4096;
   auto p0 = PredictRunMemory(g, (*e)->run(), none.train, data->Spec(), {{0}, {1}});
   auto p1 = PredictRunMemory(g, (*e)->run(), one.train, data->Spec(), {{0}, {1}});
   auto p2 = PredictRunMemory(g, (*e)->run(), two.train, data->Spec(), {{0}, {1}});
