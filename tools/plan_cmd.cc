@@ -37,6 +37,7 @@ struct PlanFlags {
   int64_t micro_batch_size = 0, micro_batches = 0, global_batch = 0;
   double tflops = 100, link_gbps = 25, latency_us = 10, hbm_gbps = 2000, tp_gbps = 450;
   bool no_recompute = false, json = false;
+  int threads = 0;  // 0: every core this process may use
 };
 
 absl::StatusOr<ModelCosts> LoadModel(const PlanFlags& f) {
@@ -142,6 +143,7 @@ int RunPlan(const PlanFlags& f) {
   dev.devices_per_node = f.devices_per_node;
   dev.tp_bandwidth = f.tp_gbps * 1e9;
   SearchOptions o;
+  o.threads = f.threads;
   if (f.pp) o.pp = f.pp;
   if (f.dp) o.dp = f.dp;
   if (f.tp) o.tp = f.tp;
@@ -340,6 +342,9 @@ void RegisterPlan(CLI::App& app, int* exit_code) {
   cmd->add_option("--calibrate", f->calibrate,
                   "The `train --json` output of a run of this model: plan with its measured "
                   "per-layer times and activation memory (docs/plan.md, \"Calibration\")");
+  AddInt(cmd, "--threads", &f->threads, {0, 1024},
+         "Threads that partition the candidate configurations at once (0: every core this "
+         "process may use); the plans found do not depend on it");
   cmd->add_option("-o,--output", f->out, "Write the best plan here");
   cmd->add_flag("--json", f->json, "Print the five best and the plan as JSON");
   cmd->callback([f, exit_code] { *exit_code = RunPlan(*f); });

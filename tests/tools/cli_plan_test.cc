@@ -36,6 +36,14 @@ TEST(CliPlan, SearchesAndPrintsTheFiveBest) {
     EXPECT_LE(row["lower_bound_step_time_s"].get<double>(), row["step_time_s"].get<double>());
   }
   EXPECT_EQ(j["plan"]["format"], "pipewright.plan/v1");
+  // The search's threads change nothing it prints.
+  for (const char* threads : {"1", "3"}) {
+    Result t = RunCli(std::string("plan --preset gpt-tiny --devices 4 --device-memory 1GiB --json "
+                                  "--threads ") +
+                      threads);
+    ASSERT_EQ(t.exit_code, 0) << t.err;
+    EXPECT_EQ(t.out, r.out) << "--threads " << threads;
+  }
 }
 
 TEST(CliPlan, WrittenPlanValidatesAndTrainsLikeTheFlags) {
