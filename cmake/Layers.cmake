@@ -15,8 +15,9 @@
 # A header added to include/pipewright/ must be listed here: configure fails otherwise.
 set(PIPEWRIGHT_LAYERS base io schedules partitioner kernels runtime)
 
-# base: Status helpers (PW_RETURN_IF_ERROR, ...), used by every layer.
-set(PIPEWRIGHT_LAYER_base_HEADERS status.h)
+# base: Status helpers (PW_RETURN_IF_ERROR, ...) and what the host offers (UsableCores), used by
+# every layer.
+set(PIPEWRIGHT_LAYER_base_HEADERS status.h host.h)
 set(PIPEWRIGHT_LAYER_base_BELOW)
 # io: bounded input (io/, pipewright_io).
 set(PIPEWRIGHT_LAYER_io_HEADERS input.h)

@@ -1,7 +1,5 @@
 // Plan search: every pp x dp = devices, micro-batch size and schedule, each partitioned
 // optimally (partition.cc), ranked by predicted step time.
-#include <sched.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -14,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "partitioner/partition_internal.h"
+#include "pipewright/host.h"
 #include "pipewright/partitioner.h"
 #include "pipewright/status.h"
 
@@ -72,13 +71,6 @@ struct Group {
   std::string schedule_error;  // GenerateSchedule's refusal
   bool ruled_out = false;      // more stages than layers or than a plan holds
 };
-
-// The CPU cores this process may use.
-int SearchThreads() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
-  return std::max(1u, std::thread::hardware_concurrency());
-}
 
 }  // namespace
 
@@ -188,7 +180,7 @@ absl::StatusOr<SearchResult> SearchPlans(const ModelCosts& model, const DeviceSp
       t.plan = internal::Partition(model, dev, t.options, &t.shortfall, &*sched);
   };
   const int workers = static_cast<int>(std::min<size_t>(
-      groups.size(), static_cast<size_t>(o.threads > 0 ? o.threads : SearchThreads())));
+      groups.size(), static_cast<size_t>(o.threads > 0 ? o.threads : UsableCores())));
   std::atomic<size_t> next{0};
   auto work = [&] {
     for (size_t i = next++; i < groups.size(); i = next++) evaluate(groups[i]);

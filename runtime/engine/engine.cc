@@ -2,19 +2,17 @@
 // ranks' work is in rank_step.cc / rank_p2p.cc, the reports in reports.cc.
 #include "pipewright/engine.h"
 
-#include <sched.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <exception>
-#include <thread>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "pipewright/checkpoint.h"
 #include "pipewright/cpu.h"
+#include "pipewright/host.h"
 #include "pipewright/run_memory.h"
 #include "runtime/engine/engine_impl.h"
 #include "runtime/train_state.h"
@@ -106,14 +104,6 @@ absl::Status CheckTensorParallel(const TrainOptions& o, const LayerGraph& graph,
     }
   }
   return absl::OkStatus();
-}
-
-// CPU cores this process may run on: its affinity (taskset, a cgroup's cpuset, a launcher's
-// binding), else every core of the machine.
-int UsableCores() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
-  return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
 }
 
 // Processes of a launcher's world on this node, as the launcher's environment says (Open MPI,
