@@ -23,6 +23,7 @@
 #include <map>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -35,6 +36,30 @@ namespace {
 struct MsgSlot {
   double first = 0;
   uint32_t posted = 0, used = 0;
+};
+
+// The slots by key, (direction * S + stage) * M + micro-batch: a flat array where the programs'
+// messages fill it (a valid schedule's send and receive every key), else a hash map, so memory
+// follows the programs whatever sizes the spec claims.
+class MsgSlots {
+ public:
+  MsgSlots(uint64_t keys, size_t messages) {
+    if (keys <= messages + 1024) {
+      dense_.resize(keys);
+    } else {
+      sparse_.reserve(messages);
+    }
+  }
+  MsgSlot& Get(uint64_t key) { return dense_.empty() ? sparse_[key] : dense_[key]; }
+  MsgSlot* Find(uint64_t key) {
+    if (!dense_.empty()) return &dense_[key];
+    auto it = sparse_.find(key);
+    return it == sparse_.end() ? nullptr : &it->second;
+  }
+
+ private:
+  std::vector<MsgSlot> dense_;
+  absl::flat_hash_map<uint64_t, MsgSlot> sparse_;
 };
 
 bool FiniteNonNegative(double x) { return std::isfinite(x) && x >= 0; }
@@ -138,12 +163,16 @@ absl::StatusOr<SimResult> Simulate(const Schedule& schedule, const SimCosts& cos
   };
   const double msg_delay = costs.comm_latency + costs.message_bytes * costs.comm_per_byte;
 
-  // Message slots by (direction, receiving stage, micro-batch): as many as the sends and
-  // receives of a valid schedule, so no more memory than its programs.
-  std::vector<MsgSlot> slots(static_cast<size_t>(2) * S * M);
-  std::map<size_t, std::vector<double>> more;  // availability of repeated sends, FIFO
+  // Message slots by (direction, receiving stage, micro-batch), one per message the programs
+  // send or receive: memory in proportion to the programs, whatever the spec's sizes say.
+  size_t messages = 0;
+  for (const Program& prog : schedule.programs) {
+    for (const Action& a : prog.actions) messages += IsComm(a.kind) ? 1 : 0;
+  }
+  MsgSlots slots(static_cast<uint64_t>(2) * S * M, messages);
+  std::map<uint64_t, std::vector<double>> more;  // availability of repeated sends, FIFO
   auto slot_of = [&](bool fwd, int stage, int mb) {
-    return (static_cast<size_t>(fwd ? 0 : 1) * S + stage) * M + mb;
+    return (static_cast<uint64_t>(fwd ? 0 : 1) * S + stage) * M + mb;
   };
   std::vector<size_t> pc(p, 0);
   std::vector<double> clock(p, 0.0);
@@ -161,19 +190,19 @@ absl::StatusOr<SimResult> Simulate(const Schedule& schedule, const SimCosts& cos
         SimEvent ev{r, a, clock[r], clock[r]};
         if (a.kind == ActionKind::kSendF || a.kind == ActionKind::kSendB) {
           const bool fwd = a.kind == ActionKind::kSendF;
-          const size_t k = slot_of(fwd, a.virtual_stage + (fwd ? 1 : -1), a.micro_batch);
-          MsgSlot& m = slots[k];
+          const uint64_t k = slot_of(fwd, a.virtual_stage + (fwd ? 1 : -1), a.micro_batch);
+          MsgSlot& m = slots.Get(k);
           if (m.posted++ == 0) {
             m.first = clock[r] + msg_delay;
           } else {
             more[k].push_back(clock[r] + msg_delay);
           }
         } else if (a.kind == ActionKind::kRecvF || a.kind == ActionKind::kRecvB) {
-          const size_t k = slot_of(a.kind == ActionKind::kRecvF, a.virtual_stage, a.micro_batch);
-          MsgSlot& m = slots[k];
-          if (m.used >= m.posted) break;  // blocked
-          ev.end = std::max(clock[r], m.used == 0 ? m.first : more[k][m.used - 1]);
-          ++m.used;
+          const uint64_t k = slot_of(a.kind == ActionKind::kRecvF, a.virtual_stage, a.micro_batch);
+          MsgSlot* m = slots.Find(k);
+          if (m == nullptr || m->used >= m->posted) break;  // blocked
+          ev.end = std::max(clock[r], m->used == 0 ? m->first : more[k][m->used - 1]);
+          ++m->used;
         } else {
           ev.end = clock[r] + duration(a);
         }
